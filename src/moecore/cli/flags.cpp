@@ -1,0 +1,137 @@
+#include "moecore/cli/flags.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+namespace moecore::cli {
+
+namespace {
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+}  // namespace
+
+std::string closest(const std::string& word, const std::vector<std::string>& known) {
+  std::string best;
+  size_t best_d = std::max<size_t>(2, word.size() / 3) + 1;
+  for (const std::string& k : known) {
+    const size_t d = edit_distance(word, k);
+    if (d < best_d) {
+      best_d = d;
+      best = k;
+    }
+  }
+  return best;
+}
+
+FlagSet::FlagSet(std::string command, std::string summary) : command_(std::move(command)), summary_(std::move(summary)) {}
+
+void FlagSet::fail(const std::string& message) const {
+  throw UsageError(command_ + ": " + message + " (see '" + command_ + " --help')", __FILE__, __LINE__);
+}
+
+void FlagSet::add_bool(const std::string& name, bool* target, const std::string& help) {
+  flags_.push_back({name, "bool", help, *target ? "true" : "false", [target](const std::string&) { *target = true; }});
+}
+
+void FlagSet::add_int(const std::string& name, int64_t* target, const std::string& help) {
+  flags_.push_back({name, "int", help, std::to_string(*target), [this, name, target](const std::string& v) {
+                      errno = 0;
+                      char* end = nullptr;
+                      const long long x = std::strtoll(v.c_str(), &end, 10);
+                      if (v.empty() || *end != '\0' || errno == ERANGE)
+                        fail("flag '--" + name + "' expects an integer, got '" + v + "'");
+                      *target = x;
+                    }});
+}
+
+void FlagSet::add_double(const std::string& name, double* target, const std::string& help) {
+  std::ostringstream def;
+  def << *target;
+  flags_.push_back({name, "float", help, def.str(), [this, name, target](const std::string& v) {
+                      char* end = nullptr;
+                      const double x = std::strtod(v.c_str(), &end);
+                      if (v.empty() || *end != '\0' || !std::isfinite(x))
+                        fail("flag '--" + name + "' expects a finite number, got '" + v + "'");
+                      *target = x;
+                    }});
+}
+
+void FlagSet::add_string(const std::string& name, std::string* target, const std::string& help) {
+  flags_.push_back({name, "string", help, *target, [target](const std::string& v) { *target = v; }});
+}
+
+const FlagSet::Flag* FlagSet::find(const std::string& name) const {
+  for (const Flag& f : flags_)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+std::vector<std::string> FlagSet::parse(const std::vector<std::string>& args, bool allow_positional) {
+  std::vector<std::string> positional;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--help" || arg == "-h") {
+      help_requested_ = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
+      if (!allow_positional) fail("unexpected argument '" + arg + "'");
+      positional.push_back(arg);
+      continue;
+    }
+    std::string name = arg.substr(2), value;
+    const size_t eq = name.find('=');
+    const bool inline_value = eq != std::string::npos;
+    if (inline_value) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    }
+    const Flag* f = find(name);
+    if (!f) {
+      std::vector<std::string> names;
+      for (const Flag& k : flags_) names.push_back(k.name);
+      const std::string guess = closest(name, names);
+      fail("unknown flag '--" + name + "'" + (guess.empty() ? "" : "; did you mean '--" + guess + "'?"));
+    }
+    if (f->kind == "bool") {
+      if (inline_value) fail("flag '--" + name + "' takes no value");
+      f->set("");
+      continue;
+    }
+    if (!inline_value) {
+      if (i + 1 >= args.size()) fail("flag '--" + name + "' needs a value (" + f->kind + ")");
+      value = args[++i];
+    }
+    f->set(value);
+  }
+  return positional;
+}
+
+std::string FlagSet::help() const {
+  std::ostringstream os;
+  os << "usage: " << command_ << " [flags]\n\n" << summary_ << "\n";
+  if (!flags_.empty()) os << "\nFlags:\n";
+  for (const Flag& f : flags_) {
+    std::string left = "  --" + f.name + (f.kind == "bool" ? "" : " <" + f.kind + ">");
+    if (left.size() < 30) left.resize(30, ' ');
+    os << left << " " << f.help;
+    if (f.kind != "bool" && !f.default_text.empty()) os << " (default: " << f.default_text << ")";
+    os << "\n";
+  }
+  os << "  --help                         show this help\n";
+  return os.str();
+}
+
+}  // namespace moecore::cli

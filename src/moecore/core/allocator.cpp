@@ -1,0 +1,196 @@
+#include "moecore/core/allocator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "moecore/core/error.h"
+
+#if MOECORE_WITH_CUDA
+#include "moecore/core/cuda_check.h"
+#endif
+
+namespace moecore {
+
+namespace {
+constexpr size_t kSmallLimit = 1u << 20;
+constexpr size_t kSmallRound = 512;
+constexpr size_t kLargeRound = 2u << 20;
+
+std::string mib(int64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+}  // namespace
+
+CachingAllocator::CachingAllocator(Backend backend) : backend_(std::move(backend)) {}
+
+CachingAllocator::~CachingAllocator() {
+  // Process exit: return cached blocks; live blocks belong to tensors that outlive us (statics).
+  std::lock_guard<std::mutex> lock(mutex_);
+  release_cached_locked();
+}
+
+size_t CachingAllocator::round_size(size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  if (bytes <= kSmallLimit) return (bytes + kSmallRound - 1) / kSmallRound * kSmallRound;
+  return (bytes + kLargeRound - 1) / kLargeRound * kLargeRound;
+}
+
+void* CachingAllocator::allocate(size_t bytes, void* stream) {
+  const size_t size = round_size(bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.num_allocs++;
+  void* ptr = nullptr;
+  size_t got = size;
+  if (backend_.cache) {
+    auto it = free_.lower_bound({stream, size});
+    const size_t slack = size <= kSmallLimit ? 0 : size / 8;
+    if (it != free_.end() && it->first.first == stream && it->first.second <= size + slack) {
+      ptr = it->second;
+      got = it->first.second;
+      free_.erase(it);
+      stats_.num_cache_hits++;
+    }
+  }
+  if (!ptr) {
+    ptr = backend_.raw_alloc(size);
+    if (!ptr) {
+      stats_.num_ooms++;
+      release_cached_locked();
+      ptr = backend_.raw_alloc(size);
+    }
+    MC_CHECK(ptr != nullptr, backend_.name, " out of memory: tried to allocate ", mib(static_cast<int64_t>(size)),
+             "; ", mib(stats_.allocated_bytes), " allocated, ", mib(stats_.reserved_bytes),
+             " reserved by moecore (peak ", mib(stats_.peak_allocated_bytes), ")");
+    stats_.num_backend_allocs++;
+    stats_.reserved_bytes += static_cast<int64_t>(size);
+    stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  }
+  live_[ptr] = Block{got, stream};
+  stats_.allocated_bytes += static_cast<int64_t>(got);
+  stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
+  return ptr;
+}
+
+void CachingAllocator::deallocate(void* ptr) {
+  if (!ptr) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = live_.find(ptr);
+  MC_CHECK(it != live_.end(), backend_.name, " allocator: free of a pointer it did not allocate");
+  const Block b = it->second;
+  live_.erase(it);
+  stats_.num_frees++;
+  stats_.allocated_bytes -= static_cast<int64_t>(b.size);
+  if (backend_.cache) {
+    free_.insert({{b.stream, b.size}, ptr});
+  } else {
+    backend_.raw_free(ptr);
+    stats_.reserved_bytes -= static_cast<int64_t>(b.size);
+  }
+}
+
+void CachingAllocator::release_cached_locked() {
+  for (auto& [key, ptr] : free_) {
+    backend_.raw_free(ptr);
+    stats_.reserved_bytes -= static_cast<int64_t>(key.second);
+  }
+  free_.clear();
+}
+
+void CachingAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  release_cached_locked();
+}
+
+AllocatorStats CachingAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+void CachingAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.peak_allocated_bytes = stats_.allocated_bytes;
+  stats_.peak_reserved_bytes = stats_.reserved_bytes;
+}
+
+// ---- process-wide instances ------------------------------------------------------
+// Allocators are leaked on purpose: tensors in static storage may be freed after main()
+// returns, and the CUDA runtime may be torn down by then.
+CachingAllocator& cpu_allocator() {
+  static CachingAllocator* a = new CachingAllocator(CachingAllocator::Backend{
+      "host memory",
+      [](size_t n) -> void* { return std::aligned_alloc(64, (n + 63) / 64 * 64); },
+      [](void* p) { std::free(p); },
+      /*cache=*/false});
+  return *a;
+}
+
+CachingAllocator& cuda_allocator(int device_index) {
+#if MOECORE_WITH_CUDA
+  static std::mutex m;
+  static std::vector<CachingAllocator*> per_device;
+  std::lock_guard<std::mutex> lock(m);
+  const int count = cuda_device_count();
+  MC_CHECK(count > 0, "CUDA memory requested but ", cuda_unavailable_reason());
+  MC_CHECK(device_index >= 0 && device_index < count, "CUDA device ", device_index, " does not exist (", count,
+           " present)");
+  if (per_device.empty()) per_device.resize(static_cast<size_t>(count), nullptr);
+  auto& slot = per_device[static_cast<size_t>(device_index)];
+  if (!slot) {
+    slot = new CachingAllocator(CachingAllocator::Backend{
+        "cuda:" + std::to_string(device_index),
+        [device_index](size_t n) -> void* {
+          void* p = nullptr;
+          MC_CUDA_CHECK(cudaSetDevice(device_index));
+          if (cudaMalloc(&p, n) != cudaSuccess) {
+            cudaGetLastError();
+            return nullptr;
+          }
+          return p;
+        },
+        [device_index](void* p) {
+          cudaSetDevice(device_index);
+          cudaFree(p);
+        },
+        /*cache=*/true});
+  }
+  return *slot;
+#else
+  (void)device_index;
+  MC_FAIL("CUDA memory requested but ", cuda_unavailable_reason());
+#endif
+}
+
+CachingAllocator& pinned_allocator() {
+#if MOECORE_WITH_CUDA
+  static CachingAllocator* a = [] {
+    MC_CHECK(cuda_device_count() > 0, "pinned host memory requested but ", cuda_unavailable_reason());
+    return new CachingAllocator(CachingAllocator::Backend{
+        "pinned host memory",
+        [](size_t n) -> void* {
+          void* p = nullptr;
+          if (cudaHostAlloc(&p, n, cudaHostAllocDefault) != cudaSuccess) {
+            cudaGetLastError();
+            return nullptr;
+          }
+          return p;
+        },
+        [](void* p) { cudaFreeHost(p); },
+        /*cache=*/true});
+  }();
+  return *a;
+#else
+  MC_FAIL("pinned host memory requested but ", cuda_unavailable_reason());
+#endif
+}
+
+CachingAllocator& allocator_for(Device device, bool pinned) {
+  if (device.is_cuda()) return cuda_allocator(device.index);
+  return pinned ? pinned_allocator() : cpu_allocator();
+}
+
+}  // namespace moecore

@@ -1,0 +1,87 @@
+// Caching allocators with statistics.
+//
+// cudaMalloc/cudaFree synchronise the device and cost tens of microseconds, so device memory
+// is cached: a freed block goes to a free list keyed by (stream, size) and is handed out again
+// to a request of a similar size on the same stream. Reuse is safe without events because work
+// on one stream runs in order; a block used on another stream must not be freed while that
+// stream may still read it (cross-stream use arrives with the communication overlap work).
+//
+// Sizes are rounded: up to 1 MiB to a multiple of 512 B; above, to a multiple of 2 MiB. A cached
+// block serves a request when it is at least as large and wastes at most 1/8 of the request
+// (or 512 B for small ones). When the backend fails (out of memory), the cache is released and
+// the request retried once; if it fails again, the Error reports the request and the statistics.
+//
+// The same class serves pinned host memory (cudaHostAlloc) and, with caching off, plain host
+// memory (64-byte aligned), so every kind of memory has the same statistics.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "moecore/core/device.h"
+
+namespace moecore {
+
+struct AllocatorStats {
+  int64_t allocated_bytes = 0;        // bytes in blocks handed out and not freed (rounded sizes)
+  int64_t reserved_bytes = 0;         // bytes obtained from the backend (handed out + cached)
+  int64_t peak_allocated_bytes = 0;   // maximum of allocated_bytes since creation / reset_peak()
+  int64_t peak_reserved_bytes = 0;
+  int64_t num_allocs = 0;             // allocate() calls
+  int64_t num_frees = 0;              // deallocate() calls
+  int64_t num_backend_allocs = 0;     // calls into the backend (cudaMalloc, ...)
+  int64_t num_cache_hits = 0;         // allocate() calls served from the cache
+  int64_t num_ooms = 0;               // backend failures (each followed by a cache flush + retry)
+};
+
+class CachingAllocator {
+ public:
+  struct Backend {
+    std::string name;                              // for messages: "cuda:0", "pinned", "cpu"
+    std::function<void*(size_t)> raw_alloc;        // returns nullptr when out of memory
+    std::function<void(void*)> raw_free;
+    bool cache = true;                             // false: every free goes back to the backend
+  };
+
+  explicit CachingAllocator(Backend backend);
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // Returns a block of at least `bytes` (never nullptr; zero bytes gives a valid block).
+  void* allocate(size_t bytes, void* stream = nullptr);
+  void deallocate(void* ptr);
+  // Returns every cached (free) block to the backend.
+  void empty_cache();
+  AllocatorStats stats() const;
+  void reset_peak();
+  static size_t round_size(size_t bytes);
+  const std::string& name() const { return backend_.name; }
+
+ private:
+  struct Block {
+    size_t size;
+    void* stream;
+  };
+  void release_cached_locked();
+
+  Backend backend_;
+  mutable std::mutex mutex_;
+  std::unordered_map<void*, Block> live_;                  // handed out
+  std::multimap<std::pair<void*, size_t>, void*> free_;    // (stream, size) -> ptr
+  AllocatorStats stats_;
+};
+
+// Process-wide allocators. The CUDA ones exist only when the backend is built and a device is
+// present; asking for one otherwise raises an Error that says why.
+CachingAllocator& cpu_allocator();
+CachingAllocator& cuda_allocator(int device_index);
+CachingAllocator& pinned_allocator();
+CachingAllocator& allocator_for(Device device, bool pinned = false);
+
+}  // namespace moecore

@@ -1,0 +1,14 @@
+// What this process runs on: devices, library versions, threads. `moecore env` prints it,
+// and benchmarks record it beside their numbers.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+namespace moecore {
+
+// Keys: moecore_version, cuda_built, cuda_runtime, cuda_driver, cublaslt, nccl, mpi_library,
+// blas (OpenBLAS config), blas_threads, omp_threads, cuda_devices (list of {index, name,
+// compute_capability, memory_bytes, multiprocessors, l2_bytes}), cuda_unavailable (reason).
+nlohmann::json system_info();
+
+}  // namespace moecore

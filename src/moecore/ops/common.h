@@ -1,0 +1,44 @@
+// Shared argument checks and dtype dispatch for ops.
+//
+// Every public op validates its arguments here (same device, contiguity, dtypes, shapes) and
+// raises one Error naming the op, the argument and what was expected; the backend functions
+// then trust their inputs.
+#pragma once
+
+#include <initializer_list>
+#include <string>
+
+#include "moecore/core/error.h"
+#include "moecore/core/tensor.h"
+
+namespace moecore::ops {
+
+void check_defined(const char* op, const char* name, const Tensor& t);
+void check_contiguous(const char* op, const char* name, const Tensor& t);
+void check_dtype(const char* op, const char* name, const Tensor& t, std::initializer_list<DType> allowed);
+void check_same_device(const char* op, const Tensor& a, const Tensor& b);
+void check_same_shape(const char* op, const char* name_a, const Tensor& a, const char* name_b, const Tensor& b);
+void check_shape(const char* op, const char* name, const Tensor& t, const Shape& expected);
+[[noreturn]] void fail_no_cuda(const char* op);
+
+// Calls f(T{}) with T the C++ type of a floating dtype (float, double, bf16, fp8e4m3, fp8e5m2).
+template <typename F>
+void dispatch_floating(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); return;
+    case DType::F64: f(double{}); return;
+    case DType::BF16: f(bf16{}); return;
+    case DType::FP8E4M3: f(fp8e4m3{}); return;
+    case DType::FP8E5M2: f(fp8e5m2{}); return;
+    default: MC_FAIL(op, ": dtype ", dtype_name(t), " is not a floating type");
+  }
+}
+
+}  // namespace moecore::ops
+
+// In an op's dispatcher: runs `call` on the CUDA backend, or fails clearly without it.
+#if MOECORE_WITH_CUDA
+#define MC_CUDA_BACKEND(op, call) call
+#else
+#define MC_CUDA_BACKEND(op, call) ::moecore::ops::fail_no_cuda(op)
+#endif

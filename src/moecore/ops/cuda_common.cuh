@@ -1,0 +1,75 @@
+// Helpers for CUDA kernels: launch geometry, the op's stream, warp and block reductions.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moecore/core/cuda_check.h"
+#include "moecore/core/tensor.h"
+
+namespace moecore::ops::cuda {
+
+// Makes the tensor's device current and returns its current stream.
+inline cudaStream_t prepare(const Tensor& t) {
+  MC_CUDA_CHECK(cudaSetDevice(t.device().index));
+  return static_cast<cudaStream_t>(current_stream(t.device()).handle());
+}
+
+// Grid for a grid-stride loop over n elements: enough blocks to fill the GPU several times.
+inline unsigned grid_for(int64_t n, int threads = 256) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
+}
+
+template <typename C>
+__device__ __forceinline__ C warp_sum(C v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename C>
+__device__ __forceinline__ C warp_max(C v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+template <typename C>
+__device__ C block_sum(C v) {
+  __shared__ C partial[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // partial may still be read by a previous call
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  C r = lane < warps ? partial[lane] : C(0);
+  return warp_sum(r);
+}
+
+__device__ inline float block_max(float v) {
+  __shared__ float partial[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float r = lane < warps ? partial[lane] : -INFINITY;
+  return warp_max(r);
+}
+
+// Calls f(T{}) for the dtypes the CUDA kernels support.
+template <typename F>
+void dispatch_cuda_floating(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(bf16{}); return;
+    case DType::FP8E4M3: f(fp8e4m3{}); return;
+    case DType::FP8E5M2: f(fp8e5m2{}); return;
+    default: MC_FAIL(op, ": dtype ", dtype_name(t), " is not supported on CUDA");
+  }
+}
+
+}  // namespace moecore::ops::cuda

@@ -1,0 +1,128 @@
+// The caching logic, tested without a GPU through a counting fake backend.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <set>
+
+#include "moecore/core/allocator.h"
+#include "moecore/core/error.h"
+
+#include <map>
+
+using namespace moecore;
+
+namespace {
+struct FakeDevice {
+  int64_t capacity;
+  int64_t used = 0;
+  int mallocs = 0, frees = 0;
+  std::map<void*, size_t> live;
+  CachingAllocator::Backend backend(bool cache = true) {
+    return {"fake:0",
+            [this](size_t n) -> void* {
+              if (used + static_cast<int64_t>(n) > capacity) return nullptr;
+              void* p = std::malloc(n);
+              used += static_cast<int64_t>(n);
+              live[p] = n;
+              ++mallocs;
+              return p;
+            },
+            [this](void* p) {
+              used -= static_cast<int64_t>(live.at(p));
+              live.erase(p);
+              std::free(p);
+              ++frees;
+            },
+            cache};
+  }
+};
+constexpr size_t MiB = 1u << 20;
+}  // namespace
+
+TEST(CachingAllocator, RoundsSizes) {
+  EXPECT_EQ(CachingAllocator::round_size(0), 512u);
+  EXPECT_EQ(CachingAllocator::round_size(1), 512u);
+  EXPECT_EQ(CachingAllocator::round_size(513), 1024u);
+  EXPECT_EQ(CachingAllocator::round_size(MiB), MiB);
+  EXPECT_EQ(CachingAllocator::round_size(MiB + 1), 2 * MiB);
+  EXPECT_EQ(CachingAllocator::round_size(5 * MiB), 6 * MiB);
+}
+
+TEST(CachingAllocator, ReusesFreedBlocksOnTheSameStream) {
+  FakeDevice dev{1 << 30};
+  CachingAllocator a(dev.backend());
+  void* p = a.allocate(3 * MiB);
+  a.deallocate(p);
+  void* q = a.allocate(3 * MiB);
+  EXPECT_EQ(p, q);
+  EXPECT_EQ(dev.mallocs, 1);
+  const AllocatorStats s = a.stats();
+  EXPECT_EQ(s.num_cache_hits, 1);
+  EXPECT_EQ(s.num_allocs, 2);
+  EXPECT_EQ(s.allocated_bytes, static_cast<int64_t>(4 * MiB));
+  EXPECT_EQ(s.reserved_bytes, static_cast<int64_t>(4 * MiB));
+  // A block on another stream is not reused (its old stream may still be reading it).
+  int other_stream;
+  a.deallocate(q);
+  void* r = a.allocate(3 * MiB, &other_stream);
+  EXPECT_NE(r, q);
+  EXPECT_EQ(dev.mallocs, 2);
+  a.deallocate(r);
+}
+
+TEST(CachingAllocator, DoesNotHandOutMuchLargerBlocks) {
+  FakeDevice dev{1 << 30};
+  CachingAllocator a(dev.backend());
+  void* big = a.allocate(64 * MiB);
+  a.deallocate(big);
+  void* small = a.allocate(2 * MiB);  // would waste 62 MiB
+  EXPECT_NE(small, big);
+  void* near = a.allocate(60 * MiB);   // 64 <= 60 + 60/8: acceptable
+  EXPECT_EQ(near, big);
+  a.deallocate(small);
+  a.deallocate(near);
+}
+
+TEST(CachingAllocator, PeakAndReset) {
+  FakeDevice dev{1 << 30};
+  CachingAllocator a(dev.backend());
+  void* p = a.allocate(10 * MiB);
+  void* q = a.allocate(10 * MiB);
+  a.deallocate(p);
+  EXPECT_EQ(a.stats().peak_allocated_bytes, static_cast<int64_t>(20 * MiB));
+  a.reset_peak();
+  EXPECT_EQ(a.stats().peak_allocated_bytes, static_cast<int64_t>(10 * MiB));
+  a.deallocate(q);
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes, 0);
+  EXPECT_EQ(dev.used, 0);
+}
+
+TEST(CachingAllocator, OutOfMemoryFlushesTheCacheThenRetries) {
+  FakeDevice dev{static_cast<int64_t>(10 * MiB)};
+  CachingAllocator a(dev.backend());
+  void* p = a.allocate(6 * MiB);
+  a.deallocate(p);                  // cached: 6 MiB still held by the backend
+  void* q = a.allocate(8 * MiB);    // fails, flushes the cached 6 MiB, retries and succeeds
+  EXPECT_NE(q, nullptr);
+  EXPECT_EQ(a.stats().num_ooms, 1);
+  try {
+    a.allocate(8 * MiB);
+    FAIL() << "allocation beyond capacity succeeded";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "fake:0 out of memory: tried to allocate 8.0 MiB; 8.0 MiB allocated, 8.0 MiB reserved by moecore "
+                 "(peak 8.0 MiB)");
+  }
+  a.deallocate(q);
+}
+
+TEST(CachingAllocator, WithoutCachingFreesImmediately) {
+  FakeDevice dev{1 << 30};
+  CachingAllocator a(dev.backend(/*cache=*/false));
+  void* p = a.allocate(1000);
+  a.deallocate(p);
+  EXPECT_EQ(dev.frees, 1);
+  EXPECT_EQ(a.stats().reserved_bytes, 0);
+  EXPECT_THROW(a.deallocate(reinterpret_cast<void*>(0x1234)), Error);
+}

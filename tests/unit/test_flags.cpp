@@ -1,0 +1,54 @@
+#include <gtest/gtest.h>
+
+#include "moecore/cli/flags.h"
+
+using namespace moecore::cli;
+
+TEST(Flags, ParsesEveryKindAndBothSpellings) {
+  int64_t layers = 2;
+  double lr = 1e-3;
+  std::string name = "x";
+  bool bf16 = false;
+  FlagSet f("moecore train", "test");
+  f.add_int("num-layers", &layers, "layers");
+  f.add_double("lr", &lr, "learning rate");
+  f.add_string("save", &name, "dir");
+  f.add_bool("bf16", &bf16, "bf16");
+  f.parse({"--num-layers", "12", "--lr=3e-4", "--save", "/tmp/ckpt", "--bf16"});
+  EXPECT_EQ(layers, 12);
+  EXPECT_DOUBLE_EQ(lr, 3e-4);
+  EXPECT_EQ(name, "/tmp/ckpt");
+  EXPECT_TRUE(bf16);
+  EXPECT_NE(f.help().find("--num-layers <int>"), std::string::npos);
+  EXPECT_NE(f.help().find("(default: 2)"), std::string::npos);
+}
+
+TEST(Flags, EveryMistakeNamesTheFlag) {
+  int64_t layers = 2;
+  double lr = 0.1;
+  FlagSet f("moecore train", "test");
+  f.add_int("num-layers", &layers, "layers");
+  f.add_double("lr", &lr, "learning rate");
+  auto message = [&](std::vector<std::string> args) {
+    try {
+      f.parse(args);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_EQ(message({"--num-layer", "3"}),
+            "moecore train: unknown flag '--num-layer'; did you mean '--num-layers'? (see 'moecore train --help')");
+  EXPECT_EQ(message({"--zzz"}), "moecore train: unknown flag '--zzz' (see 'moecore train --help')");
+  EXPECT_EQ(message({"--num-layers", "two"}),
+            "moecore train: flag '--num-layers' expects an integer, got 'two' (see 'moecore train --help')");
+  EXPECT_EQ(message({"--lr", "nan"}),
+            "moecore train: flag '--lr' expects a finite number, got 'nan' (see 'moecore train --help')");
+  EXPECT_EQ(message({"--lr"}), "moecore train: flag '--lr' needs a value (float) (see 'moecore train --help')");
+  EXPECT_EQ(message({"stray"}), "moecore train: unexpected argument 'stray' (see 'moecore train --help')");
+}
+
+TEST(Flags, ClosestWord) {
+  EXPECT_EQ(closest("trian", {"train", "generate", "env"}), "train");
+  EXPECT_EQ(closest("qqqqqqqq", {"train", "env"}), "");
+}
