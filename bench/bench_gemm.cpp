@@ -22,6 +22,12 @@
 #include "moecore/ops/gemm.h"
 #include "moecore/ops/random.h"
 
+#if MOECORE_WITH_CUDA
+#include <cublas_v2.h>
+
+#include "moecore/core/cuda_check.h"
+#endif
+
 using namespace moecore;
 
 namespace {
@@ -36,7 +42,39 @@ struct Result {
   Case c;
   double ms;
   double tflops;
+  double ref_tflops;  // cuBLAS (cublasGemmEx, default algorithm) on the same inputs; 0 on the CPU
 };
+
+#if MOECORE_WITH_CUDA
+// The ceiling we hold ops::gemm to: plain cuBLAS on the same row-major problem (computed as
+// C^T = op(B)^T op(A)^T in column-major, like ops::gemm).
+void cublas_reference(cublasHandle_t h, const Case& c, const Tensor& a, const Tensor& b, Tensor& out) {
+  const float alpha = 1.0f, beta = 0.0f;
+  MC_CUBLAS_CHECK(cublasGemmEx(h, c.tb ? CUBLAS_OP_T : CUBLAS_OP_N, c.ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                               static_cast<int>(c.n), static_cast<int>(c.m), static_cast<int>(c.k), &alpha,
+                               b.data_ptr(), CUDA_R_16BF, static_cast<int>(c.tb ? c.k : c.n), a.data_ptr(),
+                               CUDA_R_16BF, static_cast<int>(c.ta ? c.m : c.k), &beta, out.data_ptr(), CUDA_R_16BF,
+                               static_cast<int>(c.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+#endif
+
+// Median milliseconds per call of fn(i) over `repeats` runs of `iters` back-to-back calls.
+template <typename F>
+double time_ms(Device dev, int iters, int repeats, F&& fn) {
+  for (int w = 0; w < 3; ++w) fn(w);
+  synchronize(dev);
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    Event start(dev), stop(dev);
+    start.record();
+    for (int i = 0; i < iters; ++i) fn(i);
+    stop.record();
+    stop.synchronize();
+    times.push_back(stop.elapsed_ms_since(start) / iters);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
 
 Result run_case(const Case& c, Device dev, DType dtype, int repeats) {
   const int64_t a_rows = c.ta ? c.k : c.m, a_cols = c.ta ? c.m : c.k;
@@ -53,20 +91,23 @@ Result run_case(const Case& c, Device dev, DType dtype, int repeats) {
   }
   const double flops = 2.0 * static_cast<double>(c.m) * c.n * c.k;
   const int iters = std::max(3, std::min(200, static_cast<int>((dev.is_cuda() ? 2e13 : 2e10) / flops)));
-  for (int w = 0; w < 3; ++w) ops::gemm(as[0], bs[0], cs[0], c.ta, c.tb);
-  synchronize(dev);
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    Event start(dev), stop(dev);
-    start.record();
-    for (int i = 0; i < iters; ++i) ops::gemm(as[i % sets], bs[i % sets], cs[i % sets], c.ta, c.tb);
-    stop.record();
-    stop.synchronize();
-    times.push_back(stop.elapsed_ms_since(start) / iters);
+  const double ms =
+      time_ms(dev, iters, repeats, [&](int i) { ops::gemm(as[i % sets], bs[i % sets], cs[i % sets], c.ta, c.tb); });
+  double ref_tflops = 0;
+#if MOECORE_WITH_CUDA
+  if (dev.is_cuda()) {
+    static cublasHandle_t handle = [] {
+      cublasHandle_t h;
+      MC_CUBLAS_CHECK(cublasCreate(&h));
+      return h;
+    }();
+    MC_CUBLAS_CHECK(cublasSetStream(handle, static_cast<cudaStream_t>(current_stream(dev).handle())));
+    const double ref_ms =
+        time_ms(dev, iters, repeats, [&](int i) { cublas_reference(handle, c, as[i % sets], bs[i % sets], cs[i % sets]); });
+    ref_tflops = flops / (ref_ms * 1e-3) / 1e12;
   }
-  std::sort(times.begin(), times.end());
-  const double ms = times[times.size() / 2];
-  return {c, ms, flops / (ms * 1e-3) / 1e12};
+#endif
+  return {c, ms, flops / (ms * 1e-3) / 1e12, ref_tflops};
 }
 
 }  // namespace
@@ -119,15 +160,16 @@ int main(int argc, char** argv) {
       results.push_back(r);
       nlohmann::json j = {{"bench", "gemm"}, {"case", c.name}, {"device", card},   {"dtype", dtype_name(dtype)},
                           {"m", c.m},        {"n", c.n},       {"k", c.k},         {"trans_a", c.ta},
-                          {"trans_b", c.tb}, {"ms", r.ms},     {"tflops", r.tflops}};
+                          {"trans_b", c.tb}, {"ms", r.ms},     {"tflops", r.tflops}, {"cublas_tflops", r.ref_tflops}};
       std::printf("%s\n", j.dump().c_str());
       std::fflush(stdout);
     }
     const double ceiling = results[0].tflops;
     std::printf("\nGEMM on %s (%s, fp32 accumulate)\n", card.c_str(), dtype_name(dtype));
-    std::printf("%-44s %10s %10s %12s\n", "case", "ms", "TFLOP/s", "of square");
+    std::printf("%-42s %9s %9s %10s %11s %11s\n", "case", "ms", "TFLOP/s", "of square", "cuBLAS", "vs cuBLAS");
     for (const Result& r : results)
-      std::printf("%-44s %10.3f %10.1f %11.1f%%\n", r.c.name.c_str(), r.ms, r.tflops, 100.0 * r.tflops / ceiling);
+      std::printf("%-42s %9.3f %9.1f %9.1f%% %11.1f %10.1f%%\n", r.c.name.c_str(), r.ms, r.tflops,
+                  100.0 * r.tflops / ceiling, r.ref_tflops, r.ref_tflops > 0 ? 100.0 * r.tflops / r.ref_tflops : 0.0);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_gemm: error: %s\n", e.what());

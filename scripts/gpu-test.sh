@@ -9,8 +9,10 @@ if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
 fi
 export PATH=$PATH:/usr/local/cuda/bin
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOECORE_CUDA=ON >/dev/null || exit 1
-cmake --build "$build" -j "$jobs" 2>&1 | grep -Ev "^\[ *[0-9]+%\] (Building|Linking)|Built target" || true
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-test: build failed"; exit 1; }
+if ! cmake --build "$build" -j "$jobs" >"$build/build.log" 2>&1; then
+  grep -E "error|Error" -A3 "$build/build.log" | head -60
+  echo "gpu-test: build failed (log: $build/build.log)"; exit 1
+fi
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 log="$build/gpu-test.log"
 (cd "$build" && ctest -L gpu --output-on-failure --timeout 600) 2>&1 | tee "$log"

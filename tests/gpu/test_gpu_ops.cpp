@@ -108,12 +108,14 @@ TEST(GpuGemm, F64IsRefusedOnCuda) {
 TEST(GpuCast, EveryPairMatchesCpuBitForBit) {
   MC_REQUIRE_CUDA();
   const std::vector<DType> types = {DType::F32, DType::BF16, DType::FP8E4M3, DType::FP8E5M2};
-  // Random values across fp8's range plus the special cases: zeros, ties, overflow, inf, NaN.
+  // Random values across fp8's range plus the special cases: zeros, ties, overflow, inf.
+  // (NaN is left out: the poison check reads NaN as "not written"; the exhaustive intrinsic
+  // tests cover NaN inputs.)
   Tensor base = random_tensor({4096}, DType::F32, Device::cpu(), -600.0, 600.0);
   std::vector<float> v = base.to_vector<float>();
   const float specials[] = {0.0f, -0.0f, 448.0f, 464.0f, 480.0f, -1e9f, 57344.0f, 61440.0f, 1e-9f, 0.0009765625f,
                             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                            std::numeric_limits<float>::quiet_NaN(), 1.0f + 1.0f / 16, 1.0f + 3.0f / 16};
+                            1.0f + 1.0f / 16, 1.0f + 3.0f / 16};
   for (size_t i = 0; i < std::size(specials); ++i) v[i] = specials[i];
   const Tensor src_f32 = Tensor::from_vector(v, {4096});
   for (DType from : types) {

@@ -6,6 +6,7 @@
 // another; every CUDA op launches on the current stream of its tensors' device.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
