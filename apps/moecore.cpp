@@ -1,7 +1,7 @@
 // moecore: one binary, subcommands.
 //
 //   moecore env         devices, library versions, threads
-//   moecore train ...   (not available yet: the single-device training work brings it)
+//   moecore train ...   train a MoE model (train/arguments.h lists the flags)
 //
 // Every error ends here: one line "moecore: error: ..." on stderr and exit code 1 (2 for usage
 // errors), never an abort.
@@ -13,6 +13,8 @@
 #include "moecore/cli/flags.h"
 #include "moecore/core/error.h"
 #include "moecore/core/system_info.h"
+#include "moecore/train/arguments.h"
+#include "moecore/train/trainer.h"
 
 namespace {
 
@@ -58,10 +60,21 @@ int run_env(const std::vector<std::string>& args) {
   return 0;
 }
 
+int run_train(const std::vector<std::string>& args) {
+  bool help = false;
+  std::string help_text;
+  const moecore::TrainArgs parsed = moecore::parse_train_args(args, &help, &help_text);
+  if (help) {
+    std::cout << help_text;
+    return 0;
+  }
+  return moecore::run_training(parsed);
+}
+
 const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> list = {
       {"env", "devices, library versions and threads", run_env, ""},
-      {"train", "train a MoE model", nullptr, "the single-device training work"},
+      {"train", "train a MoE model", run_train, ""},
       {"generate", "sample text from a checkpoint", nullptr, "the single-device training work"},
       {"preprocess", "JSONL to Megatron .bin/.idx", nullptr, "the data work"},
       {"dataset-info", "describe a .bin/.idx dataset", nullptr, "the data work"},

@@ -12,6 +12,7 @@
 #include "moecore/ops/random.h"
 #include "moecore/ops/reduce.h"
 #include "moecore/ops/softmax.h"
+#include "moecore/ops/swiglu.h"
 #include "op_harness.h"
 
 using namespace moecore;
@@ -153,12 +154,14 @@ TEST_P(GpuElementwise, ActivationsMatchCpu) {
   const DType t = GetParam();
   const Tolerance tol = default_tolerance(t);
   Tensor x = random_tensor({5000}, t, Device::cpu(), -6.0, 6.0), dy = random_tensor({5000}, t);
-  expect_cuda_matches_cpu({x, dy}, {{{5000}, t}, {{5000}, t}, {{5000}, t}, {{5000}, t}},
+  expect_cuda_matches_cpu({x, dy}, {{{5000}, t}, {{5000}, t}, {{5000}, t}, {{5000}, t}, {{5000}, t}, {{5000}, t}},
                           [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
                             ops::silu_forward(in[0], out[0]);
                             ops::silu_backward(in[0], in[1], out[1]);
                             ops::gelu_forward(in[0], out[2]);
                             ops::gelu_backward(in[0], in[1], out[3]);
+                            ops::sigmoid_forward(in[0], out[4]);
+                            ops::sigmoid_backward(in[0], in[1], out[5]);
                           },
                           {tol});
 }
@@ -230,6 +233,19 @@ TEST_P(GpuSoftmax, ForwardAndBackwardMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuSoftmax, ::testing::Values(DType::F32, DType::BF16),
                          [](const ::testing::TestParamInfo<DType>& i) { return std::string(dtype_name(i.param)); });
+
+// ---- SwiGLU ---------------------------------------------------------------------------
+TEST_P(GpuSoftmax, SwigluForwardAndBackwardMatchCpu) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  Tensor x = random_tensor({333, 2 * 96}, t, Device::cpu(), -4, 4), dy = random_tensor({333, 96}, t);
+  expect_cuda_matches_cpu({x, dy}, {{{333, 96}, t}, {{333, 192}, t}},
+                          [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                            ops::swiglu_forward(in[0], out[0]);
+                            ops::swiglu_backward(in[0], in[1], out[1]);
+                          },
+                          {default_tolerance(t)});
+}
 
 // ---- Philox ---------------------------------------------------------------------------
 TEST(GpuPhilox, UniformsAreBitIdenticalToCpu) {

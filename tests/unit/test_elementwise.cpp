@@ -17,6 +17,7 @@ Tensor map_doubles(const Tensor& x, double (*f)(double)) {
 }
 double silu_ref(double x) { return x / (1 + std::exp(-x)); }
 double gelu_ref(double x) { return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0))); }
+double sigmoid_ref(double x) { return 1 / (1 + std::exp(-x)); }
 
 using UnaryOp = void (*)(const Tensor&, Tensor&);
 using UnaryGrad = void (*)(const Tensor&, const Tensor&, Tensor&);
@@ -47,11 +48,16 @@ TEST(Elementwise, ActivationsMatchFormulas) {
     EXPECT_TRUE(allclose(y, map_doubles(x, silu_ref), default_tolerance(t))) << "silu " << dtype_name(t);
     ops::gelu_forward(x, y);
     EXPECT_TRUE(allclose(y, map_doubles(x, gelu_ref), default_tolerance(t))) << "gelu " << dtype_name(t);
+    ops::sigmoid_forward(x, y);
+    EXPECT_TRUE(allclose(y, map_doubles(x, sigmoid_ref), default_tolerance(t))) << "sigmoid " << dtype_name(t);
   }
 }
 
 TEST(Elementwise, SiluGradientMatchesFiniteDifferences) { check_activation_gradient(ops::silu_forward, ops::silu_backward); }
 TEST(Elementwise, GeluGradientMatchesFiniteDifferences) { check_activation_gradient(ops::gelu_forward, ops::gelu_backward); }
+TEST(Elementwise, SigmoidGradientMatchesFiniteDifferences) {
+  check_activation_gradient(ops::sigmoid_forward, ops::sigmoid_backward);
+}
 
 TEST(Elementwise, BinaryOpsAndTheirGradients) {
   Tensor a = random_tensor({4, 6}, DType::F64), b = random_tensor({4, 6}, DType::F64);

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <sstream>
 
+#include <yaml-cpp/yaml.h>
+
 namespace moecore::cli {
 
 namespace {
@@ -42,7 +44,8 @@ void FlagSet::fail(const std::string& message) const {
 }
 
 void FlagSet::add_bool(const std::string& name, bool* target, const std::string& help) {
-  flags_.push_back({name, "bool", help, *target ? "true" : "false", [target](const std::string&) { *target = true; }});
+  flags_.push_back({name, "bool", help, *target ? "true" : "false",
+                    [target](const std::string& v) { *target = v != "__false__"; }});
 }
 
 void FlagSet::add_int(const std::string& name, int64_t* target, const std::string& help) {
@@ -72,6 +75,66 @@ void FlagSet::add_string(const std::string& name, std::string* target, const std
   flags_.push_back({name, "string", help, *target, [target](const std::string& v) { *target = v; }});
 }
 
+void FlagSet::fail_unknown(const std::string& name, const std::string& where) const {
+  std::vector<std::string> names;
+  for (const Flag& k : flags_) names.push_back(k.name);
+  const std::string guess = closest(name, names);
+  fail("unknown flag '--" + name + "'" + where + (guess.empty() ? "" : "; did you mean '--" + guess + "'?"));
+}
+
+bool FlagSet::given(const std::string& name) const {
+  return std::find(given_.begin(), given_.end(), name) != given_.end();
+}
+
+void FlagSet::set(const std::string& raw_name, const std::string& value, const std::string& origin) {
+  std::string name = raw_name;
+  std::replace(name.begin(), name.end(), '_', '-');
+  const Flag* f = find(name);
+  if (!f) fail_unknown(name, " in " + origin);
+  if (f->kind == "bool") {
+    if (value == "true" || value == "1") {
+      f->set("");
+    } else if (value != "false" && value != "0") {
+      fail("flag '--" + name + "' in " + origin + " expects true or false, got '" + value + "'");
+    } else {
+      f->set("__false__");
+    }
+  } else {
+    f->set(value);
+  }
+  given_.push_back(name);
+}
+
+void FlagSet::load_yaml(const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    fail("cannot read config file '" + path + "'");
+  } catch (const YAML::Exception& e) {
+    fail("config file '" + path + "' is not valid YAML: " + e.what());
+  }
+  if (root.IsNull()) return;
+  if (!root.IsMap()) fail("config file '" + path + "' must be a mapping of flag names to values");
+  for (const auto& kv : root) {
+    const std::string key = kv.first.as<std::string>();
+    const YAML::Node& v = kv.second;
+    std::string text;
+    if (v.IsSequence()) {
+      text = "[";
+      for (size_t i = 0; i < v.size(); ++i) text += (i ? "," : "") + v[i].as<std::string>();
+      text += "]";
+    } else if (v.IsScalar()) {
+      text = v.as<std::string>();
+    } else if (v.IsNull()) {
+      continue;  // "key:" with no value keeps the default
+    } else {
+      fail("config file '" + path + "': value of '" + key + "' must be a scalar or a list");
+    }
+    set(key, text, "config file '" + path + "'");
+  }
+}
+
 const FlagSet::Flag* FlagSet::find(const std::string& name) const {
   for (const Flag& f : flags_)
     if (f.name == name) return &f;
@@ -99,12 +162,8 @@ std::vector<std::string> FlagSet::parse(const std::vector<std::string>& args, bo
       name = name.substr(0, eq);
     }
     const Flag* f = find(name);
-    if (!f) {
-      std::vector<std::string> names;
-      for (const Flag& k : flags_) names.push_back(k.name);
-      const std::string guess = closest(name, names);
-      fail("unknown flag '--" + name + "'" + (guess.empty() ? "" : "; did you mean '--" + guess + "'?"));
-    }
+    if (!f) fail_unknown(name, "");
+    given_.push_back(name);
     if (f->kind == "bool") {
       if (inline_value) fail("flag '--" + name + "' takes no value");
       f->set("");

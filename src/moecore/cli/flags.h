@@ -30,6 +30,13 @@ class FlagSet {
   // Parses args (without the program and subcommand names). Positional arguments are refused
   // unless allow_positional. Returns the positional arguments.
   std::vector<std::string> parse(const std::vector<std::string>& args, bool allow_positional = false);
+  // Sets one flag from another source (a YAML config): `origin` names it in errors. Booleans take
+  // true/false. Names may use '_' for '-' (Megatron YAML style).
+  void set(const std::string& name, const std::string& value, const std::string& origin);
+  // Loads a YAML mapping of flag names to values (lists become "[a, b]").
+  void load_yaml(const std::string& path);
+  // Flags given on the command line or in a config, by name.
+  bool given(const std::string& name) const;
   bool help_requested() const { return help_requested_; }
   std::string help() const;
   const std::string& command() const { return command_; }
@@ -44,10 +51,12 @@ class FlagSet {
   };
   const Flag* find(const std::string& name) const;
   [[noreturn]] void fail(const std::string& message) const;
+  [[noreturn]] void fail_unknown(const std::string& name, const std::string& where) const;
 
   std::string command_, summary_;
   std::vector<Flag> flags_;
   bool help_requested_ = false;
+  std::vector<std::string> given_;
 };
 
 // The known word closest to `word` (edit distance <= max(2, |word|/3)), or "" if none.

@@ -92,4 +92,9 @@ void gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
   run_activation_backward("gelu_backward", Activation::Gelu, x, dy, dx);
 }
 
+void sigmoid_forward(const Tensor& x, Tensor& y) { run_activation_forward("sigmoid_forward", Activation::Sigmoid, x, y); }
+void sigmoid_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  run_activation_backward("sigmoid_backward", Activation::Sigmoid, x, dy, dx);
+}
+
 }  // namespace moecore::ops

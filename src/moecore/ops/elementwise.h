@@ -1,4 +1,4 @@
-// Elementwise ops: fill, cast, add, mul, axpby and the activations (SiLU, GELU) with their
+// Elementwise ops: fill, cast, add, mul, axpby and the activations (SiLU, GELU, sigmoid) with their
 // backward. Inputs and outputs have the same shape; out may alias an input (in place).
 // Floating dtypes only; CUDA supports f32, bf16 and the fp8 formats (f64 is CPU-only).
 // Low-precision types compute in fp32 and round once on store.
@@ -21,9 +21,12 @@ void silu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
 // y = 0.5 x (1 + erf(x / sqrt 2)) (exact GELU, PyTorch's default);  dx = dy * (Phi(x) + x phi(x))
 void gelu_forward(const Tensor& x, Tensor& y);
 void gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
+// y = 1 / (1 + exp(-x));  dx = dy * y * (1 - y)  (computed from x)
+void sigmoid_forward(const Tensor& x, Tensor& y);
+void sigmoid_backward(const Tensor& x, const Tensor& dy, Tensor& dx);
 
 enum class BinaryOp { Add, Mul, Axpby };
-enum class Activation { Silu, Gelu };
+enum class Activation { Silu, Gelu, Sigmoid };
 
 namespace cpu {
 void fill(Tensor& t, double value);

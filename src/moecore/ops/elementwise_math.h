@@ -31,6 +31,7 @@ MC_HD C binary(BinaryOp op, C alpha, C a, C beta, C b) {
 template <typename C>
 MC_HD C activation(Activation act, C x) {
   if (act == Activation::Silu) return x * sigmoid(x);
+  if (act == Activation::Sigmoid) return sigmoid(x);
   return C(0.5) * x * (C(1) + m_erf(x * C(0.70710678118654752440)));
 }
 
@@ -40,6 +41,10 @@ MC_HD C activation_grad(Activation act, C x) {
   if (act == Activation::Silu) {
     const C s = sigmoid(x);
     return s * (C(1) + x * (C(1) - s));
+  }
+  if (act == Activation::Sigmoid) {
+    const C s = sigmoid(x);
+    return s * (C(1) - s);
   }
   const C cdf = C(0.5) * (C(1) + m_erf(x * C(0.70710678118654752440)));
   const C pdf = C(0.39894228040143267794) * m_exp(C(-0.5) * x * x);

@@ -1,0 +1,109 @@
+#include "moecore/model/config.h"
+
+#include <sstream>
+
+#include "moecore/core/error.h"
+
+namespace moecore {
+
+const char* load_balancing_name(LoadBalancing lb) {
+  switch (lb) {
+    case LoadBalancing::AuxLoss: return "aux_loss";
+    case LoadBalancing::SeqAuxLoss: return "seq_aux_loss";
+    case LoadBalancing::GlobalAuxLoss: return "global_aux_loss";
+    case LoadBalancing::Sinkhorn: return "sinkhorn";
+    case LoadBalancing::None: return "none";
+  }
+  return "?";
+}
+
+std::vector<bool> parse_moe_layer_freq(const std::string& text, int64_t num_layers) {
+  std::vector<bool> out;
+  if (!text.empty() && text.front() == '[') {
+    MC_CHECK(text.back() == ']', "--moe-layer-freq '", text, "': expected an int or a list like [0,1,1,1]");
+    std::stringstream ss(text.substr(1, text.size() - 2));
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+      while (!item.empty() && item.back() == ' ') item.pop_back();
+      MC_CHECK(item == "0" || item == "1", "--moe-layer-freq '", text, "': entries must be 0 or 1, got '", item, "'");
+      out.push_back(item == "1");
+    }
+    MC_CHECK(static_cast<int64_t>(out.size()) == num_layers, "--moe-layer-freq '", text, "' has ", out.size(),
+             " entries; expected one per layer (--num-layers ", num_layers, ")");
+    return out;
+  }
+  int64_t freq = 0;
+  try {
+    size_t used = 0;
+    freq = std::stoll(text, &used);
+    MC_CHECK(used == text.size(), "");
+  } catch (...) {
+    MC_FAIL("--moe-layer-freq '", text, "': expected an int or a list like [0,1,1,1]");
+  }
+  MC_CHECK(freq >= 1, "--moe-layer-freq ", freq, " must be >= 1");
+  for (int64_t i = 0; i < num_layers; ++i) out.push_back(i % freq == 0);
+  return out;
+}
+
+void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
+  MC_CHECK(c.num_layers >= 1, "--num-layers ", c.num_layers, " must be >= 1");
+  MC_CHECK(c.hidden_size >= 1, "--hidden-size ", c.hidden_size, " must be >= 1");
+  MC_CHECK(c.num_attention_heads >= 1, "--num-attention-heads ", c.num_attention_heads, " must be >= 1");
+  MC_CHECK(c.vocab_size >= 2, "--vocab-size ", c.vocab_size, " must be >= 2 (give --vocab-size with --mock-data)");
+  MC_CHECK(c.seq_length >= 1, "--seq-length ", c.seq_length, " must be >= 1");
+  if (c.kv_channels == 0) {
+    MC_CHECK(c.hidden_size % c.num_attention_heads == 0, "--hidden-size ", c.hidden_size,
+             " is not divisible by --num-attention-heads ", c.num_attention_heads, " (or give --kv-channels)");
+    c.kv_channels = c.hidden_size / c.num_attention_heads;
+  }
+  if (c.num_query_groups == 0) c.num_query_groups = c.num_attention_heads;
+  MC_CHECK(c.num_query_groups >= 1 && c.num_attention_heads % c.num_query_groups == 0, "--num-attention-heads ",
+           c.num_attention_heads, " is not divisible by --num-query-groups ", c.num_query_groups);
+  if (c.ffn_hidden_size == 0) c.ffn_hidden_size = 4 * c.hidden_size;
+  if (c.max_position_embeddings == 0) c.max_position_embeddings = c.seq_length;
+  MC_CHECK(c.seq_length <= c.max_position_embeddings, "--seq-length ", c.seq_length,
+           " exceeds --max-position-embeddings ", c.max_position_embeddings);
+  MC_CHECK(c.position_embedding_type == "rope" || c.position_embedding_type == "learned_absolute" ||
+               c.position_embedding_type == "none",
+           "--position-embedding-type '", c.position_embedding_type, "': expected rope, learned_absolute or none");
+  if (c.position_embedding_type == "rope")
+    MC_CHECK(c.kv_channels % 2 == 0, "rope needs an even head dim; got --kv-channels ", c.kv_channels);
+  MC_CHECK(c.norm_epsilon > 0, "--norm-epsilon ", c.norm_epsilon, " must be > 0");
+  MC_CHECK(c.init_method_std > 0, "--init-method-std ", c.init_method_std, " must be > 0");
+
+  MoeConfig& m = c.moe;
+  MC_CHECK(m.num_experts >= 0, "--num-experts ", m.num_experts, " must be >= 0");
+  if (m.num_experts == 0) {
+    c.moe_layer.assign(static_cast<size_t>(c.num_layers), false);
+    MC_CHECK(m.shared_expert_size == 0, "--moe-shared-expert-intermediate-size needs --num-experts");
+    return;
+  }
+  c.moe_layer = parse_moe_layer_freq(moe_layer_freq.empty() ? "1" : moe_layer_freq, c.num_layers);
+  if (m.ffn_hidden_size == 0) m.ffn_hidden_size = c.ffn_hidden_size;
+  m.router.num_experts = m.num_experts;
+  ops::validate_router_config(m.router);
+  MC_CHECK(m.aux_loss_coeff >= 0, "--moe-aux-loss-coeff ", m.aux_loss_coeff, " must be >= 0");
+  MC_CHECK(m.z_loss_coeff >= 0, "--moe-z-loss-coeff ", m.z_loss_coeff, " must be >= 0");
+  MC_CHECK(m.input_jitter_eps >= 0 && m.input_jitter_eps < 1, "--moe-input-jitter-eps ", m.input_jitter_eps,
+           " must be in [0, 1)");
+  MC_CHECK(m.bias_update_rate >= 0, "--moe-router-bias-update-rate ", m.bias_update_rate, " must be >= 0");
+  if (m.load_balancing == LoadBalancing::Sinkhorn) {
+    MC_CHECK(m.router.score == ops::RouterScore::Softmax && !m.router.pre_softmax && m.router.num_groups == 0,
+             "--moe-router-load-balancing-type sinkhorn selects with its own scores: it cannot be combined with "
+             "--moe-router-score-function sigmoid, --moe-router-pre-softmax or --moe-router-num-groups");
+    MC_CHECK(!m.enable_expert_bias, "--moe-router-enable-expert-bias cannot be combined with sinkhorn balancing");
+    m.router.sinkhorn = true;
+  }
+  if (m.capacity_factor > 0) {
+    MC_CHECK(m.load_balancing != LoadBalancing::Sinkhorn,
+             "--moe-expert-capacity-factor works with --moe-router-load-balancing-type aux_loss, seq_aux_loss, "
+             "global_aux_loss or none; not with sinkhorn");
+  } else {
+    MC_CHECK(!m.pad_to_capacity, "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
+  }
+  if (m.shared_expert_gate)
+    MC_CHECK(m.shared_expert_size > 0, "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size");
+}
+
+}  // namespace moecore

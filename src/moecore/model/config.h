@@ -1,0 +1,72 @@
+// Model configuration: a GPT-style decoder whose MLPs may be MoE layers, with Megatron-LM's
+// names and semantics (../shared/MOE-REFERENCE.md). Built from flags by train/arguments.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moecore/ops/permute.h"
+#include "moecore/ops/router.h"
+
+namespace moecore {
+
+enum class LoadBalancing { AuxLoss, SeqAuxLoss, GlobalAuxLoss, Sinkhorn, None };
+const char* load_balancing_name(LoadBalancing lb);
+
+struct MoeConfig {
+  int64_t num_experts = 0;              // 0: every MLP is dense
+  int64_t ffn_hidden_size = 0;          // --moe-ffn-hidden-size (expert FFN width)
+  ops::RouterConfig router;             // top-k, score function, groups, scaling
+  bool router_fp64 = false;             // --moe-router-dtype fp64 (CPU only)
+  double input_jitter_eps = 0.0;
+  bool force_load_balancing = false;
+  LoadBalancing load_balancing = LoadBalancing::AuxLoss;
+  double aux_loss_coeff = 0.0;
+  double z_loss_coeff = 0.0;
+  bool enable_expert_bias = false;
+  double bias_update_rate = 1e-3;
+  double capacity_factor = 0.0;         // <= 0: dropless
+  ops::DropPolicy drop_policy = ops::DropPolicy::Probs;
+  bool pad_to_capacity = false;
+  int64_t shared_expert_size = 0;       // --moe-shared-expert-intermediate-size
+  bool shared_expert_gate = false;      // sigmoid gate on the shared expert output (Qwen2-MoE)
+  bool per_layer_logging = false;
+};
+
+struct ModelConfig {
+  int64_t num_layers = 2;
+  int64_t hidden_size = 64;
+  int64_t ffn_hidden_size = 0;          // 0: 4 * hidden (dense MLP width)
+  int64_t num_attention_heads = 4;
+  int64_t num_query_groups = 0;         // 0: = heads (no GQA)
+  int64_t kv_channels = 0;              // head dim; 0: hidden / heads
+  int64_t seq_length = 64;
+  int64_t max_position_embeddings = 0;  // 0: seq_length
+  int64_t vocab_size = 0;
+  bool rmsnorm = true;                  // --normalization RMSNorm | LayerNorm
+  double norm_epsilon = 1e-5;
+  std::string position_embedding_type = "rope";  // rope | learned_absolute | none
+  double rotary_base = 10000.0;
+  bool swiglu = true;                   // else GELU
+  bool add_bias_linear = true;          // --disable-bias-linear turns it off
+  bool untie_embeddings = false;        // --untie-embeddings-and-output-weights
+  double init_method_std = 0.02;
+  bool qk_layernorm = false;
+  MoeConfig moe;
+  std::vector<bool> moe_layer;          // per layer: MoE (true) or dense MLP
+
+  int64_t head_dim() const { return kv_channels; }
+  int64_t kv_heads() const { return num_query_groups; }
+  bool is_moe(int64_t layer) const { return moe.num_experts > 0 && moe_layer[static_cast<size_t>(layer)]; }
+};
+
+// Fills derived defaults and checks every combination, raising one Error per problem that names
+// the flag(s), what was wrong and what is expected.
+void finalize_model_config(ModelConfig& cfg, const std::string& moe_layer_freq);
+
+// Parses --moe-layer-freq: an int N (every N-th layer is MoE, starting with layer 0) or a
+// list "[0,1,1,1]" with one entry per layer.
+std::vector<bool> parse_moe_layer_freq(const std::string& text, int64_t num_layers);
+
+}  // namespace moecore

@@ -1,0 +1,128 @@
+#include "moecore/model/gpt.h"
+
+#include <cmath>
+
+#include "moecore/ops/cross_entropy.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/embedding.h"
+#include "moecore/ops/reduce.h"
+
+namespace moecore {
+
+GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store) : cfg_(cfg), compute_(store.compute_dtype()) {
+  if (store.master_dtype() == DType::F64) compute_ = DType::F64;
+  const int64_t h = cfg.hidden_size;
+  const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
+  word_embeddings_ = &store.add("embedding.word_embeddings.weight", {cfg.vocab_size, h}, Init::Normal, std, true);
+  if (cfg.position_embedding_type == "learned_absolute")
+    position_embeddings_ = &store.add("embedding.position_embeddings.weight", {cfg.max_position_embeddings, h},
+                                      Init::Normal, std, true);
+  for (int64_t i = 0; i < cfg.num_layers; ++i) {
+    const std::string p = "decoder.layers." + std::to_string(i);
+    attn_norm_.emplace_back(store, p + ".input_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
+    attention_.emplace_back(store, p + ".self_attention", cfg);
+    mlp_norm_.emplace_back(store, p + ".pre_mlp_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
+    if (cfg.is_moe(i)) {
+      moe_.emplace_back(store, p + ".mlp", cfg);
+      mlp_.emplace_back();
+    } else {
+      mlp_.emplace_back(store, p + ".mlp", h, cfg.ffn_hidden_size, cfg.swiglu, cfg.add_bias_linear, std, out_std);
+      moe_.emplace_back();
+    }
+  }
+  final_norm_ = Norm(store, "decoder.final_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
+  head_ = Linear(store, "output_layer", h, cfg.vocab_size, false, std,
+                 cfg.untie_embeddings ? nullptr : word_embeddings_);
+}
+
+std::vector<MoeLayer*> GPTModel::moe_layers() {
+  std::vector<MoeLayer*> out;
+  for (int64_t i = 0; i < cfg_.num_layers; ++i)
+    if (cfg_.is_moe(i)) out.push_back(&moe_[static_cast<size_t>(i)]);
+  return out;
+}
+
+Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
+  MC_CHECK(tokens.ndim() == 2 && tokens.dtype() == DType::I32, "model input must be [batch, seq] i32, got ",
+           tokens.describe());
+  const int64_t batch = tokens.size(0), seq = tokens.size(1), n = batch * seq;
+  MC_CHECK(seq <= cfg_.max_position_embeddings, "sequence of ", seq, " tokens exceeds --max-position-embeddings ",
+           cfg_.max_position_embeddings);
+  ctx.batch = batch;
+  ctx.token_ids = tokens.view({n});
+  Tensor x = Tensor::empty({n, cfg_.hidden_size}, compute_, tokens.device());
+  ops::embedding_forward(word_embeddings_->weight, ctx.token_ids, x);
+  if (position_embeddings_) {
+    std::vector<int32_t> pos(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % seq);
+    ctx.position_ids = Tensor::from_vector(pos, {n}, tokens.device());
+    Tensor p = Tensor::empty(x.shape(), compute_, tokens.device());
+    ops::embedding_forward(position_embeddings_->weight, ctx.position_ids, p);
+    add_into(x, p);
+  }
+  return x;
+}
+
+Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx) {
+  ctx.layers.resize(static_cast<size_t>(cfg_.num_layers));
+  for (int64_t i = 0; i < cfg_.num_layers; ++i) {
+    const size_t li = static_cast<size_t>(i);
+    LayerCtx& lc = ctx.layers[li];
+    // New tensors for the residual stream: the norms keep their inputs for the backward.
+    h = add_tensors(h, attention_[li].forward(attn_norm_[li].forward(h, lc.attn_norm), ctx.batch, lc.attn));
+    const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
+    if (cfg_.is_moe(i)) {
+      h = add_tensors(h, moe_[li].forward(normed, ctx.batch, training, rng_seed + 0x9E3779B97F4A7C15ull * (li + 1), lc.moe));
+    } else {
+      h = add_tensors(h, mlp_[li].forward(normed, lc.mlp));
+    }
+  }
+  return final_norm_.forward(h, ctx.final_norm);
+}
+
+double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed, Ctx& ctx) {
+  MC_CHECK(labels.shape() == tokens.shape() && labels.dtype() == DType::I32, "labels must match tokens ",
+           tokens.describe(), ", got ", labels.describe());
+  Tensor h = decoder_forward(embed(tokens, ctx), training, rng_seed, ctx);
+  const int64_t n = h.size(0);
+  ctx.labels = labels.view({n});
+  ctx.logits = head_.forward(h, ctx.head);
+  const DType stat = compute_ == DType::F64 ? DType::F64 : DType::F32;
+  Tensor loss = Tensor::empty({n}, stat, h.device());
+  ctx.lse = Tensor::empty({n}, stat, h.device());
+  ops::cross_entropy_forward(ctx.logits, ctx.labels, loss, ctx.lse);
+  ctx.num_labels = 0;
+  for (int32_t l : ctx.labels.to_vector<int32_t>()) ctx.num_labels += l >= 0 ? 1 : 0;
+  Tensor total = Tensor::empty({1}, stat, h.device());
+  ops::sum_all(loss, total);
+  const double sum = stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
+  return ctx.num_labels > 0 ? sum / static_cast<double>(ctx.num_labels) : 0.0;
+}
+
+void GPTModel::backward(double grad_scale, Ctx& ctx) {
+  MC_CHECK(ctx.logits.defined(), "GPTModel::backward without a forward");
+  const int64_t n = ctx.logits.size(0);
+  Tensor dloss = Tensor::empty({n}, ctx.lse.dtype(), ctx.logits.device());
+  ops::fill(dloss, ctx.num_labels > 0 ? grad_scale / static_cast<double>(ctx.num_labels) : 0.0);
+  ops::cross_entropy_backward(ctx.logits, ctx.labels, ctx.lse, dloss, ctx.logits);  // in place
+  Tensor dh = final_norm_.backward(head_.backward(ctx.logits, ctx.head), ctx.final_norm);
+  ctx.logits = ctx.lse = Tensor();
+  for (int64_t i = cfg_.num_layers - 1; i >= 0; --i) {
+    const size_t li = static_cast<size_t>(i);
+    LayerCtx& lc = ctx.layers[li];
+    Tensor d_normed = cfg_.is_moe(i) ? moe_[li].backward(dh, grad_scale, lc.moe) : mlp_[li].backward(dh, lc.mlp);
+    add_into(dh, mlp_norm_[li].backward(d_normed, lc.mlp_norm));
+    add_into(dh, attn_norm_[li].backward(attention_[li].backward(dh, ctx.batch, lc.attn), lc.attn_norm));
+  }
+  ops::embedding_backward(ctx.token_ids, dh, word_embeddings_->grad);
+  if (position_embeddings_) ops::embedding_backward(ctx.position_ids, dh, position_embeddings_->grad);
+  ctx = Ctx{};
+}
+
+Tensor GPTModel::logits(const Tensor& tokens) {
+  Ctx ctx;
+  Tensor h = decoder_forward(embed(tokens, ctx), false, 0, ctx);
+  return head_.forward(h, ctx.head);
+}
+
+}  // namespace moecore

@@ -1,0 +1,123 @@
+#include "moecore/model/layers.h"
+
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/gemm.h"
+#include "moecore/ops/norm.h"
+#include "moecore/ops/reduce.h"
+#include "moecore/ops/swiglu.h"
+
+namespace moecore {
+
+Tensor add_tensors(const Tensor& a, const Tensor& b) {
+  Tensor y = Tensor::empty(a.shape(), a.dtype(), a.device());
+  ops::add(a, b, y);
+  return y;
+}
+
+void add_into(Tensor& a, const Tensor& b) { ops::add(a, b, a); }
+
+// ---- Linear ---------------------------------------------------------------------------
+Linear::Linear(ParamStore& store, const std::string& name, int64_t in_, int64_t out_, bool with_bias, double std,
+               Param* shared_weight)
+    : in(in_), out(out_) {
+  weight = shared_weight ? shared_weight : &store.add(name + ".weight", {out, in}, Init::Normal, std, true);
+  if (with_bias) bias = &store.add(name + ".bias", {out}, Init::Zeros, 0.0, false);
+}
+
+Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {
+  const int64_t rows = x.numel() / in;
+  const Tensor x2 = x.view({rows, in});
+  Tensor y = Tensor::empty({rows, out}, x.dtype(), x.device());
+  ops::gemm(x2, weight->weight, y, false, true);
+  if (bias) {
+    // y += ones [rows, 1] @ b [1, out]: the bias broadcast as a rank-1 GEMM.
+    Tensor ones = Tensor::empty({rows, 1}, x.dtype(), x.device());
+    ops::fill(ones, 1.0);
+    ops::gemm(ones, bias->weight.view({1, out}), y, false, false, 1.0f, 1.0f);
+  }
+  ctx.x = x2;
+  return y;
+}
+
+Tensor Linear::backward(const Tensor& dy, Ctx& ctx) const {
+  const int64_t rows = dy.numel() / out;
+  const Tensor dy2 = dy.view({rows, out});
+  // dW += dy^T x (accumulated in the master dtype)
+  ops::gemm(dy2, ctx.x, weight->grad, true, false, 1.0f, 1.0f);
+  if (bias) {
+    Tensor db = Tensor::empty({out}, bias->grad.dtype(), dy.device());
+    ops::sum_leading_dims(dy2, db);
+    add_into(bias->grad, db);
+  }
+  Tensor dx = Tensor::empty({rows, in}, dy.dtype(), dy.device());
+  ops::gemm(dy2, weight->weight, dx, false, false);
+  ctx = {};
+  return dx;
+}
+
+// ---- Norm -----------------------------------------------------------------------------
+Norm::Norm(ParamStore& store, const std::string& name, int64_t width, bool rms, double eps_)
+    : rmsnorm(rms), eps(eps_) {
+  weight = &store.add(name + ".weight", {width}, Init::Ones, 0.0, false);
+  if (!rmsnorm) bias = &store.add(name + ".bias", {width}, Init::Zeros, 0.0, false);
+}
+
+Tensor Norm::forward(const Tensor& x, Ctx& ctx) const {
+  const int64_t width = x.size(-1), rows = x.numel() / width;
+  const DType stat = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  ctx.rstd = Tensor::empty({rows}, stat, x.device());
+  if (rmsnorm) {
+    ops::rmsnorm_forward(x, weight->weight, eps, y, ctx.rstd);
+  } else {
+    ctx.mean = Tensor::empty({rows}, stat, x.device());
+    ops::layernorm_forward(x, weight->weight, bias->weight, eps, y, ctx.mean, ctx.rstd);
+  }
+  ctx.x = x;
+  return y;
+}
+
+Tensor Norm::backward(const Tensor& dy, Ctx& ctx) const {
+  Tensor dx = Tensor::empty(ctx.x.shape(), ctx.x.dtype(), ctx.x.device());
+  if (rmsnorm) {
+    ops::rmsnorm_backward(ctx.x, weight->weight, ctx.rstd, dy, dx, weight->grad);
+  } else {
+    ops::layernorm_backward(ctx.x, weight->weight, ctx.mean, ctx.rstd, dy, dx, weight->grad, bias->grad);
+  }
+  ctx = {};
+  return dx;
+}
+
+// ---- Mlp ------------------------------------------------------------------------------
+Mlp::Mlp(ParamStore& store, const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu_, bool bias,
+         double std, double out_std)
+    : swiglu(swiglu_) {
+  fc1 = Linear(store, prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, std);
+  fc2 = Linear(store, prefix + ".linear_fc2", ffn, hidden, bias, out_std);
+}
+
+Tensor Mlp::forward(const Tensor& x, Ctx& ctx) const {
+  ctx.fc1_out = fc1.forward(x, ctx.fc1);
+  const int64_t rows = ctx.fc1_out.size(0);
+  Tensor act = Tensor::empty({rows, fc2.in}, x.dtype(), x.device());
+  if (swiglu) {
+    ops::swiglu_forward(ctx.fc1_out, act);
+  } else {
+    ops::gelu_forward(ctx.fc1_out, act);
+  }
+  return fc2.forward(act, ctx.fc2);
+}
+
+Tensor Mlp::backward(const Tensor& dy, Ctx& ctx) const {
+  Tensor dact = fc2.backward(dy, ctx.fc2);
+  Tensor dh = Tensor::empty(ctx.fc1_out.shape(), dy.dtype(), dy.device());
+  if (swiglu) {
+    ops::swiglu_backward(ctx.fc1_out, dact, dh);
+  } else {
+    ops::gelu_backward(ctx.fc1_out, dact, dh);
+  }
+  ctx.fc1_out = Tensor();
+  return fc1.backward(dh, ctx.fc1);
+}
+
+}  // namespace moecore

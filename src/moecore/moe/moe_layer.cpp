@@ -1,0 +1,264 @@
+#include "moecore/moe/moe_layer.h"
+
+#include <cmath>
+
+#include "moecore/core/philox.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/gemm.h"
+#include "moecore/ops/grouped_gemm.h"
+#include "moecore/ops/moe_loss.h"
+#include "moecore/ops/random.h"
+#include "moecore/ops/router.h"
+#include "moecore/ops/swiglu.h"
+
+namespace moecore {
+
+namespace {
+Tensor cast_to(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
+  ops::cast(t, out);
+  return out;
+}
+
+double read_scalar(const Tensor& t) {
+  const Tensor host = cast_to(t, t.dtype() == DType::F64 ? DType::F64 : DType::F32).to(Device::cpu());
+  return host.dtype() == DType::F64 ? host.data<double>()[0] : host.data<float>()[0];
+}
+
+bool uses_aux_loss(const MoeConfig& m) {
+  return m.aux_loss_coeff > 0 && (m.load_balancing == LoadBalancing::AuxLoss ||
+                                  m.load_balancing == LoadBalancing::SeqAuxLoss ||
+                                  m.load_balancing == LoadBalancing::GlobalAuxLoss);
+}
+}  // namespace
+
+MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg)
+    : moe_(cfg.moe), hidden_(cfg.hidden_size), swiglu_(cfg.swiglu), prefix_(prefix) {
+  MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
+  router_dtype_ = (store.master_dtype() == DType::F64 || moe_.router_fp64) ? DType::F64 : DType::F32;
+  const int64_t e = moe_.num_experts, h = cfg.hidden_size, f = moe_.ffn_hidden_size;
+  const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
+  gate_weight_ = &store.add(prefix + ".router.weight", {e, h}, Init::Normal, std, true, router_dtype_, false);
+  if (moe_.enable_expert_bias) expert_bias_ = &store.add_buffer(prefix + ".router.expert_bias", {e});
+  fc1_ = &store.add(prefix + ".experts.linear_fc1.weight", {e, swiglu_ ? 2 * f : f, h}, Init::Normal, std, true);
+  fc2_ = &store.add(prefix + ".experts.linear_fc2.weight", {e, h, f}, Init::Normal, out_std, true);
+  if (moe_.shared_expert_size > 0) {
+    shared_ = Mlp(store, prefix + ".shared_experts", h, moe_.shared_expert_size, swiglu_, false, std, out_std);
+    if (moe_.shared_expert_gate) shared_gate_ = Linear(store, prefix + ".shared_experts.gate", h, 1, false, std);
+  }
+  stats_.tokens_per_expert.assign(static_cast<size_t>(e), 0.0);
+}
+
+Tensor MoeLayer::router_logits(const Tensor& x, bool training, uint64_t rng_seed, Ctx& ctx) const {
+  const int64_t tokens = x.size(0), e = moe_.num_experts;
+  Tensor router_in = x.dtype() == router_dtype_ ? x.clone() : cast_to(x, router_dtype_);
+  if (training && moe_.input_jitter_eps > 0) {
+    ctx.jitter = Tensor::empty(router_in.shape(), router_dtype_, x.device());
+    ops::fill_uniform(ctx.jitter, rng_seed, rng_key(prefix_ + ".input_jitter"), 1.0 - moe_.input_jitter_eps,
+                      1.0 + moe_.input_jitter_eps);
+    ops::mul(router_in, ctx.jitter, router_in);
+  }
+  Tensor logits = Tensor::empty({tokens, e}, router_dtype_, x.device());
+  ops::gemm(router_in, gate_weight_->weight, logits, false, true);
+  ctx.router_in = router_in;
+  if (moe_.force_load_balancing) {
+    // Round-robin: token t ranks experts (t*k + j) mod E first for j = 0, 1, ...: every expert
+    // receives exactly T*k/E tokens when E divides T*k, and the balancing loss is exactly 1.
+    std::vector<double> forced(static_cast<size_t>(tokens * e));
+    const int64_t k = moe_.router.topk;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < e; ++j) forced[static_cast<size_t>(t * e + j)] = -static_cast<double>(((j - t * k) % e + e) % e);
+    logits = cast_to(Tensor::from_vector(forced, {tokens, e}), router_dtype_).to(x.device());
+    ctx.forced = true;
+  }
+  return logits;
+}
+
+Tensor MoeLayer::balancing_counts(const Tensor& aux_scores, int64_t batch, bool training) {
+  const int64_t e = moe_.num_experts, k = moe_.router.topk;
+  const DType cdt = DType::F32;  // token counts are integers (averages for global_aux_loss): exact in f32
+  const int64_t groups = moe_.load_balancing == LoadBalancing::SeqAuxLoss ? batch : 1;
+  Tensor counts = Tensor::empty({groups, e}, cdt, aux_scores.device());
+  ops::topk_counts(aux_scores, k, groups, counts);
+  if (moe_.load_balancing != LoadBalancing::GlobalAuxLoss || !training) return counts;
+  // global_aux_loss: counts averaged over the micro-batches of this step so far.
+  if (!global_counts_.defined() || global_micro_ == 0) {
+    global_counts_ = Tensor::zeros({1, e}, cdt, aux_scores.device());
+  }
+  ops::add(global_counts_, counts, global_counts_);
+  ++global_micro_;
+  Tensor averaged = Tensor::empty({1, e}, cdt, aux_scores.device());
+  ops::axpby(1.0f / static_cast<float>(global_micro_), global_counts_, 0.0f, global_counts_, averaged);
+  return averaged;
+}
+
+Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx) {
+  const int64_t tokens = x.size(0), e = moe_.num_experts, k = moe_.router.topk;
+  const Device dev = x.device();
+  ctx.x = x;
+  ctx.logits = router_logits(x, training, rng_seed, ctx);
+
+  Tensor bias;
+  if (expert_bias_) bias = cast_to(expert_bias_->master, router_dtype_);
+  ctx.probs = Tensor::empty({tokens, k}, router_dtype_, dev);
+  ctx.indices = Tensor::empty({tokens, k}, DType::I32, dev);
+  ops::router_topk_forward(ctx.logits, bias, moe_.router, ctx.probs, ctx.indices);
+
+  if (training) {
+    const std::vector<int32_t> idx = ctx.indices.to_vector<int32_t>();
+    for (int32_t i : idx) stats_.tokens_per_expert[static_cast<size_t>(i)] += 1.0;
+    stats_.micro_batches++;
+    if (uses_aux_loss(moe_)) {
+      ctx.aux_scores = Tensor::empty({tokens, e}, router_dtype_, dev);
+      ops::aux_scores_forward(ctx.logits, moe_.router.score, ctx.aux_scores);
+      ctx.aux_counts = balancing_counts(ctx.aux_scores, batch, training);
+      Tensor loss = Tensor::empty({1}, router_dtype_, dev);
+      ops::switch_aux_loss_forward(ctx.aux_scores, ctx.aux_counts, k, moe_.aux_loss_coeff, loss);
+      stats_.aux_loss += read_scalar(loss) / moe_.aux_loss_coeff;
+    }
+    if (moe_.z_loss_coeff > 0) {
+      Tensor loss = Tensor::empty({1}, router_dtype_, dev);
+      ops::z_loss_forward(ctx.logits, moe_.z_loss_coeff, loss);
+      stats_.z_loss += read_scalar(loss) / moe_.z_loss_coeff;
+    }
+  }
+
+  Tensor kept;
+  int64_t pad = 0;
+  if (moe_.capacity_factor > 0) {
+    const int64_t capacity = ops::expert_capacity(tokens, k, e, moe_.capacity_factor);
+    kept = Tensor::empty({tokens, k}, DType::U8, dev);
+    ops::capacity_mask(ctx.indices, ctx.probs, e, capacity, moe_.drop_policy, kept);
+    if (moe_.pad_to_capacity) pad = capacity;
+  }
+  ctx.routing = ops::make_moe_routing(ctx.indices, kept, e, pad);
+  const DType combine = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  ctx.combine_probs = cast_to(ctx.probs, combine);
+
+  const int64_t rows = ctx.routing.num_rows;
+  const std::vector<int64_t>& groups = ctx.routing.host_tokens_per_expert;
+  ctx.permuted = Tensor::empty({rows, hidden_}, x.dtype(), dev);
+  ops::moe_permute_forward(x, ctx.routing, ctx.permuted);
+  ctx.fc1_out = Tensor::empty({rows, fc1_->shape[1]}, x.dtype(), dev);
+  ops::grouped_gemm_forward(ctx.permuted, fc1_->weight, groups, ctx.fc1_out);
+  ctx.act = Tensor::empty({rows, fc2_->shape[2]}, x.dtype(), dev);
+  if (swiglu_) {
+    ops::swiglu_forward(ctx.fc1_out, ctx.act);
+  } else {
+    ops::gelu_forward(ctx.fc1_out, ctx.act);
+  }
+  ctx.expert_out = Tensor::empty({rows, hidden_}, x.dtype(), dev);
+  ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, ctx.expert_out);
+  Tensor out = Tensor::empty({tokens, hidden_}, x.dtype(), dev);
+  ops::moe_unpermute_forward(ctx.expert_out, ctx.combine_probs, ctx.routing, out);
+
+  if (moe_.shared_expert_size > 0) {
+    ctx.shared_out = shared_.forward(x, ctx.shared);
+    if (moe_.shared_expert_gate) {
+      // out += sigmoid(x w_gate) * shared: the per-token scale is a combine with one "expert"
+      // and the gate as its probability.
+      ctx.gate_logit = shared_gate_.forward(x, ctx.gate);
+      Tensor gate = Tensor::empty({tokens, 1}, x.dtype(), dev);
+      ops::sigmoid_forward(ctx.gate_logit, gate);
+      ctx.gate_prob = cast_to(gate, combine);
+      ctx.gate_routing = ops::make_moe_routing(Tensor::zeros({tokens, 1}, DType::I32, dev), Tensor(), 1);
+      Tensor scaled = Tensor::empty({tokens, hidden_}, x.dtype(), dev);
+      ops::moe_unpermute_forward(ctx.shared_out, ctx.gate_prob, ctx.gate_routing, scaled);
+      add_into(out, scaled);
+    } else {
+      add_into(out, ctx.shared_out);
+    }
+  }
+  return out;
+}
+
+Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
+  const Device dev = dy.device();
+  const int64_t tokens = dy.size(0), e = moe_.num_experts, k = moe_.router.topk;
+  Tensor dx_shared;
+  if (moe_.shared_expert_size > 0) {
+    if (moe_.shared_expert_gate) {
+      Tensor d_shared = Tensor::empty({tokens, hidden_}, dy.dtype(), dev);
+      Tensor d_gate = Tensor::empty({tokens, 1}, ctx.gate_prob.dtype(), dev);
+      ops::moe_unpermute_backward(ctx.shared_out, ctx.gate_prob, ctx.gate_routing, dy, d_shared, d_gate);
+      Tensor d_logit = Tensor::empty({tokens, 1}, dy.dtype(), dev);
+      ops::sigmoid_backward(ctx.gate_logit, cast_to(d_gate, dy.dtype()), d_logit);
+      dx_shared = shared_.backward(d_shared, ctx.shared);
+      add_into(dx_shared, shared_gate_.backward(d_logit, ctx.gate));
+    } else {
+      dx_shared = shared_.backward(dy, ctx.shared);
+    }
+  }
+
+  // combine and experts
+  const int64_t rows = ctx.routing.num_rows;
+  const std::vector<int64_t>& groups = ctx.routing.host_tokens_per_expert;
+  Tensor d_expert_out = Tensor::empty({rows, hidden_}, dy.dtype(), dev);
+  Tensor dprobs = Tensor::empty({tokens, k}, ctx.combine_probs.dtype(), dev);
+  ops::moe_unpermute_backward(ctx.expert_out, ctx.combine_probs, ctx.routing, dy, d_expert_out, dprobs);
+  Tensor d_act = Tensor::empty(ctx.act.shape(), dy.dtype(), dev);
+  ops::grouped_gemm_dgrad(d_expert_out, fc2_->weight, groups, d_act);
+  ops::grouped_gemm_wgrad(d_expert_out, ctx.act, groups, fc2_->grad);
+  Tensor d_fc1 = Tensor::empty(ctx.fc1_out.shape(), dy.dtype(), dev);
+  if (swiglu_) {
+    ops::swiglu_backward(ctx.fc1_out, d_act, d_fc1);
+  } else {
+    ops::gelu_backward(ctx.fc1_out, d_act, d_fc1);
+  }
+  Tensor d_perm = Tensor::empty({rows, hidden_}, dy.dtype(), dev);
+  ops::grouped_gemm_dgrad(d_fc1, fc1_->weight, groups, d_perm);
+  ops::grouped_gemm_wgrad(d_fc1, ctx.permuted, groups, fc1_->grad);
+  Tensor dx = Tensor::empty({tokens, hidden_}, dy.dtype(), dev);
+  ops::moe_permute_backward(d_perm, ctx.routing, dx);
+
+  // router: probabilities, balancing losses, then the gate GEMM
+  if (!ctx.forced) {
+    Tensor dlogits = Tensor::empty({tokens, e}, router_dtype_, dev);
+    ops::router_topk_backward(ctx.logits, ctx.indices, cast_to(dprobs, router_dtype_), moe_.router, dlogits);
+    if (ctx.aux_scores.defined()) {
+      Tensor daux = Tensor::empty({tokens, e}, router_dtype_, dev);
+      ops::switch_aux_loss_backward(ctx.aux_counts, k, moe_.aux_loss_coeff, loss_grad_scale, tokens, daux);
+      ops::aux_scores_backward(ctx.logits, moe_.router.score, daux, dlogits);
+    }
+    if (moe_.z_loss_coeff > 0) ops::z_loss_backward(ctx.logits, moe_.z_loss_coeff, loss_grad_scale, dlogits);
+    if (gate_weight_->grad.dtype() == router_dtype_) {
+      ops::gemm(dlogits, ctx.router_in, gate_weight_->grad, true, false, 1.0f, 1.0f);
+    } else {  // fp64 router with fp32 master weights
+      Tensor dw = Tensor::empty(gate_weight_->shape, router_dtype_, dev);
+      ops::gemm(dlogits, ctx.router_in, dw, true, false);
+      add_into(gate_weight_->grad, cast_to(dw, gate_weight_->grad.dtype()));
+    }
+    Tensor d_router_in = Tensor::empty({tokens, hidden_}, router_dtype_, dev);
+    ops::gemm(dlogits, gate_weight_->weight, d_router_in, false, false);
+    if (ctx.jitter.defined()) ops::mul(d_router_in, ctx.jitter, d_router_in);
+    add_into(dx, cast_to(d_router_in, dy.dtype()));
+  }
+  if (dx_shared.defined()) add_into(dx, dx_shared);
+  ctx = Ctx{};
+  return dx;
+}
+
+MoeStepStats MoeLayer::finish_step() {
+  if (expert_bias_ && stats_.micro_batches > 0 && moe_.bias_update_rate > 0) {
+    // Aux-loss-free balancing: b_e += u * sign(mean(c) - c_e) over this step's selections.
+    const std::vector<double>& c = stats_.tokens_per_expert;
+    double mean = 0;
+    for (double v : c) mean += v;
+    mean /= static_cast<double>(c.size());
+    std::vector<double> bias = cast_to(expert_bias_->master, DType::F64).to_vector<double>();
+    for (size_t i = 0; i < c.size(); ++i) {
+      const double d = mean - c[i];
+      bias[i] += moe_.bias_update_rate * (d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0));
+    }
+    expert_bias_->master.copy_from(cast_to(Tensor::from_vector(bias, expert_bias_->shape), expert_bias_->master.dtype())
+                                       .to(expert_bias_->master.device()));
+  }
+  global_micro_ = 0;
+  MoeStepStats out = stats_;
+  stats_ = MoeStepStats{};
+  stats_.tokens_per_expert.assign(out.tokens_per_expert.size(), 0.0);
+  return out;
+}
+
+}  // namespace moecore

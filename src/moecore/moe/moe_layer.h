@@ -1,0 +1,81 @@
+// The MoE layer (Megatron's MoELayer): router -> token dispatch -> grouped experts -> combine,
+// plus optional shared experts. x [T, H] (the normalised hidden states) -> [T, H].
+//
+//   router:   logits = x_r W_g^T in the router dtype (fp32, or fp64 on the CPU), x_r = x times
+//             input jitter in training; --moe-router-force-load-balancing replaces the logits
+//             by a round-robin pattern (benchmark mode: no router gradient).
+//             top-k selection and probabilities per ops/router.h; balancing losses per
+//             ops/moe_loss.h (aux/seq/global aux loss, z-loss), their gradients scaled like the
+//             LM loss; aux-loss-free expert bias (selection only) updated once per step.
+//   dispatch: optional capacity dropping/padding, then a permutation grouping tokens by
+//             expert (ops/permute.h); the routing plan is kept for the backward.
+//   experts:  fc1 [E, 2F or F, H] -> SwiGLU/GELU -> fc2 [E, H, F] through grouped GEMMs.
+//   combine:  unpermute with the routing probabilities folded in.
+//   shared:   a dense MLP on every token, optionally scaled by sigmoid(x w_gate).
+#pragma once
+
+#include <vector>
+
+#include "moecore/model/config.h"
+#include "moecore/model/layers.h"
+#include "moecore/ops/permute.h"
+
+namespace moecore {
+
+struct MoeStepStats {
+  double aux_loss = 0;  // load-balancing loss / coeff, summed over micro-batches
+  double z_loss = 0;    // z-loss / coeff, summed over micro-batches
+  int64_t micro_batches = 0;
+  std::vector<double> tokens_per_expert;  // selections this step (before dropping)
+};
+
+class MoeLayer {
+ public:
+  MoeLayer() = default;
+  MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg);
+
+  struct Ctx {
+    Tensor x;                 // "moe" input
+    Tensor router_in, jitter, logits, probs, indices;
+    bool forced = false;
+    Tensor aux_scores, aux_counts;  // for the balancing-loss backward
+    Tensor combine_probs;           // probs in the combine dtype
+    ops::MoeRouting routing;
+    Tensor permuted, fc1_out, act, expert_out;  // "expert_fc1" = fc1_out, "moe_act" = act
+    Mlp::Ctx shared;
+    Linear::Ctx gate;
+    Tensor gate_logit, gate_prob, shared_out;
+    ops::MoeRouting gate_routing;
+  };
+
+  // rng_seed keys the input jitter; batch gives the sequences (seq_aux_loss).
+  Tensor forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx);
+  // loss_grad_scale: d(total loss)/d(balancing loss), i.e. 1 / num_microbatches.
+  Tensor backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx);
+
+  // Once per optimizer step: expert-bias update (aux-loss-free balancing) and reset of the
+  // global_aux_loss counts. Returns this step's statistics and clears them.
+  MoeStepStats finish_step();
+  const MoeStepStats& stats() const { return stats_; }
+
+ private:
+  Tensor router_logits(const Tensor& x, bool training, uint64_t rng_seed, Ctx& ctx) const;
+  Tensor balancing_counts(const Tensor& aux_scores, int64_t batch, bool training);
+
+  MoeConfig moe_;
+  int64_t hidden_ = 0;
+  bool swiglu_ = true;
+  DType router_dtype_ = DType::F32;
+  std::string prefix_;
+  Param* gate_weight_ = nullptr;  // router.weight [E, H]
+  Param* expert_bias_ = nullptr;  // router.expert_bias [E] (buffer)
+  Param* fc1_ = nullptr;          // experts.linear_fc1.weight [E, 2F or F, H]
+  Param* fc2_ = nullptr;          // experts.linear_fc2.weight [E, H, F]
+  Mlp shared_;
+  Linear shared_gate_;
+  MoeStepStats stats_;
+  Tensor global_counts_;  // global_aux_loss: counts summed over this step's micro-batches [1, E]
+  int64_t global_micro_ = 0;
+};
+
+}  // namespace moecore

@@ -1,0 +1,47 @@
+#include "moecore/ops/adamw.h"
+
+#include "moecore/ops/common.h"
+
+namespace moecore::ops {
+
+namespace {
+
+void check_state(const char* op, const char* name, const Tensor& t, const Tensor& param) {
+  check_contiguous(op, name, t);
+  check_same_device(op, param, t);
+  check_same_shape(op, "param", param, name, t);
+  MC_CHECK(t.dtype() == param.dtype(), op, ": '", name, "' has dtype ", dtype_name(t.dtype()),
+           "; expected param's dtype ", dtype_name(param.dtype()));
+}
+
+// The comparisons are written so that NaN fails them too.
+void check_config(const char* op, const AdamWConfig& c) {
+  MC_CHECK(c.lr >= 0, op, ": lr = ", c.lr, "; expected lr >= 0");
+  MC_CHECK(c.eps >= 0, op, ": eps = ", c.eps, "; expected eps >= 0");
+  MC_CHECK(c.weight_decay >= 0, op, ": weight_decay = ", c.weight_decay, "; expected weight_decay >= 0");
+  MC_CHECK(c.beta1 >= 0 && c.beta1 < 1, op, ": beta1 = ", c.beta1, "; expected 0 <= beta1 < 1");
+  MC_CHECK(c.beta2 >= 0 && c.beta2 < 1, op, ": beta2 = ", c.beta2, "; expected 0 <= beta2 < 1");
+  MC_CHECK(c.step >= 1, op, ": step = ", c.step, "; expected step >= 1 (steps count from 1)");
+}
+
+}  // namespace
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWConfig& config,
+                float grad_scale) {
+  constexpr const char* op = "adamw_step";
+  check_contiguous(op, "param", param);
+  check_dtype(op, "param", param, {DType::F32, DType::F64});
+  MC_CHECK(!(param.device().is_cuda() && param.dtype() == DType::F64), op, ": f64 is CPU-only");
+  check_state(op, "grad", grad, param);
+  check_state(op, "exp_avg", exp_avg, param);
+  check_state(op, "exp_avg_sq", exp_avg_sq, param);
+  check_config(op, config);
+  const AdamWCoefficients<float> k32 = adamw_coefficients<float>(config, grad_scale);
+  if (param.device().is_cpu()) {
+    cpu::adamw_step(param, grad, exp_avg, exp_avg_sq, adamw_coefficients<double>(config, grad_scale), k32);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::adamw_step(param, grad, exp_avg, exp_avg_sq, k32));
+  }
+}
+
+}  // namespace moecore::ops

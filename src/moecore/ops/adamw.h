@@ -1,0 +1,81 @@
+// AdamW optimizer step (PyTorch's torch.optim.AdamW: decoupled weight decay), in place on
+// fp32 master weights.
+//   g = grad * grad_scale
+//   p = p * (1 - lr * weight_decay)                 (PyTorch: param.mul_(1 - lr * wd))
+//   m = beta1 * m + (1 - beta1) * g
+//   v = beta2 * v + (1 - beta2) * g^2
+//   p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
+// (= p - lr * (m / bc1) / (sqrt(v / bc2) + eps), in PyTorch's order of operations).
+// param, grad, exp_avg (m), exp_avg_sq (v): one shape, contiguous, all f32 (all f64 allowed
+// on the CPU). step is 1-based. The scalar coefficients (1 - lr*wd, 1 - beta, lr / bc1,
+// sqrt(bc2)) are computed once on the host in double and rounded to the compute type, and
+// both backends apply the same per-element function (adamw_update, MC_HD).
+// Bad configs raise an Error: lr, eps or weight_decay negative (or NaN), beta1 or beta2
+// outside [0, 1), step < 1.
+#pragma once
+
+#include <cmath>
+#include <math.h>
+#include <cstdint>
+#include <type_traits>
+
+#include "moecore/core/host_device.h"
+#include "moecore/core/tensor.h"
+
+namespace moecore::ops {
+
+struct AdamWConfig {
+  double lr, beta1, beta2, eps, weight_decay;
+  int64_t step;  // 1-based
+};
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWConfig& config,
+                float grad_scale = 1.0f);
+
+// Per-step coefficients in the compute type C (float or double).
+template <typename C>
+struct AdamWCoefficients {
+  C decay;             // 1 - lr * weight_decay
+  C beta1, one_minus_beta1;
+  C beta2, one_minus_beta2;
+  C step_size;         // lr / (1 - beta1^step)
+  C bc2_sqrt;          // sqrt(1 - beta2^step)
+  C eps;
+  C grad_scale;
+};
+
+template <typename C>
+AdamWCoefficients<C> adamw_coefficients(const AdamWConfig& c, float grad_scale) {
+  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(c.step));
+  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(c.step));
+  return {static_cast<C>(1.0 - c.lr * c.weight_decay), static_cast<C>(c.beta1), static_cast<C>(1.0 - c.beta1),
+          static_cast<C>(c.beta2), static_cast<C>(1.0 - c.beta2), static_cast<C>(c.lr / bc1),
+          static_cast<C>(std::sqrt(bc2)), static_cast<C>(c.eps), static_cast<C>(grad_scale)};
+}
+
+// One element's update, shared by the CPU and CUDA backends.
+template <typename C>
+MC_HD void adamw_update(C& p, C grad, C& m, C& v, const AdamWCoefficients<C>& k) {
+  const C g = grad * k.grad_scale;
+  p = p * k.decay;
+  m = k.beta1 * m + k.one_minus_beta1 * g;
+  v = k.beta2 * v + k.one_minus_beta2 * (g * g);
+  C root;  // sqrtf for float: the same correctly rounded square root on the CPU and the GPU
+  if constexpr (std::is_same_v<C, float>) {
+    root = sqrtf(v);
+  } else {
+    root = sqrt(v);
+  }
+  p = p - k.step_size * m / (root / k.bc2_sqrt + k.eps);
+}
+
+namespace cpu {
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                const AdamWCoefficients<double>& k64, const AdamWCoefficients<float>& k32);
+}  // namespace cpu
+namespace cuda {
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                const AdamWCoefficients<float>& k);
+}  // namespace cuda
+
+}  // namespace moecore::ops

@@ -1,0 +1,150 @@
+// CUDA cross-entropy: one 256-thread block per row (token), fp32 math.
+// Forward reads the row once: each thread keeps an online (max, sum of exp(x - max)) pair over
+// its strided columns, and the block combines the pairs in a fixed tree, so results are the
+// same run to run. Backward reads the row once more and writes the gradient (in place when
+// dlogits is logits: each element is read and written by the same thread).
+// Out-of-range targets: the block records its row with atomicMin in a device flag (integer,
+// so the first bad row is found deterministically); the host reads the flag after the kernel.
+#include <cstdint>
+
+#include "moecore/ops/cross_entropy.h"
+#include "moecore/ops/cuda_common.cuh"
+
+namespace moecore::ops::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+// cudaMemsetAsync writes bytes: 0x7F7F7F7F is larger than any row index we launch.
+constexpr int kNoBadRow = 0x7F7F7F7F;
+
+struct MaxSum {
+  float m;  // running maximum
+  float s;  // sum of exp(x - m)
+};
+
+__device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.0f};  // both empty (or all -inf)
+  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+}
+
+__device__ __forceinline__ MaxSum warp_combine(MaxSum v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    MaxSum other{__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o)};
+    v = combine(v, other);
+  }
+  return v;
+}
+
+// Block-wide combine (blockDim.x a multiple of 32); every thread gets the result.
+__device__ MaxSum block_combine(MaxSum v) {
+  __shared__ float pm[32], ps[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_combine(v);
+  if (lane == 0) {
+    pm[warp] = v.m;
+    ps[warp] = v.s;
+  }
+  __syncthreads();
+  MaxSum r = lane < warps ? MaxSum{pm[lane], ps[lane]} : MaxSum{-INFINITY, 0.0f};
+  return warp_combine(r);
+}
+
+template <typename T>
+__global__ void cross_entropy_forward_kernel(const T* logits, const int32_t* targets, float* loss, float* lse,
+                                             int64_t classes, int* bad_row) {
+  const int64_t row = blockIdx.x;
+  const T* xr = logits + row * classes;
+  MaxSum acc{-INFINITY, 0.0f};
+  for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
+    const float x = load(xr[c]);
+    if (x > acc.m) {
+      acc.s = acc.s * expf(acc.m - x) + 1.0f;  // rescale to the new maximum (0 * 0 + 1 at the start)
+      acc.m = x;
+    } else if (acc.m != -INFINITY) {
+      acc.s += expf(x - acc.m);
+    }
+  }
+  acc = block_combine(acc);
+  if (threadIdx.x == 0) {
+    const float log_sum = logf(acc.s);
+    lse[row] = acc.m + log_sum;
+    const int32_t t = targets[row];
+    if (t >= classes) {
+      atomicMin(bad_row, static_cast<int>(row));
+      loss[row] = NAN;
+    } else {
+      loss[row] = t < 0 ? 0.0f : (acc.m - load(xr[t])) + log_sum;  // as the CPU: no cancellation
+    }
+  }
+}
+
+// No __restrict__: dlogits may be logits.
+template <typename T>
+__global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* targets, const float* lse,
+                                              const float* dloss, T* dlogits, int64_t classes, int* bad_row) {
+  const int64_t row = blockIdx.x;
+  const int64_t o = row * classes;
+  const int32_t t = targets[row];
+  if (t >= classes && threadIdx.x == 0) atomicMin(bad_row, static_cast<int>(row));
+  if (t < 0 || t >= classes) {
+    for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) dlogits[o + c] = store<T>(0.0f);
+    return;
+  }
+  const float l = lse[row], g = dloss[row];
+  for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
+    const float p = expf(load(logits[o + c]) - l);
+    dlogits[o + c] = store<T>(g * (c == t ? p - 1.0f : p));
+  }
+}
+
+// A one-element device flag for the first bad row, reset on the op's stream.
+Tensor make_flag(const Tensor& like, cudaStream_t s) {
+  Tensor flag = Tensor::empty({1}, DType::I32, like.device());
+  MC_CUDA_CHECK(cudaMemsetAsync(flag.data_ptr(), 0x7F, sizeof(int), s));
+  return flag;
+}
+
+// Reads the flag (a copy to pageable memory on the current stream: waits for the kernel).
+int64_t read_flag(const Tensor& flag) {
+  const int32_t v = flag.to_vector<int32_t>()[0];
+  return v == kNoBadRow ? -1 : v;
+}
+
+}  // namespace
+
+int64_t cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& loss, Tensor& lse, int64_t rows,
+                              int64_t classes) {
+  if (rows == 0) return -1;
+  MC_CHECK(rows < kNoBadRow, "cross_entropy_forward: too many rows (", rows, ") for one launch");
+  cudaStream_t s = prepare(logits);
+  Tensor flag = make_flag(logits, s);
+  dispatch_cuda_floating(logits.dtype(), "cross_entropy_forward", [&](auto tag) {
+    using T = decltype(tag);
+    cross_entropy_forward_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
+        logits.data<T>(), targets.data<int32_t>(), loss.data<float>(), lse.data<float>(), classes,
+        flag.data<int32_t>());
+  });
+  MC_CUDA_CHECK_LAUNCH();
+  return read_flag(flag);
+}
+
+int64_t cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const Tensor& dloss,
+                               Tensor& dlogits, int64_t rows, int64_t classes) {
+  if (rows == 0) return -1;
+  MC_CHECK(rows < kNoBadRow, "cross_entropy_backward: too many rows (", rows, ") for one launch");
+  cudaStream_t s = prepare(logits);
+  Tensor flag = make_flag(logits, s);
+  dispatch_cuda_floating(logits.dtype(), "cross_entropy_backward", [&](auto tag) {
+    using T = decltype(tag);
+    cross_entropy_backward_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
+        logits.data<T>(), targets.data<int32_t>(), lse.data<float>(), dloss.data<float>(), dlogits.data<T>(),
+        classes, flag.data<int32_t>());
+  });
+  MC_CUDA_CHECK_LAUNCH();
+  return read_flag(flag);
+}
+
+}  // namespace moecore::ops::cuda

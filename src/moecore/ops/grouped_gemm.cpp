@@ -1,0 +1,115 @@
+#include "moecore/ops/grouped_gemm.h"
+
+#include "moecore/ops/common.h"
+#include "moecore/ops/gemm.h"
+
+namespace moecore::ops {
+
+namespace {
+
+// rows_per_group: one entry per expert, none negative, summing to `rows`.
+void check_groups(const char* op, const std::vector<int64_t>& groups, int64_t experts, int64_t rows) {
+  MC_CHECK(static_cast<int64_t>(groups.size()) == experts, op, ": rows_per_group has ", groups.size(),
+           " entries; expected one per expert (", experts, ")");
+  int64_t sum = 0;
+  for (size_t e = 0; e < groups.size(); ++e) {
+    MC_CHECK(groups[e] >= 0, op, ": rows_per_group[", e, "] = ", groups[e], " is negative");
+    sum += groups[e];
+  }
+  MC_CHECK(sum == rows, op, ": rows_per_group sums to ", sum, " but the permuted buffer has ", rows, " rows");
+}
+
+void check_2d(const char* op, const char* name, const Tensor& t) {
+  check_contiguous(op, name, t);
+  MC_CHECK(t.ndim() == 2, op, ": argument '", name, "' has shape ", shape_str(t.shape()), "; expected 2-D");
+}
+
+void check_weights(const char* op, const char* name, const Tensor& w) {
+  check_contiguous(op, name, w);
+  MC_CHECK(w.ndim() == 3, op, ": argument '", name, "' has shape ", shape_str(w.shape()), "; expected [E, N, K]");
+}
+
+// b (and the output) must have a's dtype; a weight gradient of bf16 inputs may also be f32.
+void check_dtypes(const char* op, const char* na, const Tensor& a, const char* nb, const Tensor& b, const char* nc,
+                  const Tensor& c, bool fp32_out_ok) {
+  check_dtype(op, na, a, {DType::F32, DType::F64, DType::BF16});
+  MC_CHECK(b.dtype() == a.dtype(), op, ": '", nb, "' is ", dtype_name(b.dtype()), " but '", na, "' is ",
+           dtype_name(a.dtype()));
+  const bool ok = c.dtype() == a.dtype() || (fp32_out_ok && a.dtype() == DType::BF16 && c.dtype() == DType::F32);
+  MC_CHECK(ok, op, ": '", nc, "' is ", dtype_name(c.dtype()), "; expected ", dtype_name(a.dtype()),
+           fp32_out_ok && a.dtype() == DType::BF16 ? " or f32" : "");
+}
+
+// Expert e's [N, K] matrix of a [E, N, K] tensor.
+Tensor expert_matrix(const Tensor& w, int64_t e) { return w.slice(0, e, e + 1).view({w.size(1), w.size(2)}); }
+
+}  // namespace
+
+void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out) {
+  constexpr const char* op = "grouped_gemm_forward";
+  check_2d(op, "x", x);
+  check_weights(op, "w", w);
+  check_2d(op, "out", out);
+  check_same_device(op, x, w);
+  check_same_device(op, x, out);
+  check_groups(op, rows_per_group, w.size(0), x.size(0));
+  MC_CHECK(x.size(1) == w.size(2), op, ": 'x' has ", x.size(1), " columns but 'w' is [E, N, K] with K = ", w.size(2));
+  check_shape(op, "out", out, {x.size(0), w.size(1)});
+  check_dtypes(op, "x", x, "w", w, "out", out, false);
+  int64_t begin = 0;
+  for (size_t e = 0; e < rows_per_group.size(); ++e) {
+    const int64_t end = begin + rows_per_group[e];
+    if (end > begin) {
+      Tensor oe = out.slice(0, begin, end);
+      gemm(x.slice(0, begin, end), expert_matrix(w, static_cast<int64_t>(e)), oe, false, true);
+    }
+    begin = end;
+  }
+}
+
+void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx) {
+  constexpr const char* op = "grouped_gemm_dgrad";
+  check_2d(op, "dout", dout);
+  check_weights(op, "w", w);
+  check_2d(op, "dx", dx);
+  check_same_device(op, dout, w);
+  check_same_device(op, dout, dx);
+  check_groups(op, rows_per_group, w.size(0), dout.size(0));
+  MC_CHECK(dout.size(1) == w.size(1), op, ": 'dout' has ", dout.size(1), " columns but 'w' is [E, N, K] with N = ",
+           w.size(1));
+  check_shape(op, "dx", dx, {dout.size(0), w.size(2)});
+  check_dtypes(op, "dout", dout, "w", w, "dx", dx, false);
+  int64_t begin = 0;
+  for (size_t e = 0; e < rows_per_group.size(); ++e) {
+    const int64_t end = begin + rows_per_group[e];
+    if (end > begin) {
+      Tensor dxe = dx.slice(0, begin, end);
+      gemm(dout.slice(0, begin, end), expert_matrix(w, static_cast<int64_t>(e)), dxe, false, false);
+    }
+    begin = end;
+  }
+}
+
+void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw) {
+  constexpr const char* op = "grouped_gemm_wgrad";
+  check_2d(op, "dout", dout);
+  check_2d(op, "x", x);
+  check_weights(op, "dw", dw);
+  check_same_device(op, dout, x);
+  check_same_device(op, dout, dw);
+  check_groups(op, rows_per_group, dw.size(0), dout.size(0));
+  MC_CHECK(x.size(0) == dout.size(0), op, ": 'x' has ", x.size(0), " rows but 'dout' has ", dout.size(0));
+  check_shape(op, "dw", dw, {dw.size(0), dout.size(1), x.size(1)});
+  check_dtypes(op, "dout", dout, "x", x, "dw", dw, true);
+  int64_t begin = 0;
+  for (size_t e = 0; e < rows_per_group.size(); ++e) {
+    const int64_t end = begin + rows_per_group[e];
+    if (end > begin) {
+      Tensor dwe = expert_matrix(dw, static_cast<int64_t>(e));
+      gemm(dout.slice(0, begin, end), x.slice(0, begin, end), dwe, true, false, 1.0f, 1.0f);
+    }
+    begin = end;
+  }
+}
+
+}  // namespace moecore::ops

@@ -1,0 +1,61 @@
+// CUDA RoPE. A first kernel fills a [2, S, D/2] f32 table of cos and sin, computed in double
+// exactly as the CPU does (so the two agree to the last float bit but for rare roundings of
+// device vs glibc double cos/sin); a second kernel rotates one (i, i + D/2) pair per thread,
+// consecutive threads on consecutive i. The rotation uses explicitly rounded multiplies and
+// adds (no fused multiply-add), the same arithmetic as the CPU reference.
+#include "moecore/ops/cuda_common.cuh"
+#include "moecore/ops/rope.h"
+
+namespace moecore::ops::cuda {
+
+namespace {
+
+__global__ void rope_table_kernel(float* cos_t, float* sin_t, int64_t S, int64_t h, int64_t D, double base,
+                                  int64_t position_offset, bool inverse) {
+  const int64_t n = S * h;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t s = k / h, i = k % h;
+    const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+    const double angle = static_cast<double>(s + position_offset) * inv_freq;
+    double sn, cs;
+    sincos(angle, &sn, &cs);
+    cos_t[k] = static_cast<float>(cs);
+    sin_t[k] = static_cast<float>(inverse ? -sn : sn);
+  }
+}
+
+template <typename T>
+__global__ void rope_kernel(const T* in, T* out, const float* cos_t, const float* sin_t, int64_t pairs, int64_t S,
+                            int64_t N, int64_t h) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < pairs; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = p % h, row = p / h;  // row = (b * S + s) * N + n
+    const int64_t t = ((row / N) % S) * h + i;
+    const float c = cos_t[t], sn = sin_t[t];
+    const int64_t o = row * 2 * h + i;
+    const float a = load(in[o]), b = load(in[o + h]);  // both read before either is written (in place)
+    out[o] = store<T>(__fadd_rn(__fmul_rn(a, c), -__fmul_rn(b, sn)));
+    out[o + h] = store<T>(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn)));
+  }
+}
+
+}  // namespace
+
+void rope(const Tensor& in, Tensor& out, double base, int64_t position_offset, bool inverse) {
+  const int64_t B = in.size(0), S = in.size(1), N = in.size(2), D = in.size(3), h = D / 2;
+  const int64_t pairs = B * S * N * h;
+  if (pairs == 0) return;
+  cudaStream_t s = prepare(in);
+  // Freed at return: the caching allocator reuses it only in this stream's order.
+  Tensor table = Tensor::empty({2, S, h}, DType::F32, in.device());
+  float* cos_t = table.data<float>();
+  float* sin_t = cos_t + S * h;
+  rope_table_kernel<<<grid_for(S * h), 256, 0, s>>>(cos_t, sin_t, S, h, D, base, position_offset, inverse);
+  MC_CUDA_CHECK_LAUNCH();
+  dispatch_cuda_floating(in.dtype(), "rope", [&](auto tag) {
+    using T = decltype(tag);
+    rope_kernel<T><<<grid_for(pairs), 256, 0, s>>>(in.data<T>(), out.data<T>(), cos_t, sin_t, pairs, S, N, h);
+  });
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moecore::ops::cuda

@@ -1,0 +1,112 @@
+#include "moecore/ops/router.h"
+
+#include <cmath>
+
+#include "moecore/ops/common.h"
+#include "moecore/ops/moe_loss.h"
+
+namespace moecore::ops {
+
+void validate_router_config(const RouterConfig& c) {
+  constexpr const char* w = "router config: ";
+  MC_CHECK(c.num_experts > 0, w, "--num-experts must be positive, got ", c.num_experts);
+  MC_CHECK(c.topk >= 1 && c.topk <= c.num_experts, w, "--moe-router-topk ", c.topk, " must be in [1, --num-experts ",
+           c.num_experts, "]");
+  MC_CHECK(c.num_groups >= 0, w, "--moe-router-num-groups must be >= 0 (0 = off), got ", c.num_groups);
+  if (c.num_groups == 0) {
+    MC_CHECK(c.group_topk == 0, w, "--moe-router-group-topk ", c.group_topk, " needs --moe-router-num-groups");
+  } else {
+    MC_CHECK(c.num_experts % c.num_groups == 0, w, "--moe-router-num-groups ", c.num_groups,
+             " must divide --num-experts ", c.num_experts);
+    MC_CHECK(c.group_topk >= 1 && c.group_topk <= c.num_groups, w, "--moe-router-group-topk ", c.group_topk,
+             " must be in [1, --moe-router-num-groups ", c.num_groups, "]");
+    MC_CHECK(c.topk % c.group_topk == 0, w, "--moe-router-topk ", c.topk, " must be divisible by --moe-router-group-topk ",
+             c.group_topk);
+    MC_CHECK(c.topk / c.group_topk <= c.num_experts / c.num_groups, w, "--moe-router-topk ", c.topk,
+             " needs more than the ", c.num_experts / c.num_groups, " experts of a group per kept group (--moe-router-group-topk ",
+             c.group_topk, ")");
+  }
+  MC_CHECK(std::isfinite(c.scaling_factor) && c.scaling_factor >= 0, w,
+           "--moe-router-topk-scaling-factor must be positive (0 = unset), got ", c.scaling_factor);
+  MC_CHECK(!(c.pre_softmax && c.score == RouterScore::Sigmoid), w,
+           "--moe-router-pre-softmax applies only to --moe-router-score-function softmax");
+  if (c.sinkhorn) {
+    // Megatron's sinkhorn routing ignores these; we refuse them rather than ignore them silently.
+    MC_CHECK(c.score == RouterScore::Softmax && !c.pre_softmax, w,
+             "--moe-router-load-balancing-type sinkhorn takes neither --moe-router-score-function sigmoid nor "
+             "--moe-router-pre-softmax");
+    MC_CHECK(c.num_groups == 0, w, "--moe-router-load-balancing-type sinkhorn does not support --moe-router-num-groups");
+    MC_CHECK(c.scaling_factor == 0, w,
+             "--moe-router-load-balancing-type sinkhorn does not support --moe-router-topk-scaling-factor");
+  }
+}
+
+namespace {
+
+void check_logits(const char* op, const Tensor& logits, const RouterConfig& cfg) {
+  check_contiguous(op, "logits", logits);
+  check_dtype(op, "logits", logits, {DType::F32, DType::F64});
+  MC_CHECK(logits.ndim() == 2, op, ": argument 'logits' ", logits.describe(), " must be 2-D [tokens, experts]");
+  MC_CHECK(logits.size(1) == cfg.num_experts, op, ": argument 'logits' has ", logits.size(1),
+           " experts (last dim) but the config has --num-experts ", cfg.num_experts);
+  if (logits.device().is_cuda()) {
+    MC_CHECK(logits.dtype() == DType::F32, op, ": the CUDA router is f32 only (f64 is CPU-only)");
+    MC_CHECK(cfg.num_experts <= kRouterCudaMaxExperts, op, ": the CUDA router supports at most ",
+             kRouterCudaMaxExperts, " experts, got ", cfg.num_experts);
+  }
+}
+
+void check_like(const char* op, const char* name, const Tensor& t, const Tensor& logits, const Shape& shape,
+                DType dtype) {
+  check_contiguous(op, name, t);
+  check_same_device(op, logits, t);
+  check_shape(op, name, t, shape);
+  check_dtype(op, name, t, {dtype});
+}
+
+}  // namespace
+
+void router_topk_forward(const Tensor& logits, const Tensor& expert_bias, const RouterConfig& cfg, Tensor& probs,
+                         Tensor& indices) {
+  constexpr const char* op = "router_topk_forward";
+  validate_router_config(cfg);
+  check_logits(op, logits, cfg);
+  const int64_t T = logits.size(0), E = cfg.num_experts, k = cfg.topk;
+  check_like(op, "probs", probs, logits, {T, k}, logits.dtype());
+  check_like(op, "indices", indices, logits, {T, k}, DType::I32);
+  if (expert_bias.defined()) {
+    MC_CHECK(!cfg.sinkhorn && (cfg.score == RouterScore::Sigmoid || cfg.pre_softmax), op,
+             ": --moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or --moe-router-pre-softmax");
+    check_like(op, "expert_bias", expert_bias, logits, {E}, logits.dtype());
+  }
+  if (T == 0) return;
+  Tensor sel;
+  if (cfg.sinkhorn) {
+    sel = Tensor::empty({T, E}, logits.dtype(), logits.device());
+    sinkhorn(logits, sel);
+  }
+  if (logits.device().is_cpu()) {
+    cpu::router_topk_forward(logits, expert_bias, sel, cfg, probs, indices);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::router_topk_forward(logits, expert_bias, sel, cfg, probs, indices));
+  }
+}
+
+void router_topk_backward(const Tensor& logits, const Tensor& indices, const Tensor& dprobs, const RouterConfig& cfg,
+                          Tensor& dlogits) {
+  constexpr const char* op = "router_topk_backward";
+  validate_router_config(cfg);
+  check_logits(op, logits, cfg);
+  const int64_t T = logits.size(0), E = cfg.num_experts, k = cfg.topk;
+  check_like(op, "indices", indices, logits, {T, k}, DType::I32);
+  check_like(op, "dprobs", dprobs, logits, {T, k}, logits.dtype());
+  check_like(op, "dlogits", dlogits, logits, {T, E}, logits.dtype());
+  if (T == 0) return;
+  if (logits.device().is_cpu()) {
+    cpu::router_topk_backward(logits, indices, dprobs, cfg, dlogits);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::router_topk_backward(logits, indices, dprobs, cfg, dlogits));
+  }
+}
+
+}  // namespace moecore::ops

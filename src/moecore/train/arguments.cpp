@@ -1,0 +1,179 @@
+#include "moecore/train/arguments.h"
+
+#include <algorithm>
+
+namespace moecore {
+
+void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
+  ModelConfig& m = a.model;
+  MoeConfig& e = m.moe;
+  f.add_string("config", &a.config_file, "YAML file of flag values (keys = flag names); flags on the command line override it");
+  // model
+  f.add_int("num-layers", &m.num_layers, "transformer layers");
+  f.add_int("hidden-size", &m.hidden_size, "model width");
+  f.add_int("ffn-hidden-size", &m.ffn_hidden_size, "dense MLP width (0: 4 x hidden)");
+  f.add_int("num-attention-heads", &m.num_attention_heads, "attention heads");
+  f.add_bool("group-query-attention", &a.group_query_attention_flag_, "use --num-query-groups key/value heads");
+  f.add_int("num-query-groups", &m.num_query_groups, "key/value heads with --group-query-attention");
+  f.add_int("kv-channels", &m.kv_channels, "head dim (0: hidden / heads)");
+  f.add_int("seq-length", &m.seq_length, "tokens per sample");
+  f.add_int("max-position-embeddings", &m.max_position_embeddings, "longest position (0: seq length)");
+  f.add_int("vocab-size", &m.vocab_size, "vocabulary size (with --mock-data)");
+  f.add_string("normalization", &a.normalization_, "RMSNorm or LayerNorm");
+  f.add_double("norm-epsilon", &m.norm_epsilon, "normalisation epsilon");
+  f.add_string("position-embedding-type", &m.position_embedding_type, "rope, learned_absolute or none");
+  f.add_double("rotary-base", &m.rotary_base, "RoPE base");
+  f.add_bool("swiglu", &a.swiglu_flag_, "SwiGLU MLPs and experts (default GELU)");
+  f.add_bool("disable-bias-linear", &a.disable_bias_flag_, "no biases in linear layers");
+  f.add_bool("untie-embeddings-and-output-weights", &m.untie_embeddings, "separate output head");
+  f.add_double("init-method-std", &m.init_method_std, "std of the normal weight initialisation");
+  f.add_bool("qk-layernorm", &m.qk_layernorm, "normalise queries and keys per head");
+  // MoE
+  f.add_int("num-experts", &e.num_experts, "experts per MoE layer (0: dense model)");
+  f.add_string("moe-layer-freq", &a.moe_layer_freq, "MoE layer pattern: int N (every N-th layer) or a list like [0,1,1,1]");
+  f.add_int("moe-ffn-hidden-size", &e.ffn_hidden_size, "expert FFN width (0: --ffn-hidden-size)");
+  f.add_int("moe-router-topk", &e.router.topk, "experts per token");
+  f.add_string("moe-router-score-function", &a.router_score_function, "softmax or sigmoid");
+  f.add_bool("moe-router-pre-softmax", &e.router.pre_softmax, "softmax before top-k (probabilities not renormalised)");
+  f.add_int("moe-router-num-groups", &e.router.num_groups, "expert groups for group-limited routing");
+  f.add_int("moe-router-group-topk", &e.router.group_topk, "groups each token may use");
+  f.add_double("moe-router-topk-scaling-factor", &e.router.scaling_factor, "multiply routing probabilities (0: off)");
+  f.add_string("moe-router-dtype", &a.router_dtype, "router precision: fp32 or fp64 (fp64 on the CPU only)");
+  f.add_double("moe-input-jitter-eps", &e.input_jitter_eps, "multiply router inputs by U(1-eps, 1+eps) in training");
+  f.add_bool("moe-router-force-load-balancing", &e.force_load_balancing, "benchmark mode: perfectly balanced routing");
+  f.add_string("moe-router-load-balancing-type", &a.load_balancing_type,
+               "aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none");
+  f.add_double("moe-aux-loss-coeff", &e.aux_loss_coeff, "load-balancing loss coefficient");
+  f.add_double("moe-z-loss-coeff", &e.z_loss_coeff, "router z-loss coefficient");
+  f.add_bool("moe-router-enable-expert-bias", &e.enable_expert_bias, "aux-loss-free balancing with a per-expert bias");
+  f.add_double("moe-router-bias-update-rate", &e.bias_update_rate, "expert-bias update rate");
+  f.add_double("moe-expert-capacity-factor", &e.capacity_factor, "capacity factor (0: dropless)");
+  f.add_string("moe-token-drop-policy", &a.token_drop_policy, "probs or position");
+  f.add_bool("moe-pad-expert-input-to-capacity", &e.pad_to_capacity, "pad every expert to its capacity");
+  f.add_int("moe-shared-expert-intermediate-size", &e.shared_expert_size, "shared expert width (0: none)");
+  f.add_bool("moe-shared-expert-gate", &e.shared_expert_gate, "sigmoid gate on the shared expert (Qwen2-MoE)");
+  f.add_bool("moe-per-layer-logging", &e.per_layer_logging, "log tokens per expert and losses per layer");
+  // training
+  f.add_int("micro-batch-size", &a.micro_batch_size, "samples per micro-batch");
+  f.add_int("global-batch-size", &a.global_batch_size, "samples per step (0: micro batch size)");
+  f.add_int("train-iters", &a.train_iters, "optimizer steps");
+  f.add_double("lr", &a.lr, "peak learning rate");
+  f.add_double("min-lr", &a.min_lr, "learning rate at the end of decay");
+  f.add_string("lr-decay-style", &a.lr_decay_style_text, "constant, linear, cosine or WSD");
+  f.add_int("lr-warmup-iters", &a.lr_warmup_iters, "linear warm-up steps");
+  f.add_int("lr-decay-iters", &a.lr_decay_iters, "decay steps (0: train iters)");
+  f.add_int("lr-wsd-decay-iters", &a.lr_wsd_decay_iters, "WSD: steps of the final decay (0: 10% of decay iters)");
+  f.add_double("weight-decay", &a.weight_decay, "AdamW weight decay (not on norms and biases)");
+  f.add_double("adam-beta1", &a.adam_beta1, "AdamW beta1");
+  f.add_double("adam-beta2", &a.adam_beta2, "AdamW beta2");
+  f.add_double("adam-eps", &a.adam_eps, "AdamW epsilon");
+  f.add_double("clip-grad", &a.clip_grad, "global gradient-norm clip (0: off)");
+  f.add_bool("bf16", &a.bf16, "bf16 compute with fp32 master weights (GPU)");
+  f.add_int("seed", &a.seed, "random seed (initialisation, data, jitter)");
+  f.add_int("log-interval", &a.log_interval, "steps between log lines");
+  f.add_int("eval-interval", &a.eval_interval, "steps between validation runs (0: none)");
+  f.add_int("eval-iters", &a.eval_iters, "validation batches per run");
+  f.add_string("save", &a.save, "checkpoint directory");
+  f.add_int("save-interval", &a.save_interval, "steps between checkpoints (0: only at the end)");
+  f.add_string("load", &a.load, "checkpoint directory to resume from");
+  f.add_string("tensorboard-dir", &a.tensorboard_dir, "write TensorBoard event files here");
+  f.add_string("metrics-file", &a.metrics_file, "JSONL metrics file (default: <save>/metrics.jsonl when --save is set)");
+  f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda when present)");
+  f.add_bool("mock-data", &a.mock_data, "synthetic learnable data (arithmetic progressions)");
+}
+
+TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text) {
+  TrainArgs a;
+  cli::FlagSet flags("moecore train", "Train a GPT-style MoE model (Megatron-LM flag names).");
+  register_train_flags(flags, a);
+  // --config first, so that command-line flags override the file.
+  for (size_t i = 0; i < argv.size(); ++i) {
+    std::string file;
+    if (argv[i] == "--config" && i + 1 < argv.size()) file = argv[i + 1];
+    if (argv[i].rfind("--config=", 0) == 0) file = argv[i].substr(9);
+    if (!file.empty()) flags.load_yaml(file);
+  }
+  flags.parse(argv);
+  *help_requested = flags.help_requested();
+  *help_text = flags.help();
+  if (*help_requested) return a;
+  finalize_train_args(a);
+  return a;
+}
+
+void finalize_train_args(TrainArgs& a) {
+  ModelConfig& m = a.model;
+  MoeConfig& e = m.moe;
+  if (a.normalization_ == "RMSNorm") {
+    m.rmsnorm = true;
+  } else if (a.normalization_ == "LayerNorm") {
+    m.rmsnorm = false;
+  } else {
+    MC_FAIL("--normalization '", a.normalization_, "': expected RMSNorm or LayerNorm");
+  }
+  m.swiglu = a.swiglu_flag_;
+  m.add_bias_linear = !a.disable_bias_flag_;
+  if (!a.group_query_attention_flag_) {
+    MC_CHECK(m.num_query_groups == 0 || m.num_query_groups == m.num_attention_heads,
+             "--num-query-groups needs --group-query-attention");
+    m.num_query_groups = 0;
+  }
+  if (a.router_score_function == "softmax") {
+    e.router.score = ops::RouterScore::Softmax;
+  } else if (a.router_score_function == "sigmoid") {
+    e.router.score = ops::RouterScore::Sigmoid;
+  } else {
+    MC_FAIL("--moe-router-score-function '", a.router_score_function, "': expected softmax or sigmoid");
+  }
+  MC_CHECK(a.router_dtype == "fp32" || a.router_dtype == "fp64", "--moe-router-dtype '", a.router_dtype,
+           "': expected fp32 or fp64");
+  e.router_fp64 = a.router_dtype == "fp64";
+  const std::string& lb = a.load_balancing_type;
+  if (lb == "aux_loss") e.load_balancing = LoadBalancing::AuxLoss;
+  else if (lb == "seq_aux_loss") e.load_balancing = LoadBalancing::SeqAuxLoss;
+  else if (lb == "global_aux_loss") e.load_balancing = LoadBalancing::GlobalAuxLoss;
+  else if (lb == "sinkhorn") e.load_balancing = LoadBalancing::Sinkhorn;
+  else if (lb == "none") e.load_balancing = LoadBalancing::None;
+  else MC_FAIL("--moe-router-load-balancing-type '", lb, "': expected aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none");
+  if (a.token_drop_policy == "probs") e.drop_policy = ops::DropPolicy::Probs;
+  else if (a.token_drop_policy == "position") e.drop_policy = ops::DropPolicy::Position;
+  else MC_FAIL("--moe-token-drop-policy '", a.token_drop_policy, "': expected probs or position");
+
+  MC_CHECK(a.mock_data, "moecore train needs a data source: --mock-data (Megatron .bin/.idx datasets through "
+                        "--data-path arrive with the data work)");
+  finalize_model_config(m, a.moe_layer_freq);
+
+  MC_CHECK(a.micro_batch_size >= 1, "--micro-batch-size ", a.micro_batch_size, " must be >= 1");
+  if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size;
+  MC_CHECK(a.global_batch_size % a.micro_batch_size == 0, "--global-batch-size ", a.global_batch_size,
+           " is not divisible by --micro-batch-size ", a.micro_batch_size);
+  MC_CHECK(a.train_iters >= 1, "--train-iters ", a.train_iters, " must be >= 1");
+  MC_CHECK(a.lr >= 0 && a.min_lr >= 0 && a.min_lr <= a.lr, "--lr ", a.lr, " and --min-lr ", a.min_lr,
+           " must satisfy 0 <= min-lr <= lr");
+  const std::string& s = a.lr_decay_style_text;
+  if (s == "constant") a.lr_decay_style = LrDecayStyle::Constant;
+  else if (s == "linear") a.lr_decay_style = LrDecayStyle::Linear;
+  else if (s == "cosine") a.lr_decay_style = LrDecayStyle::Cosine;
+  else if (s == "WSD" || s == "wsd") a.lr_decay_style = LrDecayStyle::WSD;
+  else MC_FAIL("--lr-decay-style '", s, "': expected constant, linear, cosine or WSD");
+  if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
+  MC_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters <= a.lr_decay_iters, "--lr-warmup-iters ",
+           a.lr_warmup_iters, " must be in [0, --lr-decay-iters ", a.lr_decay_iters, "]");
+  if (a.lr_wsd_decay_iters == 0) a.lr_wsd_decay_iters = std::max<int64_t>(1, a.lr_decay_iters / 10);
+  MC_CHECK(a.weight_decay >= 0, "--weight-decay ", a.weight_decay, " must be >= 0");
+  MC_CHECK(a.adam_beta1 >= 0 && a.adam_beta1 < 1 && a.adam_beta2 >= 0 && a.adam_beta2 < 1,
+           "--adam-beta1 and --adam-beta2 must be in [0, 1)");
+  MC_CHECK(a.adam_eps > 0, "--adam-eps ", a.adam_eps, " must be > 0");
+  MC_CHECK(a.clip_grad >= 0, "--clip-grad ", a.clip_grad, " must be >= 0");
+  MC_CHECK(a.log_interval >= 1, "--log-interval ", a.log_interval, " must be >= 1");
+  MC_CHECK(a.eval_interval >= 0 && a.eval_iters >= 1, "--eval-interval must be >= 0 and --eval-iters >= 1");
+  MC_CHECK(a.save_interval >= 0, "--save-interval ", a.save_interval, " must be >= 0");
+  MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");
+  a.device = a.device_text.empty() ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu())
+                                   : parse_device(a.device_text);
+  MC_CHECK(!(a.bf16 && a.device.is_cpu()), "--bf16 needs a CUDA device (--device cuda); the CPU trains in fp32");
+  MC_CHECK(!(e.router_fp64 && a.device.is_cuda()), "--moe-router-dtype fp64 is CPU-only; the GPU router runs in fp32");
+  if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";
+}
+
+}  // namespace moecore

@@ -1,0 +1,58 @@
+// `moecore train` arguments: Megatron-LM flag names, a YAML config (--config FILE, keys = flag
+// names, with '-' or '_'), command-line flags overriding the file. Every flag here is
+// implemented; see README "moecore train" for the list.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "moecore/cli/flags.h"
+#include "moecore/core/device.h"
+#include "moecore/model/config.h"
+
+namespace moecore {
+
+enum class LrDecayStyle { Constant, Linear, Cosine, WSD };
+
+struct TrainArgs {
+  ModelConfig model;
+  std::string moe_layer_freq = "1";
+  // router/balancing flag texts, mapped onto model.moe in finalize
+  std::string router_score_function = "softmax", router_dtype = "fp32", load_balancing_type = "aux_loss",
+              token_drop_policy = "probs";
+
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 0;  // 0: = micro batch size (no accumulation)
+  int64_t train_iters = 0;
+  double lr = 1e-4, min_lr = 0.0;
+  std::string lr_decay_style_text = "linear";
+  LrDecayStyle lr_decay_style = LrDecayStyle::Linear;
+  int64_t lr_warmup_iters = 0, lr_decay_iters = 0;  // 0 decay iters: = train iters
+  int64_t lr_wsd_decay_iters = 0;                    // WSD: final iterations that decay (0: 10% of decay iters)
+  double weight_decay = 0.01, adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8, clip_grad = 1.0;
+  bool bf16 = false;
+  int64_t seed = 1234;
+  int64_t log_interval = 1, eval_interval = 0, eval_iters = 10;
+  std::string save, load, tensorboard_dir, metrics_file;
+  int64_t save_interval = 0;
+  std::string device_text;  // "" = cuda when present, else cpu
+  Device device;
+  bool mock_data = false;
+  std::string config_file;
+
+  int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }
+
+  // flag texts mapped onto the model config in finalize_train_args
+  std::string normalization_ = "RMSNorm";
+  bool swiglu_flag_ = false, disable_bias_flag_ = false, group_query_attention_flag_ = false;
+};
+
+// Registers every train flag on `flags`, bound to `args`.
+void register_train_flags(cli::FlagSet& flags, TrainArgs& args);
+// Parses argv (with --config FILE applied first), fills derived values and validates every
+// combination; raises cli::UsageError / Error naming the flag.
+TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text);
+// Derived values and checks, after parsing.
+void finalize_train_args(TrainArgs& args);
+
+}  // namespace moecore

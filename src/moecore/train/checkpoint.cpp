@@ -1,0 +1,202 @@
+#include "moecore/train/checkpoint.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace moecore {
+
+namespace {
+const char* st_dtype(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::F64: return "F64";
+    case DType::BF16: return "BF16";
+    case DType::I32: return "I32";
+    default: MC_FAIL("checkpoint: dtype ", dtype_name(t), " not supported");
+  }
+}
+DType from_st_dtype(const std::string& s, const std::string& file) {
+  if (s == "F32") return DType::F32;
+  if (s == "F64") return DType::F64;
+  if (s == "BF16") return DType::BF16;
+  if (s == "I32") return DType::I32;
+  MC_FAIL("'", file, "': unsupported safetensors dtype '", s, "'");
+}
+std::string iter_name(int64_t it) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "iter_%07lld", static_cast<long long>(it));
+  return buf;
+}
+void write_text_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp-" + std::to_string(getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    MC_CHECK(f.good(), "cannot write '", tmp.string(), "'");
+    f << text;
+    f.flush();
+    MC_CHECK(f.good(), "writing '", tmp.string(), "' failed (disk full?)");
+  }
+  fs::rename(tmp, path);
+}
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors) {
+  nlohmann::json header = nlohmann::json::object();
+  header["__metadata__"] = {{"format", "moecore-checkpoint"}};
+  size_t offset = 0;
+  for (const NamedTensor& nt : tensors) {
+    const size_t bytes = nt.tensor.nbytes();
+    header[nt.name] = {{"dtype", st_dtype(nt.tensor.dtype())}, {"shape", nt.tensor.shape()},
+                       {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h.push_back(' ');  // 8-byte aligned data, as writers do
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  MC_CHECK(f.good(), "cannot write '", path, "'");
+  const uint64_t n = h.size();
+  f.write(reinterpret_cast<const char*>(&n), 8);
+  f.write(h.data(), static_cast<std::streamsize>(h.size()));
+  for (const NamedTensor& nt : tensors)
+    f.write(static_cast<const char*>(nt.tensor.data_ptr()), static_cast<std::streamsize>(nt.tensor.nbytes()));
+  f.flush();
+  MC_CHECK(f.good(), "writing '", path, "' failed (disk full?)");
+}
+
+std::vector<NamedTensor> read_safetensors(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  MC_CHECK(f.good(), "cannot read '", path, "'");
+  const uint64_t file_size = fs::file_size(path);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  MC_CHECK(f.good() && n > 0 && 8 + n <= file_size, "'", path, "' is not a safetensors file (header length ", n,
+           ", file size ", file_size, ")");
+  std::string h(n, '\0');
+  f.read(h.data(), static_cast<std::streamsize>(n));
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(h);
+  } catch (const std::exception& e) {
+    MC_FAIL("'", path, "': header is not valid JSON: ", e.what());
+  }
+  const uint64_t data_size = file_size - 8 - n;
+  std::vector<NamedTensor> out;
+  for (auto& [name, info] : header.items()) {
+    if (name == "__metadata__") continue;
+    const DType dt = from_st_dtype(info.at("dtype").get<std::string>(), path);
+    const Shape shape = info.at("shape").get<Shape>();
+    const auto offs = info.at("data_offsets").get<std::vector<uint64_t>>();
+    MC_CHECK(offs.size() == 2 && offs[0] <= offs[1] && offs[1] <= data_size, "'", path, "': tensor '", name,
+             "' has data offsets beyond the file (truncated?)");
+    MC_CHECK(offs[1] - offs[0] == static_cast<uint64_t>(shape_numel(shape)) * dtype_size(dt), "'", path,
+             "': tensor '", name, "' has ", offs[1] - offs[0], " bytes for shape ", shape_str(shape));
+    Tensor t = Tensor::empty(shape, dt);
+    f.seekg(static_cast<std::streamoff>(8 + n + offs[0]));
+    f.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    MC_CHECK(f.good(), "'", path, "': short read of tensor '", name, "'");
+    out.push_back({name, t});
+  }
+  return out;
+}
+
+void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  MC_CHECK(!ec, "--save '", dir, "': cannot create it: ", ec.message());
+  const fs::path final_dir = fs::path(dir) / iter_name(state.iteration);
+  const fs::path tmp_dir = fs::path(dir) / (iter_name(state.iteration) + ".tmp-" + std::to_string(getpid()));
+  fs::remove_all(tmp_dir);
+  fs::create_directories(tmp_dir);
+  std::vector<NamedTensor> tensors;
+  for (const auto& p : params.all()) {
+    tensors.push_back({p->name, p->master.to(Device::cpu())});
+    if (p->trainable) {
+      tensors.push_back({p->name + ".exp_avg", p->exp_avg.to(Device::cpu())});
+      tensors.push_back({p->name + ".exp_avg_sq", p->exp_avg_sq.to(Device::cpu())});
+    }
+  }
+  write_safetensors((tmp_dir / "model_optim.safetensors").string(), tensors);
+  const nlohmann::json meta = {{"format", "moecore-checkpoint-v1"},
+                               {"iteration", state.iteration},
+                               {"consumed_samples", state.consumed_samples},
+                               {"skipped_iterations", state.skipped_iterations},
+                               {"nan_iterations", state.nan_iterations}};
+  write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
+  // Replace a previous checkpoint of the same iteration only once the new one is complete.
+  if (fs::exists(final_dir)) {
+    const fs::path old = final_dir.string() + ".old-" + std::to_string(getpid());
+    fs::rename(final_dir, old);
+    fs::rename(tmp_dir, final_dir);
+    fs::remove_all(old);
+  } else {
+    fs::rename(tmp_dir, final_dir);
+  }
+  write_text_atomically(fs::path(dir) / "latest_checkpointed_iteration.txt", std::to_string(state.iteration) + "\n");
+}
+
+TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
+  fs::path ckpt = dir;
+  MC_CHECK(fs::exists(ckpt), "--load '", dir, "': no such directory");
+  if (!fs::exists(ckpt / "meta.json")) {
+    const fs::path latest = ckpt / "latest_checkpointed_iteration.txt";
+    MC_CHECK(fs::exists(latest), "--load '", dir, "': neither a checkpoint (no meta.json) nor a save directory (no ",
+             "latest_checkpointed_iteration.txt)");
+    std::ifstream f(latest);
+    long long it = -1;
+    f >> it;
+    MC_CHECK(f && it >= 0, "--load '", dir, "': latest_checkpointed_iteration.txt does not hold an iteration");
+    ckpt /= iter_name(it);
+    MC_CHECK(fs::exists(ckpt / "meta.json"), "--load '", dir, "': the latest checkpoint '", ckpt.string(),
+             "' is missing or incomplete");
+  }
+  nlohmann::json meta;
+  try {
+    std::ifstream f(ckpt / "meta.json");
+    meta = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    MC_FAIL("'", (ckpt / "meta.json").string(), "' is not valid JSON: ", e.what());
+  }
+  MC_CHECK(meta.value("format", "") == "moecore-checkpoint-v1", "'", (ckpt / "meta.json").string(),
+           "': unknown checkpoint format '", meta.value("format", ""), "'");
+  const std::vector<NamedTensor> tensors = read_safetensors((ckpt / "model_optim.safetensors").string());
+  std::map<std::string, Tensor> by_name;
+  for (const NamedTensor& nt : tensors) by_name[nt.name] = nt.tensor;
+  auto take = [&](const std::string& name, Tensor& dst) {
+    auto it = by_name.find(name);
+    MC_CHECK(it != by_name.end(), "checkpoint '", ckpt.string(), "' has no tensor '", name,
+             "': it was saved from a different model configuration");
+    MC_CHECK(it->second.shape() == dst.shape() && it->second.dtype() == dst.dtype(), "checkpoint tensor '", name,
+             "' is ", it->second.describe(), "; this model expects ", dtype_name(dst.dtype()), " ",
+             shape_str(dst.shape()));
+    dst.copy_from(it->second.to(dst.device()));
+    by_name.erase(it);
+  };
+  for (const auto& p : params.all()) {
+    take(p->name, p->master);
+    if (p->trainable) {
+      take(p->name + ".exp_avg", p->exp_avg);
+      take(p->name + ".exp_avg_sq", p->exp_avg_sq);
+    }
+  }
+  MC_CHECK(by_name.empty(), "checkpoint '", ckpt.string(), "' has tensor '", by_name.begin()->first,
+           "' that this model does not: it was saved from a different model configuration");
+  params.refresh_compute_weights();
+  params.zero_grad();
+  TrainingState s;
+  s.iteration = meta.at("iteration").get<int64_t>();
+  s.consumed_samples = meta.at("consumed_samples").get<int64_t>();
+  s.skipped_iterations = meta.value("skipped_iterations", int64_t{0});
+  s.nan_iterations = meta.value("nan_iterations", int64_t{0});
+  return s;
+}
+
+}  // namespace moecore

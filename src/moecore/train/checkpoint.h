@@ -1,0 +1,39 @@
+// Checkpoints (single rank; the distributed, reshardable format comes with the parallel work).
+//
+//   <save>/iter_0000100/model_optim.safetensors   every parameter's fp32 master ("<name>"), and
+//                                                 for trainable ones "<name>.exp_avg" and
+//                                                 "<name>.exp_avg_sq"; buffers (expert bias) too
+//   <save>/iter_0000100/meta.json                 iteration, consumed samples, counters, format
+//   <save>/latest_checkpointed_iteration.txt      "100"
+// Writes go to a temporary directory that is renamed into place, and the "latest" file is
+// replaced by rename, so a crash never leaves a damaged last checkpoint. Loading checks every
+// tensor's presence, dtype and shape and names the first that differs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "moecore/model/params.h"
+
+namespace moecore {
+
+struct TrainingState {
+  int64_t iteration = 0;
+  int64_t consumed_samples = 0;
+  int64_t skipped_iterations = 0;
+  int64_t nan_iterations = 0;
+};
+
+void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state);
+// Loads the latest checkpoint under dir (or dir itself if it is an iter_* directory).
+TrainingState load_checkpoint(const std::string& dir, ParamStore& params);
+
+// Minimal safetensors I/O for the checkpoint (the full reader/writer comes with HF interop).
+struct NamedTensor {
+  std::string name;
+  Tensor tensor;  // CPU, contiguous
+};
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors);
+std::vector<NamedTensor> read_safetensors(const std::string& path);
+
+}  // namespace moecore

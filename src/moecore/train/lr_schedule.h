@@ -1,0 +1,17 @@
+// Megatron's learning-rate schedule (OptimizerParamScheduler):
+//   warm-up:  lr * step / warmup            for step <= warmup
+//   decay over (warmup, decay_iters] from lr to min_lr:
+//     constant  lr
+//     linear    min + (lr - min) * (1 - r)            r = (step - warmup) / (decay - warmup)
+//     cosine    min + (lr - min) * 0.5 * (1 + cos(pi r))
+//     WSD       lr until decay - wsd_decay, then linear to min_lr over the last wsd_decay steps
+//   after decay_iters: min_lr.
+#pragma once
+
+#include "moecore/train/arguments.h"
+
+namespace moecore {
+
+double learning_rate(const TrainArgs& args, int64_t step);  // step is 1-based
+
+}  // namespace moecore

@@ -1,0 +1,267 @@
+#include "moecore/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "moecore/core/allocator.h"
+#include "moecore/data/mock_data.h"
+#include "moecore/model/gpt.h"
+#include "moecore/ops/adamw.h"
+#include "moecore/ops/reduce.h"
+#include "moecore/train/checkpoint.h"
+#include "moecore/train/lr_schedule.h"
+#include "moecore/train/tensorboard.h"
+
+namespace moecore {
+
+int64_t active_matmul_params(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, d = c.head_dim();
+  const int64_t attn = h * c.num_attention_heads * d * 2 + h * c.kv_heads() * d * 2;
+  int64_t total = c.vocab_size * h;  // output head
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    total += attn;
+    if (c.is_moe(i)) {
+      const int64_t f = c.moe.ffn_hidden_size;
+      total += c.moe.num_experts * h + c.moe.router.topk * h * f * (c.swiglu ? 3 : 2);
+      if (c.moe.shared_expert_size > 0) total += h * c.moe.shared_expert_size * (c.swiglu ? 3 : 2);
+    } else {
+      total += h * c.ffn_hidden_size * (c.swiglu ? 3 : 2);
+    }
+  }
+  return total;
+}
+
+double model_flops_per_step(const ModelConfig& c, int64_t tokens) {
+  return 6.0 * static_cast<double>(active_matmul_params(c)) * static_cast<double>(tokens) +
+         6.0 * static_cast<double>(c.num_layers) * static_cast<double>(c.seq_length) *
+             static_cast<double>(c.hidden_size) * static_cast<double>(tokens);
+}
+
+namespace {
+
+std::string timestamp() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+  return buf;
+}
+
+double sum_of_squares(const ParamStore& store, bool grads) {
+  double total = 0;
+  for (const auto& p : store.all()) {
+    if (!p->trainable) continue;
+    const Tensor& t = grads ? p->grad : p->master;
+    Tensor out = Tensor::empty({1}, t.dtype(), t.device());
+    ops::sum_squares(t, out);
+    total += t.dtype() == DType::F64 ? out.to_vector<double>()[0] : out.to_vector<float>()[0];
+  }
+  return total;
+}
+
+AllocatorStats memory_stats(Device d) {
+  return d.is_cuda() ? cuda_allocator(d.index).stats() : cpu_allocator().stats();
+}
+
+}  // namespace
+
+int run_training(const TrainArgs& args) {
+  const ModelConfig& cfg = args.model;
+  const Device dev = args.device;
+  set_current_device(dev);
+  const DType compute = args.bf16 ? DType::BF16 : DType::F32;
+  ParamStore store(dev, DType::F32, compute, static_cast<uint64_t>(args.seed));
+  GPTModel model(cfg, store);
+  store.initialize();
+  TrainingState state;
+  if (!args.load.empty()) {
+    state = load_checkpoint(args.load, store);
+    std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
+                static_cast<long long>(state.iteration));
+  }
+  const MockData train_data(cfg.vocab_size, cfg.seq_length, static_cast<uint64_t>(args.seed), "train");
+  const MockData valid_data(cfg.vocab_size, cfg.seq_length, static_cast<uint64_t>(args.seed), "valid");
+  std::unique_ptr<TensorBoardWriter> tb;
+  if (!args.tensorboard_dir.empty()) tb = std::make_unique<TensorBoardWriter>(args.tensorboard_dir);
+  std::ofstream metrics;
+  if (!args.metrics_file.empty()) {
+    std::error_code ec;
+    const auto parent = std::filesystem::path(args.metrics_file).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    metrics.open(args.metrics_file, std::ios::app);
+    MC_CHECK(metrics.good(), "--metrics-file '", args.metrics_file, "': cannot open it for writing");
+  }
+
+  const int64_t micro = args.num_microbatches();
+  const int64_t tokens_per_step = args.global_batch_size * cfg.seq_length;
+  const double flops_per_step = model_flops_per_step(cfg, tokens_per_step);
+  std::printf("moecore train: %lld parameters (%lld active matmul), %s, %s compute, %lld micro-batches of %lld, "
+              "%.3g model FLOPs per step\n",
+              static_cast<long long>(store.num_elements()), static_cast<long long>(active_matmul_params(cfg)),
+              dev.str().c_str(), dtype_name(compute), static_cast<long long>(micro),
+              static_cast<long long>(args.micro_batch_size), flops_per_step);
+
+  std::vector<MoeLayer*> moe_layers = model.moe_layers();
+  double interval_loss = 0, interval_ms = 0;
+  int64_t interval_steps = 0;
+  double last_aux = 0, last_z = 0;
+  auto save = [&] {
+    if (args.save.empty()) return;
+    save_checkpoint(args.save, store, state);
+    std::printf("saved checkpoint to %s at iteration %lld\n", args.save.c_str(), static_cast<long long>(state.iteration));
+  };
+
+  for (int64_t it = state.iteration + 1; it <= args.train_iters; ++it) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (dev.is_cuda()) cuda_allocator(dev.index).reset_peak();
+    double loss_sum = 0;
+    for (int64_t m = 0; m < micro; ++m) {
+      const Batch b = train_data.batch(state.consumed_samples + m * args.micro_batch_size, args.micro_batch_size, dev);
+      GPTModel::Ctx ctx;
+      const uint64_t rng = static_cast<uint64_t>(args.seed) * 0x100000001B3ull + static_cast<uint64_t>(it * micro + m);
+      loss_sum += model.forward(b.tokens, b.labels, true, rng, ctx);
+      model.backward(1.0 / static_cast<double>(micro), ctx);
+    }
+    const double lm_loss = loss_sum / static_cast<double>(micro);
+    const double grad_sq = sum_of_squares(store, true);
+    double aux = 0, z = 0;
+    std::vector<MoeStepStats> layer_stats;
+    for (MoeLayer* l : moe_layers) layer_stats.push_back(l->finish_step());
+    for (const MoeStepStats& s : layer_stats) {
+      aux += s.aux_loss / static_cast<double>(micro);
+      z += s.z_loss / static_cast<double>(micro);
+    }
+    if (!layer_stats.empty()) {
+      aux /= static_cast<double>(layer_stats.size());
+      z /= static_cast<double>(layer_stats.size());
+    }
+    state.consumed_samples += args.global_batch_size;
+    state.iteration = it;
+    const double lr = learning_rate(args, it);
+    double grad_norm = std::sqrt(grad_sq);
+    if (!std::isfinite(lm_loss) || !std::isfinite(grad_sq)) {
+      std::printf("iteration %lld: %s in the %s; step skipped\n", static_cast<long long>(it),
+                  std::isnan(lm_loss) || std::isnan(grad_sq) ? "NaN" : "Inf",
+                  std::isfinite(lm_loss) ? "gradients" : "loss");
+      state.skipped_iterations++;
+      state.nan_iterations++;
+      store.zero_grad();
+    } else {
+      const double clip = args.clip_grad > 0 && grad_norm > args.clip_grad ? args.clip_grad / (grad_norm + 1e-6) : 1.0;
+      const int64_t opt_step = it - state.skipped_iterations;
+      for (const auto& p : store.all()) {
+        if (!p->trainable) continue;
+        const ops::AdamWConfig c{lr, args.adam_beta1, args.adam_beta2, args.adam_eps,
+                                 p->weight_decay ? args.weight_decay : 0.0, opt_step};
+        ops::adamw_step(p->master, p->grad, p->exp_avg, p->exp_avg_sq, c, static_cast<float>(clip));
+      }
+      store.refresh_compute_weights();
+      store.zero_grad();
+    }
+    synchronize(dev);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    interval_loss += lm_loss;
+    interval_ms += ms;
+    interval_steps++;
+    last_aux = aux;
+    last_z = z;
+
+    if (it % args.log_interval == 0 || it == args.train_iters) {
+      const double avg_ms = interval_ms / static_cast<double>(interval_steps);
+      const double avg_loss = interval_loss / static_cast<double>(interval_steps);
+      const double tflops = flops_per_step / (avg_ms * 1e-3) / 1e12;
+      const double tokens_per_s = static_cast<double>(tokens_per_step) / (avg_ms * 1e-3);
+      const AllocatorStats mem = memory_stats(dev);
+      const double params_norm = std::sqrt(sum_of_squares(store, false));
+      std::printf(" [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f | "
+                  "throughput per GPU (TFLOP/s/GPU): %.1f | learning rate: %.6E | global batch size: %5lld | "
+                  "lm loss: %.6E |",
+                  timestamp().c_str(), static_cast<long long>(it), static_cast<long long>(args.train_iters),
+                  static_cast<long long>(state.consumed_samples), avg_ms, tflops, lr,
+                  static_cast<long long>(args.global_batch_size), avg_loss);
+      if (!moe_layers.empty()) std::printf(" load_balancing_loss: %.6E | z_loss: %.6E |", last_aux, last_z);
+      std::printf(" loss scale: 1.0 | grad norm: %.3f | params norm: %.3f | number of skipped iterations: %3lld | "
+                  "number of nan iterations: %3lld | tokens/s: %.0f |",
+                  grad_norm, params_norm, static_cast<long long>(state.skipped_iterations),
+                  static_cast<long long>(state.nan_iterations), tokens_per_s);
+      if (dev.is_cuda()) std::printf(" MFU: %.1f%% |", 100.0 * tflops / 989.0);
+      std::printf(" mem allocated/peak (GB): %.2f/%.2f |\n", mem.allocated_bytes / 1e9, mem.peak_allocated_bytes / 1e9);
+      if (cfg.moe.per_layer_logging) {
+        for (size_t l = 0; l < layer_stats.size(); ++l) {
+          std::printf("   moe layer %zu: load_balancing_loss %.6E z_loss %.6E tokens per expert [", l,
+                      layer_stats[l].aux_loss / static_cast<double>(micro), layer_stats[l].z_loss / static_cast<double>(micro));
+          for (size_t e = 0; e < layer_stats[l].tokens_per_expert.size(); ++e)
+            std::printf("%s%.0f", e ? " " : "", layer_stats[l].tokens_per_expert[e]);
+          std::printf("]\n");
+        }
+      }
+      std::fflush(stdout);
+      nlohmann::json j = {{"iteration", it},        {"lm_loss", avg_loss},       {"learning_rate", lr},
+                          {"grad_norm", grad_norm}, {"params_norm", params_norm}, {"ms_per_iteration", avg_ms},
+                          {"tflops_per_gpu", tflops}, {"tokens_per_s", tokens_per_s},
+                          {"consumed_samples", state.consumed_samples},
+                          {"skipped_iterations", state.skipped_iterations},
+                          {"mem_allocated_bytes", mem.allocated_bytes},
+                          {"mem_max_allocated_bytes", mem.peak_allocated_bytes}};
+      if (!moe_layers.empty()) {
+        j["load_balancing_loss"] = last_aux;
+        j["z_loss"] = last_z;
+        if (cfg.moe.per_layer_logging) {
+          nlohmann::json per = nlohmann::json::array();
+          for (const MoeStepStats& s : layer_stats) per.push_back(s.tokens_per_expert);
+          j["tokens_per_expert"] = per;
+        }
+      }
+      if (metrics.is_open()) metrics << j.dump() << "\n" << std::flush;
+      if (tb) {
+        tb->add_scalar("learning-rate", lr, it);
+        tb->add_scalar("batch-size", static_cast<double>(args.global_batch_size), it);
+        tb->add_scalar("lm loss", avg_loss, it);
+        tb->add_scalar("grad-norm", grad_norm, it);
+        tb->add_scalar("iteration-time", avg_ms / 1000.0, it);
+        tb->add_scalar("throughput", tflops, it);
+        tb->add_scalar("mem-allocated-bytes", static_cast<double>(mem.allocated_bytes), it);
+        tb->add_scalar("mem-max-allocated-bytes", static_cast<double>(mem.peak_allocated_bytes), it);
+        if (!moe_layers.empty()) {
+          tb->add_scalar("load_balancing_loss", last_aux, it);
+          tb->add_scalar("z_loss", last_z, it);
+          if (cfg.moe.per_layer_logging)
+            for (size_t l = 0; l < layer_stats.size(); ++l) {
+              tb->add_scalar("moe/load_balancing_loss_layer_" + std::to_string(l),
+                             layer_stats[l].aux_loss / static_cast<double>(micro), it);
+              tb->add_scalar("moe/z_loss_layer_" + std::to_string(l), layer_stats[l].z_loss / static_cast<double>(micro), it);
+            }
+        }
+        tb->flush();
+      }
+      interval_loss = interval_ms = 0;
+      interval_steps = 0;
+    }
+
+    if (args.eval_interval > 0 && (it % args.eval_interval == 0 || it == args.train_iters)) {
+      double vsum = 0;
+      for (int64_t e = 0; e < args.eval_iters; ++e) {
+        const Batch b = valid_data.batch(e * args.micro_batch_size, args.micro_batch_size, dev);
+        GPTModel::Ctx ctx;
+        vsum += model.forward(b.tokens, b.labels, false, 0, ctx);
+      }
+      const double vloss = vsum / static_cast<double>(args.eval_iters);
+      std::printf(" validation loss at iteration %lld | lm loss value: %.6E | lm loss PPL: %.6E |\n",
+                  static_cast<long long>(it), vloss, std::exp(std::min(vloss, 700.0)));
+      std::fflush(stdout);
+      if (metrics.is_open()) metrics << nlohmann::json({{"iteration", it}, {"valid_lm_loss", vloss}}).dump() << "\n";
+      if (tb) tb->add_scalar("lm loss validation", vloss, it);
+    }
+    if (args.save_interval > 0 && it % args.save_interval == 0 && it != args.train_iters) save();
+  }
+  save();
+  return 0;
+}
+
+}  // namespace moecore

@@ -1,0 +1,25 @@
+// `moecore train`: the training loop on one device.
+//
+// Per step: global_batch / micro_batch micro-batches, each forward + backward with gradients
+// accumulating in fp32; a NaN/Inf in the loss or the gradients skips the step (reported with
+// the iteration, counted in the log); global gradient-norm clipping; AdamW on the fp32 masters;
+// compute copies refreshed; MoE end-of-step work (expert-bias update). Logs Megatron's
+// iteration line, a JSONL metrics file and TensorBoard scalars; validates every
+// --eval-interval steps; saves every --save-interval steps and after the last one.
+#pragma once
+
+#include <cstdint>
+
+#include "moecore/model/config.h"
+#include "moecore/train/arguments.h"
+
+namespace moecore {
+
+// Model FLOPs per step as ANCHORS.md defines them: 6 x active matmul parameters (output head
+// included, input embedding excluded) x tokens + 6 x layers x seq x hidden x tokens.
+double model_flops_per_step(const ModelConfig& cfg, int64_t tokens_per_step);
+int64_t active_matmul_params(const ModelConfig& cfg);
+
+int run_training(const TrainArgs& args);
+
+}  // namespace moecore

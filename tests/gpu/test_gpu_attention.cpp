@@ -1,0 +1,137 @@
+// gpu tier: CUDA causal GQA attention (forward and backward) against the CPU op.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "moecore/ops/attention.h"
+#include "op_harness.h"
+
+using namespace moecore;
+using namespace moecore::testing;
+
+namespace {
+
+const Device kCuda = Device::cuda(0);
+
+struct AttnCase {
+  DType dtype;
+  int64_t S, D;
+};
+
+// Tolerances. Both devices compute in fp32 from the same stored inputs; they differ in the
+// order of the sums (over D for scores, over up to S keys for outputs and dK/dV, over the 4
+// query heads of a group for dK/dV) and in expf/logf (a few ulp): relative errors of about
+// sqrt(n) * 6e-8 on sums of n terms. Measured on an H200 (f32, S = 1024, D = 128): max
+// |diff| 5e-7 for out (|out| <= 1: a convex combination of v), 2e-6 for lse (|lse| ~ 8) and
+// 2.5e-6 for the gradients (|dv| up to ~6); the f32 tolerances leave about 10x.
+// bf16: the stored outputs are rounded from fp32 values that differ as above, so a value
+// near a rounding boundary can round to neighbouring bf16 numbers on the two devices: one
+// bf16 step is 2^-8..2^-7 relative; measured max 0.8% relative, so rtol 2e-2 (the brief's
+// ~2e-2) with atol 2e-3 for values that cancel to ~0. lse stays f32 for bf16 inputs.
+std::vector<Tolerance> tolerances(DType t) {
+  const Tolerance lse{1e-5, 1e-5};
+  if (t == DType::BF16) return {{2e-3, 2e-2}, lse, {2e-3, 2e-2}, {2e-3, 2e-2}, {2e-3, 2e-2}};
+  return {{5e-6, 1e-5}, lse, {2e-5, 1e-4}, {2e-5, 1e-4}, {2e-5, 1e-4}};
+}
+
+}  // namespace
+
+class GpuAttention : public ::testing::TestWithParam<AttnCase> {};
+
+TEST_P(GpuAttention, ForwardAndBackwardMatchCpu) {
+  MC_REQUIRE_CUDA();
+  const AttnCase c = GetParam();
+  const int64_t B = 2, Hq = 8, Hkv = 2;  // GQA 8:2
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  const DType t = c.dtype, lse_t = DType::F32;
+  // q, k in [-2, 2): scores of std ~1.3 after scaling, so the softmax is far from uniform.
+  Tensor q = random_tensor({B, c.S, Hq, c.D}, t, Device::cpu(), -2, 2);
+  Tensor k = random_tensor({B, c.S, Hkv, c.D}, t, Device::cpu(), -2, 2);
+  Tensor v = random_tensor({B, c.S, Hkv, c.D}, t), dout = random_tensor(q.shape(), t);
+  // The backward gets the same out and lse on both devices (the CPU's), so that a bf16 out
+  // that rounded differently does not feed into Dr.
+  Tensor out = Tensor::empty(q.shape(), t), lse = Tensor::empty({B, Hq, c.S}, lse_t);
+  ops::attention_forward(q, k, v, scale, out, lse);
+  expect_cuda_matches_cpu({q, k, v, out, lse, dout},
+                          {{q.shape(), t}, {lse.shape(), lse_t}, {q.shape(), t}, {k.shape(), t}, {k.shape(), t}},
+                          [&](const std::vector<Tensor>& in, std::vector<Tensor>& o) {
+                            ops::attention_forward(in[0], in[1], in[2], scale, o[0], o[1]);
+                            ops::attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], scale, o[2], o[3], o[4]);
+                          },
+                          tolerances(t));
+}
+
+std::vector<AttnCase> attention_cases() {
+  std::vector<AttnCase> v;
+  for (DType t : {DType::F32, DType::BF16})
+    for (auto [s, d] : std::vector<std::pair<int64_t, int64_t>>{{64, 32}, {200, 64}, {1024, 128}}) v.push_back({t, s, d});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttention, ::testing::ValuesIn(attention_cases()),
+                         [](const ::testing::TestParamInfo<AttnCase>& i) {
+                           return std::string(dtype_name(i.param.dtype)) + "_S" + std::to_string(i.param.S) + "_D" +
+                                  std::to_string(i.param.D);
+                         });
+
+TEST(GpuAttentionGroups, MhaAndMqaMatchCpu) {
+  MC_REQUIRE_CUDA();
+  // Hkv == Hq (no sharing) and Hkv == 1 (all query heads share one kv head); S = 130 ends
+  // in a partial tile.
+  for (int64_t hkv : {4, 1}) {
+    const int64_t B = 3, S = 130, Hq = 4, D = 64;
+    const double scale = 1.0 / 8.0;
+    Tensor q = random_tensor({B, S, Hq, D}, DType::F32, Device::cpu(), -2, 2);
+    Tensor k = random_tensor({B, S, hkv, D}, DType::F32, Device::cpu(), -2, 2);
+    Tensor v = random_tensor(k.shape(), DType::F32), dout = random_tensor(q.shape(), DType::F32);
+    Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({B, Hq, S}, DType::F32);
+    ops::attention_forward(q, k, v, scale, out, lse);
+    expect_cuda_matches_cpu(
+        {q, k, v, out, lse, dout},
+        {{q.shape(), DType::F32}, {lse.shape(), DType::F32}, {q.shape(), DType::F32}, {k.shape(), DType::F32},
+         {k.shape(), DType::F32}},
+        [&](const std::vector<Tensor>& in, std::vector<Tensor>& o) {
+          ops::attention_forward(in[0], in[1], in[2], scale, o[0], o[1]);
+          ops::attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], scale, o[2], o[3], o[4]);
+        },
+        tolerances(DType::F32));
+    if (HasFailure()) FAIL() << "Hkv = " << hkv;
+  }
+}
+
+TEST(GpuAttentionGroups, BackwardIsDeterministic) {
+  MC_REQUIRE_CUDA();
+  const int64_t B = 1, S = 300, Hq = 8, Hkv = 2, D = 64;
+  Tensor q = random_tensor({B, S, Hq, D}, DType::BF16, kCuda), k = random_tensor({B, S, Hkv, D}, DType::BF16, kCuda);
+  Tensor v = random_tensor(k.shape(), DType::BF16, kCuda), dout = random_tensor(q.shape(), DType::BF16, kCuda);
+  Tensor out = Tensor::empty(q.shape(), DType::BF16, kCuda), lse = Tensor::empty({B, Hq, S}, DType::F32, kCuda);
+  ops::attention_forward(q, k, v, 0.125, out, lse);
+  std::vector<std::vector<float>> runs[2];
+  for (auto& r : runs) {
+    Tensor g[3] = {Tensor::empty(q.shape(), DType::BF16, kCuda), Tensor::empty(k.shape(), DType::BF16, kCuda),
+                   Tensor::empty(k.shape(), DType::BF16, kCuda)};
+    ops::attention_backward(q, k, v, out, lse, dout, 0.125, g[0], g[1], g[2]);
+    for (const Tensor& x : g) {
+      const std::vector<double> d = to_doubles(x);
+      r.emplace_back(d.begin(), d.end());
+    }
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(runs[0][i], runs[1][i]) << "gradient " << "qkv"[i] << " changed between runs";
+}
+
+TEST(GpuAttentionGroups, UnsupportedHeadDimIsAClearError) {
+  MC_REQUIRE_CUDA();
+  Tensor q = Tensor::zeros({1, 8, 2, 48}, DType::F32, kCuda), k = Tensor::zeros({1, 8, 1, 48}, DType::F32, kCuda);
+  Tensor out = Tensor::zeros(q.shape(), DType::F32, kCuda), lse = Tensor::zeros({1, 2, 8}, DType::F32, kCuda);
+  try {
+    ops::attention_forward(q, k, k, 0.1, out, lse);
+    FAIL() << "D = 48 on CUDA did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head dim D = 48 is not supported on CUDA (supported: 32, 64, 128)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+

@@ -1,0 +1,175 @@
+// gpu tier: cross-entropy, embedding and AdamW on CUDA held to their CPU ops (op_harness),
+// plus the out-of-range index errors raised from the device flags.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+
+#include "moecore/ops/adamw.h"
+#include "moecore/ops/cross_entropy.h"
+#include "moecore/ops/embedding.h"
+#include "op_harness.h"
+
+using namespace moecore;
+using namespace moecore::testing;
+
+namespace {
+const Device kCuda = Device::cuda(0);
+
+// Random ints in [0, bound), with every `ignore_every`-th set to -1 (0: none).
+Tensor random_indices(int64_t n, int64_t bound, int ignore_every = 0) {
+  std::mt19937_64 gen(fresh_seed());
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    v[i] = (ignore_every > 0 && i % ignore_every == 2) ? -1 : static_cast<int32_t>(gen() % bound);
+  return Tensor::from_vector(v, {n});
+}
+
+std::string dtype_param_name(const ::testing::TestParamInfo<DType>& i) { return dtype_name(i.param); }
+}  // namespace
+
+// ---- cross-entropy --------------------------------------------------------------------
+class GpuCrossEntropy : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GpuCrossEntropy, ForwardAndBackwardMatchCpu) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  // lse (up to ~20): fp32 tree sums on CUDA vs double sums on the CPU, then one fp32 rounding:
+  // a few 1e-6 absolute. dlogits = dloss * (exp(x - lse) - [target]): the lse error moves p by
+  // ~2e-6 relative, which is ~4e-6 absolute at p ~ 1 with |dloss| <= 2 (hence atol 1e-5);
+  // bf16 dlogits may also round the other way (2^-8 relative).
+  const Tolerance row_tol{1e-5, 1e-5};
+  const Tolerance grad_tol = t == DType::F32 ? Tolerance{1e-5, 1e-4} : Tolerance{1e-5, 1e-2};
+  for (int64_t classes : {7, 1000, 151936}) {
+    const int64_t rows = classes > 100000 ? 6 : 33;
+    Tensor logits = random_tensor({rows, classes}, t, Device::cpu(), -8.0, 8.0);
+    Tensor targets = random_indices(rows, classes, 5);
+    Tensor dloss = random_tensor({rows}, DType::F32, Device::cpu(), -2.0, 2.0);
+    const OutputSpec row_spec{{rows}, DType::F32}, grad_spec{{rows, classes}, t};
+    expect_cuda_matches_cpu({logits, targets, dloss}, {row_spec, row_spec, grad_spec},
+                            [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::cross_entropy_forward(in[0], in[1], out[0], out[1]);
+                              ops::cross_entropy_backward(in[0], in[1], out[1], in[2], out[2]);
+                            },
+                            {row_tol, row_tol, grad_tol});
+    // In place: dlogits is a copy of the logits, overwritten by their gradient.
+    expect_cuda_matches_cpu({logits, targets, dloss}, {row_spec, row_spec, grad_spec},
+                            [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::cross_entropy_forward(in[0], in[1], out[0], out[1]);
+                              out[2].copy_from(in[0]);
+                              ops::cross_entropy_backward(out[2], in[1], out[1], in[2], out[2]);
+                            },
+                            {row_tol, row_tol, grad_tol});
+    if (HasFailure()) FAIL() << "classes = " << classes;
+  }
+}
+
+TEST_P(GpuCrossEntropy, OutOfRangeTargetIsAnError) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  Tensor logits = random_tensor({8, 100}, t, kCuda);
+  Tensor targets = Tensor::from_vector<int32_t>({1, 2, -1, 3, 100, 4, 250, 5}, {8}).to(kCuda);
+  Tensor loss = Tensor::empty({8}, DType::F32, kCuda), lse = Tensor::empty({8}, DType::F32, kCuda);
+  try {
+    ops::cross_entropy_forward(logits, targets, loss, lse);
+    FAIL() << "target 100 with 100 classes was accepted on CUDA";
+  } catch (const Error& e) {
+    // The first bad row is reported, as on the CPU.
+    EXPECT_STREQ(e.what(),
+                 "cross_entropy_forward: targets[4] = 100 is out of range for 100 classes (expected 0 <= target < "
+                 "100, or negative to ignore the row)");
+  }
+  Tensor dloss = Tensor::zeros({8}, DType::F32, kCuda), dx = Tensor::empty({8, 100}, t, kCuda);
+  try {
+    ops::cross_entropy_backward(logits, targets, lse, dloss, dx);
+    FAIL() << "backward accepted target 100 with 100 classes on CUDA";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cross_entropy_backward: targets[4] = 100"), std::string::npos) << e.what();
+  }
+  // The device is still usable: a valid call succeeds afterwards.
+  Tensor good = Tensor::from_vector<int32_t>({1, 2, -1, 3, 99, 4, 0, 5}, {8}).to(kCuda);
+  ops::cross_entropy_forward(logits, good, loss, lse);
+  EXPECT_TRUE(all_written(loss));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuCrossEntropy, ::testing::Values(DType::F32, DType::BF16), dtype_param_name);
+
+// ---- embedding ------------------------------------------------------------------------
+class GpuEmbedding : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GpuEmbedding, ForwardAndBackwardMatchCpuBitForBit) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  struct Case {
+    int64_t vocab, hidden, tokens, distinct;
+  };
+  // Heavy repetition (ids from 40 rows), a hidden size over several column chunks, and the
+  // full Qwen vocabulary (all radix-sort bits in play).
+  for (const Case c : {Case{1000, 300, 517, 40}, Case{151936, 64, 4096, 151936}, Case{50, 1030, 64, 3}}) {
+    Tensor table = random_tensor({c.vocab, c.hidden}, t);
+    Tensor ids = random_indices(c.tokens, c.distinct);
+    Tensor dout = random_tensor({c.tokens, c.hidden}, t);
+    Tensor dtable0 = random_tensor({c.vocab, c.hidden}, DType::F32);
+    // Both devices add each row's gradients in increasing t in fp32: identical results.
+    expect_cuda_matches_cpu({table, ids, dout, dtable0}, {{{c.tokens, c.hidden}, t}, {{c.vocab, c.hidden}, DType::F32}},
+                            [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::embedding_forward(in[0], in[1], out[0]);
+                              out[1].copy_from(in[3]);
+                              ops::embedding_backward(in[1], in[2], out[1]);
+                            },
+                            {Tolerance{0.0, 0.0}});
+    if (HasFailure()) FAIL() << "vocab " << c.vocab << " hidden " << c.hidden << " tokens " << c.tokens;
+  }
+}
+
+TEST_P(GpuEmbedding, OutOfRangeIdIsAnError) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  Tensor table = random_tensor({10, 8}, t, kCuda);
+  Tensor ids = Tensor::from_vector<int32_t>({0, 9, 10, -2}, {4}).to(kCuda);
+  Tensor out = Tensor::empty({4, 8}, t, kCuda);
+  try {
+    ops::embedding_forward(table, ids, out);
+    FAIL() << "id 10 with 10 rows was accepted on CUDA";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "embedding_forward: ids[2] = 10 is out of range for a vocabulary of 10 rows (expected 0 <= id < 10)");
+  }
+  Tensor dtable = Tensor::zeros({10, 8}, DType::F32, kCuda);
+  Tensor dout = random_tensor({4, 8}, t, kCuda);
+  EXPECT_THROW(ops::embedding_backward(ids, dout, dtable), Error);
+  for (float v : dtable.to_vector<float>()) ASSERT_EQ(v, 0.0f) << "dtable was modified before the error";
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuEmbedding, ::testing::Values(DType::F32, DType::BF16), dtype_param_name);
+
+// ---- AdamW (f32 master weights) -------------------------------------------------------
+TEST(GpuAdamW, ThreeStepsMatchCpu) {
+  MC_REQUIRE_CUDA();
+  const int64_t n = 100003;
+  Tensor p = random_tensor({n}, DType::F32), m = random_tensor({n}, DType::F32, Device::cpu(), -0.1, 0.1);
+  Tensor v = random_tensor({n}, DType::F32, Device::cpu(), 0.0, 0.01);  // second moments are >= 0
+  Tensor g = random_tensor({n}, DType::F32, Device::cpu(), -3.0, 3.0);
+  // nvcc may fuse multiply-adds the host compiler leaves separate: last-bit differences.
+  expect_cuda_matches_cpu({p, g, m, v}, {{{n}, DType::F32}, {{n}, DType::F32}, {{n}, DType::F32}},
+                          [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                            out[0].copy_from(in[0]);
+                            out[1].copy_from(in[2]);
+                            out[2].copy_from(in[3]);
+                            for (int64_t step = 1; step <= 3; ++step)
+                              ops::adamw_step(out[0], in[1], out[1], out[2], {1e-3, 0.9, 0.95, 1e-8, 0.1, step},
+                                              step == 2 ? 0.5f : 1.0f);
+                          },
+                          {Tolerance{1e-6, 1e-5}});
+}
+
+TEST(GpuAdamW, F64IsRefusedOnCuda) {
+  MC_REQUIRE_CUDA();
+  Tensor p = Tensor::zeros({4}, DType::F64, kCuda), g = p.clone(), m = p.clone(), v = p.clone();
+  try {
+    ops::adamw_step(p, g, m, v, {1e-3, 0.9, 0.95, 1e-8, 0.1, 1});
+    FAIL() << "f64 AdamW ran on CUDA";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("f64 is CPU-only"), std::string::npos) << e.what();
+  }
+}

@@ -1,0 +1,220 @@
+// gpu tier: the CUDA router (every scoring option, forward and backward), the load-balancing
+// losses and Sinkhorn against their CPU ops, in f32 (the router stays fp32 on the GPU).
+// Indices must be equal: inputs are continuous random logits, so ties have probability ~0;
+// Sinkhorn's selection scores are checked for near-ties first (the two devices sum in
+// different orders), and redrawn when a top-k boundary is closer than 1e-4 relative.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "moecore/ops/moe_loss.h"
+#include "moecore/ops/router.h"
+#include "op_harness.h"
+
+using namespace moecore;
+using namespace moecore::testing;
+using ops::RouterConfig;
+using ops::RouterScore;
+
+namespace {
+
+const Tolerance kF32{1e-5, 1e-5};
+const Tolerance kExact{0, 0};
+
+RouterConfig make(int64_t E, int64_t k, RouterScore score = RouterScore::Softmax) {
+  RouterConfig c;
+  c.num_experts = E;
+  c.topk = k;
+  c.score = score;
+  return c;
+}
+
+struct Case {
+  std::string name;
+  RouterConfig cfg;
+  bool bias = false;
+  int64_t tokens = 300;  // not a multiple of the 4 rows a block handles
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  v.push_back({"softmax k=8", make(64, 8)});
+  v.push_back({"softmax k=1", make(64, 1)});
+  RouterConfig pre = make(64, 6);
+  pre.pre_softmax = true;
+  v.push_back({"pre_softmax", pre});
+  v.push_back({"pre_softmax bias", pre, true});
+  v.push_back({"sigmoid k=1", make(64, 1, RouterScore::Sigmoid)});
+  RouterConfig sig = make(256, 8, RouterScore::Sigmoid);
+  sig.scaling_factor = 2.5;
+  v.push_back({"sigmoid k=8 E=256 scaled", sig});
+  v.push_back({"sigmoid k=8 E=256 scaled bias", sig, true});
+  RouterConfig ds = make(256, 8, RouterScore::Sigmoid);  // DeepSeek-V3-like
+  ds.num_groups = 8;
+  ds.group_topk = 4;
+  ds.scaling_factor = 2.5;
+  v.push_back({"sigmoid grouped bias (DeepSeek-V3)", ds, true});
+  RouterConfig gs = make(64, 4);
+  gs.num_groups = 8;
+  gs.group_topk = 2;
+  v.push_back({"softmax grouped", gs});
+  RouterConfig gp = make(60, 6);
+  gp.pre_softmax = true;
+  gp.num_groups = 5;
+  gp.group_topk = 3;
+  gp.scaling_factor = 0.5;
+  v.push_back({"pre_softmax grouped odd E", gp});
+  RouterConfig big = make(1024, 8);  // the largest E: fewer rows per block
+  big.num_groups = 1024;
+  big.group_topk = 8;
+  v.push_back({"softmax E=1024 groups of one", big, false, 40});
+  RouterConfig sk = make(64, 4);
+  sk.sinkhorn = true;
+  v.push_back({"sinkhorn k=4", sk});
+  RouterConfig sk1 = make(64, 1);
+  sk1.sinkhorn = true;
+  v.push_back({"sinkhorn k=1", sk1});
+  return v;
+}
+
+// True when every row's k+1 best sinkhorn scores are apart by more than 1e-4 relative.
+bool sinkhorn_well_separated(const Tensor& logits, int64_t k) {
+  Tensor l64 = Tensor::from_vector(to_doubles(logits), logits.shape());
+  Tensor s = Tensor::empty(l64.shape(), DType::F64);
+  ops::sinkhorn(l64, s);
+  const std::vector<double> v = to_doubles(s);
+  const int64_t T = logits.size(0), E = logits.size(1);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> row(v.begin() + t * E, v.begin() + (t + 1) * E);
+    std::sort(row.rbegin(), row.rend());
+    for (int64_t i = 0; i < std::min(k, E - 1); ++i)
+      if (row[i] - row[i + 1] < 1e-4 * row[i]) return false;
+  }
+  return true;
+}
+
+Tensor router_logits(const Case& c) {
+  for (int attempt = 0;; ++attempt) {
+    Tensor l = random_tensor({c.tokens, c.cfg.num_experts}, DType::F32, Device::cpu(), -4, 4);
+    if (!c.cfg.sinkhorn || sinkhorn_well_separated(l, c.cfg.topk) || attempt >= 20) return l;
+  }
+}
+
+}  // namespace
+
+TEST(GpuRouter, ForwardMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const int64_t T = c.tokens, E = c.cfg.num_experts, k = c.cfg.topk;
+    std::vector<Tensor> in{router_logits(c)};
+    if (c.bias) in.push_back(random_tensor({E}, DType::F32, Device::cpu(), -0.3, 0.3));
+    const RouterConfig cfg = c.cfg;
+    expect_cuda_matches_cpu(in, {{{T, k}, DType::F32}, {{T, k}, DType::I32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              ops::router_topk_forward(i[0], i.size() > 1 ? i[1] : Tensor(), cfg, o[0], o[1]);
+                            },
+                            {kF32, kExact});
+  }
+}
+
+TEST(GpuRouter, BackwardMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const int64_t T = c.tokens, E = c.cfg.num_experts, k = c.cfg.topk;
+    Tensor logits = router_logits(c);
+    Tensor probs = Tensor::empty({T, k}, DType::F32), idx = Tensor::empty({T, k}, DType::I32);
+    Tensor bias = c.bias ? random_tensor({E}, DType::F32, Device::cpu(), -0.3, 0.3) : Tensor();
+    ops::router_topk_forward(logits, bias, c.cfg, probs, idx);
+    Tensor dprobs = random_tensor({T, k}, DType::F32);
+    const RouterConfig cfg = c.cfg;
+    expect_cuda_matches_cpu({logits, idx, dprobs}, {{{T, E}, DType::F32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              ops::router_topk_backward(i[0], i[1], i[2], cfg, o[0]);
+                            },
+                            {kF32});
+  }
+}
+
+TEST(GpuMoeLoss, AuxScoresForwardBackwardMatchCpu) {
+  MC_REQUIRE_CUDA();
+  for (RouterScore score : {RouterScore::Softmax, RouterScore::Sigmoid}) {
+    Tensor l = random_tensor({301, 64}, DType::F32, Device::cpu(), -4, 4);
+    expect_cuda_matches_cpu({l}, {{{301, 64}, DType::F32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              ops::aux_scores_forward(i[0], score, o[0]);
+                            },
+                            {kF32});
+    // Backward accumulates into dl0.
+    Tensor da = random_tensor({301, 64}, DType::F32), dl0 = random_tensor({301, 64}, DType::F32);
+    expect_cuda_matches_cpu({l, da, dl0}, {{{301, 64}, DType::F32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              o[0].copy_from(i[2]);
+                              ops::aux_scores_backward(i[0], score, i[1], o[0]);
+                            },
+                            {kF32});
+  }
+}
+
+TEST(GpuMoeLoss, CountsAndSwitchLossMatchCpu) {
+  MC_REQUIRE_CUDA();
+  const int64_t T = 512, E = 64, k = 6;
+  for (int64_t G : {1, 4}) {
+    SCOPED_TRACE("G=" + std::to_string(G));
+    Tensor l = random_tensor({T, E}, DType::F32, Device::cpu(), -4, 4);
+    Tensor a = Tensor::empty({T, E}, DType::F32);
+    ops::aux_scores_forward(l, RouterScore::Softmax, a);
+    expect_cuda_matches_cpu({a}, {{{G, E}, DType::F32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              ops::topk_counts(i[0], k, G, o[0]);
+                            },
+                            {kExact});
+    Tensor c = random_tensor({G, E}, DType::F32, Device::cpu(), 0, 20);  // fractional counts
+    // The loss sums T*E terms in another order than the CPU's double accumulation.
+    expect_cuda_matches_cpu({a, c}, {{{1}, DType::F32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              ops::switch_aux_loss_forward(i[0], i[1], k, 0.01, o[0]);
+                            },
+                            {{1e-6, 1e-5}});
+    expect_cuda_matches_cpu({c}, {{{T, E}, DType::F32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              ops::switch_aux_loss_backward(i[0], k, 0.01, 0.5, T, o[0]);
+                            },
+                            {kF32});
+  }
+}
+
+TEST(GpuMoeLoss, ZLossMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  Tensor l = random_tensor({777, 64}, DType::F32, Device::cpu(), -6, 6);
+  expect_cuda_matches_cpu({l}, {{{1}, DType::F32}},
+                          [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                            ops::z_loss_forward(i[0], 1e-3, o[0]);
+                          },
+                          {{1e-7, 1e-5}});
+  Tensor dl0 = random_tensor({777, 64}, DType::F32);
+  expect_cuda_matches_cpu({l, dl0}, {{{777, 64}, DType::F32}},
+                          [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                            o[0].copy_from(i[1]);
+                            ops::z_loss_backward(i[0], 1e-3, 2.0, o[0]);
+                          },
+                          {kF32});
+}
+
+TEST(GpuMoeLoss, SinkhornMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  for (const auto& [T, E] : std::vector<std::pair<int64_t, int64_t>>{{512, 64}, {37, 8}, {4096, 128}}) {
+    SCOPED_TRACE(std::to_string(T) + "x" + std::to_string(E));
+    Tensor l = random_tensor({T, E}, DType::F32, Device::cpu(), -3, 3);
+    // Same iteration count on both devices (a convergence test on different rounding could
+    // differ by one step only when the error lands within ~1e-6 of tol); values then agree
+    // to float rounding of sums over T.
+    expect_cuda_matches_cpu({l}, {{{T, E}, DType::F32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) { ops::sinkhorn(i[0], o[0]); },
+                            {{1e-9, 1e-4}});
+  }
+}
