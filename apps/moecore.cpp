@@ -2,6 +2,7 @@
 //
 //   moecore env         devices, library versions, threads
 //   moecore train ...   train a MoE model (train/arguments.h lists the flags)
+//   moecore generate    sample from a checkpoint
 //
 // Every error ends here: one line "moecore: error: ..." on stderr and exit code 1 (2 for usage
 // errors), never an abort.
@@ -14,6 +15,7 @@
 #include "moecore/core/error.h"
 #include "moecore/core/system_info.h"
 #include "moecore/train/arguments.h"
+#include "moecore/train/generate.h"
 #include "moecore/train/trainer.h"
 
 namespace {
@@ -75,7 +77,7 @@ const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> list = {
       {"env", "devices, library versions and threads", run_env, ""},
       {"train", "train a MoE model", run_train, ""},
-      {"generate", "sample text from a checkpoint", nullptr, "the single-device training work"},
+      {"generate", "sample tokens from a checkpoint", moecore::run_generate, ""},
       {"preprocess", "JSONL to Megatron .bin/.idx", nullptr, "the data work"},
       {"dataset-info", "describe a .bin/.idx dataset", nullptr, "the data work"},
       {"convert", "HF <-> moecore checkpoints", nullptr, "the HF interop work"},

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The tiny MoE preset on --mock-data halves its loss within 60 iterations (CPU).
+# The tiny MoE preset on --mock-data halves its loss within 60 iterations (CPU unless the
+# extra arguments say otherwise).
 set -euo pipefail
-bin=$1; src=$2
+bin=$1; src=$2; shift 2  # further arguments go to moecore train
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
-"$bin" train --config "$src/configs/tiny.yaml" --device cpu --log-interval 1 --metrics-file "$dir/m.jsonl" >"$dir/log" 2>&1 || { cat "$dir/log"; exit 1; }
+"$bin" train --config "$src/configs/tiny.yaml" --device cpu --log-interval 1 "$@" --metrics-file "$dir/m.jsonl" >"$dir/log" 2>&1 || { cat "$dir/log"; exit 1; }
 losses=$(grep -o '"lm_loss":[^,}]*' "$dir/m.jsonl" | cut -d: -f2)
 first=$(echo "$losses" | head -1); last=$(echo "$losses" | tail -1); n=$(echo "$losses" | wc -l)
 echo "iterations logged: $n, first loss $first, last loss $last"

@@ -65,13 +65,18 @@ TEST(GpuPermute, RoutingAndCapacityMaskEqualCpuExactly) {
     Tensor probs = random_tensor({c.T, c.k}, DType::F32, Device::cpu(), 0, 1);
     const auto [kept, pad] = drop(c, idx, probs);
     if (kept.defined()) {
-      for (auto policy : {ops::DropPolicy::Probs, ops::DropPolicy::Position}) {
-        const int64_t C = ops::expert_capacity(c.T, c.k, c.E, c.cf);
-        Tensor kc = poisoned({c.T, c.k}, DType::U8, kCuda), kh = Tensor::empty({c.T, c.k}, DType::U8);
-        ops::capacity_mask(idx.to(kCuda), probs.to(kCuda), c.E, C, policy, kc);
-        ops::capacity_mask(idx, probs, c.E, C, policy, kh);
-        EXPECT_EQ(kc.to_vector<uint8_t>(), kh.to_vector<uint8_t>());
-      }
+      // Probabilities in steps of 1/8: many ties, which must fall to the lower token index.
+      std::vector<float> pv = probs.to_vector<float>();
+      for (float& v : pv) v = std::floor(v * 8.0f) / 8.0f;
+      const Tensor tied = Tensor::from_vector(pv, {c.T, c.k});
+      for (const Tensor& p : {probs, tied})
+        for (auto policy : {ops::DropPolicy::Probs, ops::DropPolicy::Position}) {
+          const int64_t C = ops::expert_capacity(c.T, c.k, c.E, c.cf);
+          Tensor kc = poisoned({c.T, c.k}, DType::U8, kCuda), kh = Tensor::empty({c.T, c.k}, DType::U8);
+          ops::capacity_mask(idx.to(kCuda), p.to(kCuda), c.E, C, policy, kc);
+          ops::capacity_mask(idx, p, c.E, C, policy, kh);
+          EXPECT_EQ(kc.to_vector<uint8_t>(), kh.to_vector<uint8_t>()) << "policy " << static_cast<int>(policy);
+        }
     }
     const ops::MoeRouting rc = ops::make_moe_routing(idx.to(kCuda), kept.defined() ? kept.to(kCuda) : Tensor(), c.E, pad);
     const ops::MoeRouting rh = ops::make_moe_routing(idx, kept, c.E, pad);
@@ -131,6 +136,13 @@ TEST(GpuPermute, BadIndexNamesValueAndEmptyRankWorks) {
     FAIL() << "out-of-range index accepted on CUDA";
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "make_moe_routing: indices[2, 0] = 9 is out of range [0, 4)");
+  }
+  try {
+    Tensor kept = Tensor::empty({3, 2}, DType::U8, kCuda);
+    ops::capacity_mask(bad, Tensor::zeros({3, 2}, DType::F32, kCuda), 4, 1, ops::DropPolicy::Probs, kept);
+    FAIL() << "out-of-range index accepted by capacity_mask on CUDA";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "capacity_mask: indices[2, 0] = 9 is out of range [0, 4)");
   }
   // Padding overflow is reported after the count copy.
   Tensor all0 = Tensor::from_vector(std::vector<int32_t>{0, 0, 0}, {3, 1}, kCuda);

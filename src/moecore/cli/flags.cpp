@@ -45,7 +45,8 @@ void FlagSet::fail(const std::string& message) const {
 
 void FlagSet::add_bool(const std::string& name, bool* target, const std::string& help) {
   flags_.push_back({name, "bool", help, *target ? "true" : "false",
-                    [target](const std::string& v) { *target = v != "__false__"; }});
+                    [target](const std::string& v) { *target = v != "__false__"; },
+                    [target] { return std::string(*target ? "true" : "false"); }});
 }
 
 void FlagSet::add_int(const std::string& name, int64_t* target, const std::string& help) {
@@ -56,7 +57,8 @@ void FlagSet::add_int(const std::string& name, int64_t* target, const std::strin
                       if (v.empty() || *end != '\0' || errno == ERANGE)
                         fail("flag '--" + name + "' expects an integer, got '" + v + "'");
                       *target = x;
-                    }});
+                    },
+                    [target] { return std::to_string(*target); }});
 }
 
 void FlagSet::add_double(const std::string& name, double* target, const std::string& help) {
@@ -68,11 +70,18 @@ void FlagSet::add_double(const std::string& name, double* target, const std::str
                       if (v.empty() || *end != '\0' || !std::isfinite(x))
                         fail("flag '--" + name + "' expects a finite number, got '" + v + "'");
                       *target = x;
+                    },
+                    [target] {
+                      std::ostringstream os;
+                      os.precision(17);
+                      os << *target;
+                      return os.str();
                     }});
 }
 
 void FlagSet::add_string(const std::string& name, std::string* target, const std::string& help) {
-  flags_.push_back({name, "string", help, *target, [target](const std::string& v) { *target = v; }});
+  flags_.push_back({name, "string", help, *target, [target](const std::string& v) { *target = v; },
+                    [target] { return *target; }});
 }
 
 void FlagSet::fail_unknown(const std::string& name, const std::string& where) const {
@@ -80,6 +89,12 @@ void FlagSet::fail_unknown(const std::string& name, const std::string& where) co
   for (const Flag& k : flags_) names.push_back(k.name);
   const std::string guess = closest(name, names);
   fail("unknown flag '--" + name + "'" + where + (guess.empty() ? "" : "; did you mean '--" + guess + "'?"));
+}
+
+std::vector<std::pair<std::string, std::string>> FlagSet::values() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const Flag& f : flags_) out.emplace_back(f.name, f.get());
+  return out;
 }
 
 bool FlagSet::given(const std::string& name) const {

@@ -37,6 +37,9 @@ class FlagSet {
   void load_yaml(const std::string& path);
   // Flags given on the command line or in a config, by name.
   bool given(const std::string& name) const;
+  // Every flag's current value as text (booleans "true"/"false"), by name: what a checkpoint
+  // records so that later commands rebuild the same model.
+  std::vector<std::pair<std::string, std::string>> values() const;
   bool help_requested() const { return help_requested_; }
   std::string help() const;
   const std::string& command() const { return command_; }
@@ -48,6 +51,7 @@ class FlagSet {
     std::string help;
     std::string default_text;
     std::function<void(const std::string&)> set;
+    std::function<std::string()> get;
   };
   const Flag* find(const std::string& name) const;
   [[noreturn]] void fail(const std::string& message) const;

@@ -17,7 +17,7 @@ const char* load_balancing_name(LoadBalancing lb);
 struct MoeConfig {
   int64_t num_experts = 0;              // 0: every MLP is dense
   int64_t ffn_hidden_size = 0;          // --moe-ffn-hidden-size (expert FFN width)
-  ops::RouterConfig router;             // top-k, score function, groups, scaling
+  ops::RouterConfig router{.num_experts = 0, .topk = 2};  // top-k (Megatron default 2), score, groups, scaling
   bool router_fp64 = false;             // --moe-router-dtype fp64 (CPU only)
   double input_jitter_eps = 0.0;
   bool force_load_balancing = false;

@@ -97,6 +97,30 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   *help_requested = flags.help_requested();
   *help_text = flags.help();
   if (*help_requested) return a;
+  a.flag_values = flags.values();
+  finalize_train_args(a);
+  return a;
+}
+
+TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::string>>& saved,
+                                const std::string& device, const std::string& origin) {
+  TrainArgs a;
+  cli::FlagSet flags("moecore generate", "");
+  register_train_flags(flags, a);
+  for (const auto& [name, value] : saved) {
+    // Run-specific flags do not describe the model.
+    if (name == "config" || name == "load" || name == "save" || name == "tensorboard-dir" ||
+        name == "metrics-file" || name == "device")
+      continue;
+    flags.set(name, value, origin);
+  }
+  a.flag_values = flags.values();
+  a.device_text = device;
+  a.load.clear();
+  a.save.clear();
+  a.save_interval = 0;
+  a.metrics_file.clear();
+  if (!device.empty() && device.rfind("cuda", 0) != 0) a.bf16 = false;  // the CPU computes in fp32
   finalize_train_args(a);
   return a;
 }

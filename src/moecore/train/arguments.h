@@ -42,6 +42,10 @@ struct TrainArgs {
 
   int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }
 
+  // Every train flag's value as given or defaulted (saved with checkpoints: generate rebuilds
+  // the model from it).
+  std::vector<std::pair<std::string, std::string>> flag_values;
+
   // flag texts mapped onto the model config in finalize_train_args
   std::string normalization_ = "RMSNorm";
   bool swiglu_flag_ = false, disable_bias_flag_ = false, group_query_attention_flag_ = false;
@@ -54,5 +58,8 @@ void register_train_flags(cli::FlagSet& flags, TrainArgs& args);
 TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text);
 // Derived values and checks, after parsing.
 void finalize_train_args(TrainArgs& args);
+// Rebuilds the arguments a checkpoint was trained with (its saved flag values), on `device`.
+TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::string>>& saved,
+                                const std::string& device, const std::string& origin);
 
 }  // namespace moecore

@@ -129,7 +129,8 @@ void save_checkpoint(const std::string& dir, const ParamStore& params, const Tra
                                {"iteration", state.iteration},
                                {"consumed_samples", state.consumed_samples},
                                {"skipped_iterations", state.skipped_iterations},
-                               {"nan_iterations", state.nan_iterations}};
+                               {"nan_iterations", state.nan_iterations},
+                               {"args", state.args}};
   write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
   // Replace a previous checkpoint of the same iteration only once the new one is complete.
   if (fs::exists(final_dir)) {
@@ -143,7 +144,8 @@ void save_checkpoint(const std::string& dir, const ParamStore& params, const Tra
   write_text_atomically(fs::path(dir) / "latest_checkpointed_iteration.txt", std::to_string(state.iteration) + "\n");
 }
 
-TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
+namespace {
+fs::path locate_checkpoint(const std::string& dir) {
   fs::path ckpt = dir;
   MC_CHECK(fs::exists(ckpt), "--load '", dir, "': no such directory");
   if (!fs::exists(ckpt / "meta.json")) {
@@ -158,6 +160,10 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
     MC_CHECK(fs::exists(ckpt / "meta.json"), "--load '", dir, "': the latest checkpoint '", ckpt.string(),
              "' is missing or incomplete");
   }
+  return ckpt;
+}
+
+TrainingState parse_meta(const fs::path& ckpt) {
   nlohmann::json meta;
   try {
     std::ifstream f(ckpt / "meta.json");
@@ -167,6 +173,25 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
   }
   MC_CHECK(meta.value("format", "") == "moecore-checkpoint-v1", "'", (ckpt / "meta.json").string(),
            "': unknown checkpoint format '", meta.value("format", ""), "'");
+  TrainingState s;
+  try {
+    s.iteration = meta.at("iteration").get<int64_t>();
+    s.consumed_samples = meta.at("consumed_samples").get<int64_t>();
+    s.skipped_iterations = meta.value("skipped_iterations", int64_t{0});
+    s.nan_iterations = meta.value("nan_iterations", int64_t{0});
+    if (meta.contains("args")) s.args = meta.at("args").get<std::vector<std::pair<std::string, std::string>>>();
+  } catch (const nlohmann::json::exception& e) {
+    MC_FAIL("'", (ckpt / "meta.json").string(), "': ", e.what());
+  }
+  return s;
+}
+}  // namespace
+
+TrainingState read_checkpoint_meta(const std::string& dir) { return parse_meta(locate_checkpoint(dir)); }
+
+TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
+  const fs::path ckpt = locate_checkpoint(dir);
+  TrainingState s = parse_meta(ckpt);
   const std::vector<NamedTensor> tensors = read_safetensors((ckpt / "model_optim.safetensors").string());
   std::map<std::string, Tensor> by_name;
   for (const NamedTensor& nt : tensors) by_name[nt.name] = nt.tensor;
@@ -191,11 +216,6 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
            "' that this model does not: it was saved from a different model configuration");
   params.refresh_compute_weights();
   params.zero_grad();
-  TrainingState s;
-  s.iteration = meta.at("iteration").get<int64_t>();
-  s.consumed_samples = meta.at("consumed_samples").get<int64_t>();
-  s.skipped_iterations = meta.value("skipped_iterations", int64_t{0});
-  s.nan_iterations = meta.value("nan_iterations", int64_t{0});
   return s;
 }
 

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "moecore/model/params.h"
 
@@ -22,7 +24,11 @@ struct TrainingState {
   int64_t consumed_samples = 0;
   int64_t skipped_iterations = 0;
   int64_t nan_iterations = 0;
+  std::vector<std::pair<std::string, std::string>> args;  // the train flags (meta.json "args")
 };
+
+// Reads only meta.json of the latest checkpoint under dir (or of dir itself).
+TrainingState read_checkpoint_meta(const std::string& dir);
 
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state);
 // Loads the latest checkpoint under dir (or dir itself if it is an iter_* directory).

@@ -82,6 +82,8 @@ int run_training(const TrainArgs& args) {
   TrainingState state;
   if (!args.load.empty()) {
     state = load_checkpoint(args.load, store);
+    // Resuming with another model is caught tensor by tensor in load_checkpoint; other flags
+    // (lr, iterations, ...) may change on resume.
     std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
                 static_cast<long long>(state.iteration));
   }
@@ -111,6 +113,7 @@ int run_training(const TrainArgs& args) {
   double interval_loss = 0, interval_ms = 0;
   int64_t interval_steps = 0;
   double last_aux = 0, last_z = 0;
+  state.args = args.flag_values;
   auto save = [&] {
     if (args.save.empty()) return;
     save_checkpoint(args.save, store, state);

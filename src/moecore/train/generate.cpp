@@ -1,0 +1,127 @@
+#include "moecore/train/generate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "moecore/cli/flags.h"
+#include "moecore/core/philox.h"
+#include "moecore/model/gpt.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/train/arguments.h"
+#include "moecore/train/checkpoint.h"
+
+namespace moecore {
+
+namespace {
+
+std::vector<int32_t> parse_ids(const std::string& text, int64_t vocab) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(text);
+  std::string item;
+  while (ss >> item) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    MC_CHECK(*end == '\0' && v >= 0 && v < vocab, "--prompt-ids: '", item, "' is not a token id in [0, ", vocab, ")");
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  return ids;
+}
+
+// Samples from softmax(logits / temperature) restricted to the top_k largest (0: all).
+int32_t sample(const std::vector<float>& logits, double temperature, int64_t top_k, uint64_t seed, uint64_t step) {
+  const int64_t v = static_cast<int64_t>(logits.size());
+  std::vector<int32_t> order(static_cast<size_t>(v));
+  for (int64_t i = 0; i < v; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  if (temperature <= 0) return order[0];
+  const int64_t keep = top_k > 0 ? std::min(top_k, v) : v;
+  std::vector<double> p(static_cast<size_t>(keep));
+  double sum = 0;
+  for (int64_t i = 0; i < keep; ++i) {
+    p[static_cast<size_t>(i)] = std::exp((logits[order[i]] - logits[order[0]]) / temperature);
+    sum += p[static_cast<size_t>(i)];
+  }
+  double u = philox_uniform(seed, rng_key("generate"), step) * sum;
+  for (int64_t i = 0; i < keep; ++i) {
+    u -= p[static_cast<size_t>(i)];
+    if (u <= 0) return order[i];
+  }
+  return order[keep - 1];
+}
+
+}  // namespace
+
+int run_generate(const std::vector<std::string>& argv) {
+  GenerateArgs g;
+  cli::FlagSet flags("moecore generate", "Sample tokens from a checkpoint written by moecore train --save.");
+  flags.add_string("load", &g.load, "checkpoint directory (a --save directory or one iter_* inside it)");
+  flags.add_string("prompt", &g.prompt, "prompt text, encoded as UTF-8 bytes (vocabulary >= 256)");
+  flags.add_string("prompt-ids", &g.prompt_ids, "prompt as space-separated token ids");
+  flags.add_int("max-new-tokens", &g.max_new_tokens, "tokens to generate");
+  flags.add_double("temperature", &g.temperature, "sampling temperature (0: greedy)");
+  flags.add_int("top-k", &g.top_k, "sample among the k most likely tokens (0: all)");
+  flags.add_int("seed", &g.seed, "sampling seed");
+  flags.add_string("device", &g.device, "cpu, cuda or cuda:N (default: cuda when present)");
+  flags.parse(argv);
+  if (flags.help_requested()) {
+    std::printf("%s", flags.help().c_str());
+    return 0;
+  }
+  MC_CHECK(!g.load.empty(), "moecore generate needs --load <checkpoint directory>");
+  MC_CHECK(g.prompt.empty() != g.prompt_ids.empty(), "moecore generate needs exactly one of --prompt and --prompt-ids");
+  MC_CHECK(g.max_new_tokens >= 0 && g.temperature >= 0 && g.top_k >= 0,
+           "--max-new-tokens, --temperature and --top-k must be >= 0");
+
+  const TrainingState meta = read_checkpoint_meta(g.load);
+  MC_CHECK(!meta.args.empty(), "checkpoint '", g.load, "' does not record the flags it was trained with");
+  const TrainArgs args = train_args_from_saved(meta.args, g.device, "checkpoint '" + g.load + "'");
+  const ModelConfig& cfg = args.model;
+  ParamStore store(args.device, DType::F32, args.bf16 ? DType::BF16 : DType::F32, static_cast<uint64_t>(args.seed));
+  GPTModel model(cfg, store);
+  store.initialize();
+  load_checkpoint(g.load, store);
+
+  std::vector<int32_t> ids;
+  const bool text = !g.prompt.empty();
+  if (text) {
+    MC_CHECK(cfg.vocab_size >= 256, "--prompt: the model's vocabulary (", cfg.vocab_size,
+             ") cannot hold UTF-8 bytes; give --prompt-ids");
+    for (unsigned char c : g.prompt) ids.push_back(c);
+  } else {
+    ids = parse_ids(g.prompt_ids, cfg.vocab_size);
+  }
+  MC_CHECK(!ids.empty(), "the prompt is empty");
+  const size_t prompt_len = ids.size();
+  for (int64_t step = 0; step < g.max_new_tokens; ++step) {
+    const size_t len = std::min(ids.size(), static_cast<size_t>(cfg.seq_length));
+    std::vector<int32_t> window(ids.end() - static_cast<std::ptrdiff_t>(len), ids.end());
+    const Tensor tokens = Tensor::from_vector(window, {1, static_cast<int64_t>(len)}, args.device);
+    const Tensor logits = model.logits(tokens);  // [len, V]
+    Tensor last = Tensor::empty({cfg.vocab_size}, DType::F32, args.device);
+    Tensor row = logits.slice(0, static_cast<int64_t>(len) - 1, static_cast<int64_t>(len)).view({cfg.vocab_size});
+    if (row.dtype() == DType::F32) {
+      last = row;
+    } else {
+      Tensor f = Tensor::empty({cfg.vocab_size}, DType::F32, args.device);
+      ops::cast(row, f);
+      last = f;
+    }
+    ids.push_back(sample(last.to_vector<float>(), g.temperature, g.top_k, static_cast<uint64_t>(g.seed),
+                         static_cast<uint64_t>(step)));
+  }
+  std::printf("prompt ids:    ");
+  for (size_t i = 0; i < prompt_len; ++i) std::printf("%d ", ids[i]);
+  std::printf("\ngenerated ids: ");
+  for (size_t i = prompt_len; i < ids.size(); ++i) std::printf("%d ", ids[i]);
+  std::printf("\n");
+  if (text) {
+    std::string out;
+    for (int32_t id : ids) out.push_back(id < 256 ? static_cast<char>(id) : '\n');
+    std::printf("text: %s\n", out.c_str());
+  }
+  return 0;
+}
+
+}  // namespace moecore
