@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +36,41 @@ std::vector<Tolerance> tolerances(DType t) {
   const Tolerance lse{1e-5, 1e-5};
   if (t == DType::BF16) return {{2e-3, 2e-2}, lse, {2e-3, 2e-2}, {2e-3, 2e-2}, {2e-3, 2e-2}};
   return {{5e-6, 1e-5}, lse, {2e-5, 1e-4}, {2e-5, 1e-4}, {2e-5, 1e-4}};
+}
+
+// Sets an environment variable for the scope of a test (MOECORE_ATTENTION picks the CUDA path).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_) setenv(name_, old_->c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+// Forward and backward on CUDA (under the current MOECORE_ATTENTION) against the CPU, from
+// random inputs; the backward gets the CPU's out and lse on both devices.
+void check_against_cpu(DType t, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  Tensor q = random_tensor({B, S, Hq, D}, t, Device::cpu(), -2, 2);
+  Tensor k = random_tensor({B, S, Hkv, D}, t, Device::cpu(), -2, 2);
+  Tensor v = random_tensor(k.shape(), t), dout = random_tensor(q.shape(), t);
+  Tensor out = Tensor::empty(q.shape(), t), lse = Tensor::empty({B, Hq, S}, DType::F32);
+  ops::attention_forward(q, k, v, scale, out, lse);
+  expect_cuda_matches_cpu({q, k, v, out, lse, dout},
+                          {{q.shape(), t}, {lse.shape(), DType::F32}, {q.shape(), t}, {k.shape(), t}, {k.shape(), t}},
+                          [&](const std::vector<Tensor>& in, std::vector<Tensor>& o) {
+                            ops::attention_forward(in[0], in[1], in[2], scale, o[0], o[1]);
+                            ops::attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], scale, o[2], o[3], o[4]);
+                          },
+                          tolerances(t));
 }
 
 }  // namespace
@@ -135,3 +172,97 @@ TEST(GpuAttentionGroups, UnsupportedHeadDimIsAClearError) {
   }
 }
 
+
+// Both CUDA paths forced through MOECORE_ATTENTION, f32 and bf16, GQA 8:2 with a partial last
+// tile (S = 130: one causal block on the GEMM path) and S = 1000 (4 causal blocks of 256, the
+// last partial).
+struct PathCase {
+  const char* path;
+  DType dtype;
+  int64_t S;
+};
+
+class GpuAttentionPaths : public ::testing::TestWithParam<PathCase> {};
+
+TEST_P(GpuAttentionPaths, MatchCpu) {
+  MC_REQUIRE_CUDA();
+  const PathCase c = GetParam();
+  ScopedEnv env("MOECORE_ATTENTION", c.path);
+  const ops::AttentionDims d{2, c.S, 8, 2, 64};
+  EXPECT_EQ(ops::cuda::attention_path(d, c.dtype),
+            std::string(c.path) == "gemm" ? ops::cuda::AttentionPath::Gemm : ops::cuda::AttentionPath::Tiled);
+  check_against_cpu(c.dtype, 2, c.S, 8, 2, 64);
+}
+
+std::vector<PathCase> path_cases() {
+  std::vector<PathCase> v;
+  for (const char* p : {"tiled", "gemm"})
+    for (DType t : {DType::F32, DType::BF16})
+      for (int64_t s : {130, 1000}) v.push_back({p, t, s});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, GpuAttentionPaths, ::testing::ValuesIn(path_cases()),
+                         [](const ::testing::TestParamInfo<PathCase>& i) {
+                           return std::string(i.param.path) + "_" + dtype_name(i.param.dtype) + "_S" +
+                                  std::to_string(i.param.S);
+                         });
+
+TEST(GpuAttentionGemm, AutoPicksGemmWhereSupported) {
+  MC_REQUIRE_CUDA();
+  ScopedEnv env("MOECORE_ATTENTION", "auto");
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::BF16), ops::cuda::AttentionPath::Gemm);
+  EXPECT_EQ(ops::cuda::attention_path({1, ops::cuda::kAttentionGemmMaxSeq + 64, 2, 1, 64}, DType::BF16),
+            ops::cuda::AttentionPath::Tiled);
+}
+
+TEST(GpuAttentionGemm, LongSequenceBf16MatchesCpu) {
+  MC_REQUIRE_CUDA();
+  // S = 2048, D = 128: 8 causal blocks of 256; MQA-like 4:1 group.
+  ScopedEnv env("MOECORE_ATTENTION", "gemm");
+  check_against_cpu(DType::BF16, 1, 2048, 4, 1, 128);
+}
+
+TEST(GpuAttentionGemm, ChunkedScoreBufferMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  // A 1 MiB score budget: S = 300 needs 300 x 320 x 4 B = 375 KiB per (b, h) and buffer, so
+  // the forward runs 2 (b, h) pairs per pass and the backward 1.
+  ScopedEnv env("MOECORE_ATTENTION", "gemm"), budget("MOECORE_ATTENTION_SCORE_MB", "1");
+  for (DType t : {DType::F32, DType::BF16}) {
+    check_against_cpu(t, 3, 300, 4, 2, 32);
+    if (HasFailure()) FAIL() << dtype_name(t);
+  }
+}
+
+TEST(GpuAttentionGemm, BackwardIsDeterministic) {
+  MC_REQUIRE_CUDA();
+  ScopedEnv env("MOECORE_ATTENTION", "gemm");
+  const int64_t B = 2, S = 700, Hq = 8, Hkv = 2, D = 128;
+  Tensor q = random_tensor({B, S, Hq, D}, DType::BF16, kCuda), k = random_tensor({B, S, Hkv, D}, DType::BF16, kCuda);
+  Tensor v = random_tensor(k.shape(), DType::BF16, kCuda), dout = random_tensor(q.shape(), DType::BF16, kCuda);
+  Tensor out = Tensor::empty(q.shape(), DType::BF16, kCuda), lse = Tensor::empty({B, Hq, S}, DType::F32, kCuda);
+  ops::attention_forward(q, k, v, 0.09, out, lse);
+  std::vector<std::vector<double>> runs[2];
+  for (auto& r : runs) {
+    Tensor g[3] = {Tensor::empty(q.shape(), DType::BF16, kCuda), Tensor::empty(k.shape(), DType::BF16, kCuda),
+                   Tensor::empty(k.shape(), DType::BF16, kCuda)};
+    ops::attention_backward(q, k, v, out, lse, dout, 0.09, g[0], g[1], g[2]);
+    for (const Tensor& x : g) r.push_back(to_doubles(x));
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(runs[0][i], runs[1][i]) << "gradient " << "qkv"[i] << " changed between runs";
+}
+
+TEST(GpuAttentionGemm, UnknownPathIsAClearError) {
+  MC_REQUIRE_CUDA();
+  ScopedEnv env("MOECORE_ATTENTION", "fast");
+  Tensor q = Tensor::zeros({1, 8, 2, 32}, DType::F32, kCuda), k = Tensor::zeros({1, 8, 1, 32}, DType::F32, kCuda);
+  Tensor out = Tensor::zeros(q.shape(), DType::F32, kCuda), lse = Tensor::zeros({1, 2, 8}, DType::F32, kCuda);
+  try {
+    ops::attention_forward(q, k, k, 0.1, out, lse);
+    FAIL() << "MOECORE_ATTENTION=fast did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MOECORE_ATTENTION must be auto, tiled or gemm; got 'fast'"),
+              std::string::npos)
+        << e.what();
+  }
+}

@@ -37,15 +37,23 @@ TEST_P(CpuGemm, MatchesNaiveLoops) {
   EXPECT_TRUE(allclose(c, ref, out == DType::BF16 ? Tolerance{1e-2, 1e-2} : default_tolerance(out)));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllCases, CpuGemm,
+std::string gemm_case_name(const ::testing::TestParamInfo<std::tuple<DType, DType, bool, bool>>& i) {
+  const auto [in, out, ta, tb] = i.param;
+  return std::string(dtype_name(in)) + "_to_" + dtype_name(out) + (ta ? "_tA" : "_nA") + (tb ? "_tB" : "_nB");
+}
+
+INSTANTIATE_TEST_SUITE_P(F32, CpuGemm,
                          ::testing::Combine(::testing::Values(DType::F32), ::testing::Values(DType::F32),
-                                            ::testing::Bool(), ::testing::Bool()));
+                                            ::testing::Bool(), ::testing::Bool()),
+                         gemm_case_name);
 INSTANTIATE_TEST_SUITE_P(F64, CpuGemm,
                          ::testing::Combine(::testing::Values(DType::F64), ::testing::Values(DType::F64),
-                                            ::testing::Bool(), ::testing::Bool()));
+                                            ::testing::Bool(), ::testing::Bool()),
+                         gemm_case_name);
 INSTANTIATE_TEST_SUITE_P(Bf16, CpuGemm,
                          ::testing::Combine(::testing::Values(DType::BF16), ::testing::Values(DType::BF16, DType::F32),
-                                            ::testing::Bool(), ::testing::Bool()));
+                                            ::testing::Bool(), ::testing::Bool()),
+                         gemm_case_name);
 
 TEST(Gemm, AlphaBetaAccumulate) {
   Tensor a = random_tensor({6, 5}, DType::F64), b = random_tensor({5, 4}, DType::F64);

@@ -150,6 +150,30 @@ void FlagSet::load_yaml(const std::string& path) {
   }
 }
 
+void FlagSet::add_list(const std::string& name, std::vector<std::string>* target, const std::string& help) {
+  flags_.push_back({name, "list", help, "",
+                    [target](const std::string& v) {
+                      // YAML lists arrive as "[a,b,c]"; command-line values one at a time.
+                      if (v.size() >= 2 && v.front() == '[' && v.back() == ']') {
+                        target->clear();
+                        std::stringstream ss(v.substr(1, v.size() - 2));
+                        std::string item;
+                        while (std::getline(ss, item, ',')) {
+                          while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+                          while (!item.empty() && item.back() == ' ') item.pop_back();
+                          if (!item.empty()) target->push_back(item);
+                        }
+                      } else {
+                        target->push_back(v);
+                      }
+                    },
+                    [target] {
+                      std::string out = "[";
+                      for (size_t i = 0; i < target->size(); ++i) out += (i ? "," : "") + (*target)[i];
+                      return out + "]";
+                    }});
+}
+
 const FlagSet::Flag* FlagSet::find(const std::string& name) const {
   for (const Flag& f : flags_)
     if (f.name == name) return &f;
@@ -182,6 +206,21 @@ std::vector<std::string> FlagSet::parse(const std::vector<std::string>& args, bo
     if (f->kind == "bool") {
       if (inline_value) fail("flag '--" + name + "' takes no value");
       f->set("");
+      continue;
+    }
+    if (f->kind == "list") {
+      // The command line replaces a list from a config file.
+      f->set("[]");
+      if (inline_value) {
+        f->set(value);
+        continue;
+      }
+      size_t taken = 0;
+      while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
+        f->set(args[++i]);
+        ++taken;
+      }
+      if (taken == 0) fail("flag '--" + name + "' needs at least one value");
       continue;
     }
     if (!inline_value) {

@@ -26,6 +26,8 @@ class FlagSet {
   void add_int(const std::string& name, int64_t* target, const std::string& help);
   void add_double(const std::string& name, double* target, const std::string& help);
   void add_string(const std::string& name, std::string* target, const std::string& help);
+  // A list: "--name a b c" (values up to the next flag), "--name=a", or a YAML list.
+  void add_list(const std::string& name, std::vector<std::string>* target, const std::string& help);
 
   // Parses args (without the program and subcommand names). Positional arguments are refused
   // unless allow_positional. Returns the positional arguments.

@@ -20,7 +20,7 @@ char* openblas_get_config(void);
 namespace moecore {
 
 namespace {
-std::string version_text(int v, int major_div, int minor_div, int minor_mod) {
+[[maybe_unused]] std::string version_text(int v, int major_div, int minor_div, int minor_mod) {
   return std::to_string(v / major_div) + "." + std::to_string((v / minor_div) % minor_mod);
 }
 }  // namespace

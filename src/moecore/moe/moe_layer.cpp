@@ -106,9 +106,6 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   ops::router_topk_forward(ctx.logits, bias, moe_.router, ctx.probs, ctx.indices);
 
   if (training) {
-    const std::vector<int32_t> idx = ctx.indices.to_vector<int32_t>();
-    for (int32_t i : idx) stats_.tokens_per_expert[static_cast<size_t>(i)] += 1.0;
-    stats_.micro_batches++;
     if (uses_aux_loss(moe_)) {
       ctx.aux_scores = Tensor::empty({tokens, e}, router_dtype_, dev);
       ops::aux_scores_forward(ctx.logits, moe_.router.score, ctx.aux_scores);
@@ -133,6 +130,15 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
     if (moe_.pad_to_capacity) pad = capacity;
   }
   ctx.routing = ops::make_moe_routing(ctx.indices, kept, e, pad);
+  if (training) {
+    // Tokens per expert after capacity dropping (Megatron counts its final routing map): the
+    // expert-bias update and the per-layer log use them.
+    const std::vector<int32_t> idx = ctx.indices.to_vector<int32_t>();
+    const std::vector<uint8_t> keep = kept.defined() ? kept.to_vector<uint8_t>() : std::vector<uint8_t>();
+    for (size_t i = 0; i < idx.size(); ++i)
+      if (keep.empty() || keep[i]) stats_.tokens_per_expert[static_cast<size_t>(idx[i])] += 1.0;
+    stats_.micro_batches++;
+  }
   const DType combine = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   ctx.combine_probs = cast_to(ctx.probs, combine);
 

@@ -26,7 +26,7 @@ struct MoeStepStats {
   double aux_loss = 0;  // load-balancing loss / coeff, summed over micro-batches
   double z_loss = 0;    // z-loss / coeff, summed over micro-batches
   int64_t micro_batches = 0;
-  std::vector<double> tokens_per_expert;  // selections this step (before dropping)
+  std::vector<double> tokens_per_expert;  // assignments this step, after capacity dropping
 };
 
 class MoeLayer {

@@ -19,10 +19,24 @@
 // for f64); bf16 rounding happens only when outputs are stored.
 //
 // Backends: the CPU evaluates the formulas row by row (OpenMP over (b, head, s)), any D.
-// CUDA (D in {32, 64, 128}) is a tiled flash-attention kernel: one block per (b, q head,
-// 64-query tile) with online softmax over 64-key tiles held in shared memory; backward
-// computes Dr, then dQ per query tile and dK/dV per (key tile, kv head), without atomics,
-// so results are deterministic.
+// CUDA (D in {32, 64, 128}) has two paths, both deterministic (no atomics):
+//   gemm  (default where supported: f32 or bf16, S <= kAttentionGemmMaxSeq) cuBLAS
+//         tensor-core GEMMs per (b, head) over block-lower-triangular causal blocks, with an
+//         fp32 score buffer [B*Hq, S, S] per call (chunked over (b, h) to stay under
+//         MOECORE_ATTENTION_SCORE_MB, default 2048 MiB) and fused row kernels for the masked
+//         softmax / lse (forward) and P, dS = P (dP - Dr) (backward; P recomputed from lse).
+//         The forward's P is rounded to the input dtype before P V (bf16 for bf16 inputs);
+//         the backward's P and dS enter their GEMMs as hi + lo bf16 pairs (fp32-accurate
+//         gradients); scores, softmax statistics and accumulation are fp32;
+//         dK/dV of a kv head sum the group's query heads in a fixed order. For f32 the GEMMs
+//         run in true fp32 (no TF32). See attention_gemm_cuda.cu.
+//   tiled fused flash-attention kernels on CUDA cores (fp32 FMA): one block per (b, q head,
+//         64-query tile) with online softmax over 64-key tiles held in shared memory;
+//         backward computes Dr, then dQ per query tile and dK/dV per (key tile, kv head).
+//         No S x S buffer; slower (~20 TFLOP/s). See attention_cuda.cu.
+// The environment variable MOECORE_ATTENTION=auto|tiled|gemm (read at every call) forces a
+// path; auto (or unset) takes gemm where supported, else tiled; gemm where unsupported is an
+// error.
 #pragma once
 
 #include "moecore/core/tensor.h"
@@ -47,10 +61,26 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d);
 }  // namespace cpu
 namespace cuda {
+inline constexpr int64_t kAttentionGemmMaxSeq = 16384;  // the GEMM path's row kernels stage rows in smem
+enum class AttentionPath { Tiled, Gemm };
+// The path the dispatcher takes for these sizes (MOECORE_ATTENTION, else gemm where supported).
+AttentionPath attention_path(const AttentionDims& d, DType dtype);
+bool attention_gemm_supported(const AttentionDims& d, DType dtype);
+// Dispatchers: attention_path() chooses between the _tiled and _gemm implementations below.
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse,
                        const AttentionDims& d);
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d);
+void attention_forward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
+                             Tensor& lse, const AttentionDims& d);
+void attention_backward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                              const AttentionDims& d);
+void attention_forward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
+                            Tensor& lse, const AttentionDims& d);
+void attention_backward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                             const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                             const AttentionDims& d);
 }  // namespace cuda
 
 }  // namespace moecore::ops

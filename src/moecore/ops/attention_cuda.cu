@@ -15,6 +15,12 @@
 //            3. dK, dV grid (key tiles, Hkv, B): loop over the group's query heads and the
 //               query tiles from the diagonal on. Each block owns the rows it writes: no
 //               atomics, deterministic results.
+//
+// This file also holds the dispatcher (cuda::attention_forward / attention_backward): the
+// GEMM path of attention_gemm_cuda.cu where it applies, else these kernels; the environment
+// variable MOECORE_ATTENTION=auto|tiled|gemm overrides the choice (see attention.h).
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "moecore/ops/attention.h"
@@ -407,8 +413,8 @@ unsigned num_tiles(const AttentionDims& d) { return static_cast<unsigned>((d.seq
 
 }  // namespace
 
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse,
-                       const AttentionDims& d) {
+void attention_forward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
+                             Tensor& lse, const AttentionDims& d) {
   const Geometry g = geometry(d, scale);
   cudaStream_t stream = prepare(q);
   dispatch(q.dtype(), d.head_dim, "attention_forward", [&](auto tag, auto dim) {
@@ -420,8 +426,9 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double
   });
 }
 
-void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                        const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d) {
+void attention_backward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                              const AttentionDims& d) {
   const Geometry g = geometry(d, scale);
   cudaStream_t stream = prepare(q);
   Tensor dr = Tensor::empty({d.batch, d.q_heads, d.seq}, DType::F32, q.device());
@@ -439,6 +446,37 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
            stream, q.data<T>(), k.data<T>(), v.data<T>(), dout.data<T>(), lse.data<float>(), dr.data<float>(),
            dk.data<T>(), dv.data<T>(), g);
   });
+}
+
+AttentionPath attention_path(const AttentionDims& d, DType dtype) {
+  const char* env = std::getenv("MOECORE_ATTENTION");
+  const std::string choice = env ? env : "";
+  if (choice.empty() || choice == "auto")
+    return attention_gemm_supported(d, dtype) ? AttentionPath::Gemm : AttentionPath::Tiled;
+  if (choice == "tiled") return AttentionPath::Tiled;
+  if (choice == "gemm") {
+    MC_CHECK(attention_gemm_supported(d, dtype), "attention: MOECORE_ATTENTION=gemm but the GEMM path does not "
+             "support S = ", d.seq, ", D = ", d.head_dim, ", dtype ", dtype_name(dtype), " (S <= ",
+             kAttentionGemmMaxSeq, ", f32 or bf16)");
+    return AttentionPath::Gemm;
+  }
+  MC_FAIL("attention: MOECORE_ATTENTION must be auto, tiled or gemm; got '", choice, "'");
+}
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse,
+                       const AttentionDims& d) {
+  if (attention_path(d, q.dtype()) == AttentionPath::Gemm)
+    attention_forward_gemm(q, k, v, scale, out, lse, d);
+  else
+    attention_forward_tiled(q, k, v, scale, out, lse, d);
+}
+
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                        const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d) {
+  if (attention_path(d, q.dtype()) == AttentionPath::Gemm)
+    attention_backward_gemm(q, k, v, out, lse, dout, scale, dq, dk, dv, d);
+  else
+    attention_backward_tiled(q, k, v, out, lse, dout, scale, dq, dk, dv, d);
 }
 
 }  // namespace moecore::ops::cuda

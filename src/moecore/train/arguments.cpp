@@ -63,6 +63,7 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("lr-warmup-iters", &a.lr_warmup_iters, "linear warm-up steps");
   f.add_int("lr-decay-iters", &a.lr_decay_iters, "decay steps (0: train iters)");
   f.add_int("lr-wsd-decay-iters", &a.lr_wsd_decay_iters, "WSD: steps of the final decay (0: 10% of decay iters)");
+  f.add_string("lr-wsd-decay-style", &a.lr_wsd_decay_style, "WSD: shape of the final decay: linear, cosine, exponential or minus_sqrt");
   f.add_double("weight-decay", &a.weight_decay, "AdamW weight decay (not on norms and biases)");
   f.add_double("adam-beta1", &a.adam_beta1, "AdamW beta1");
   f.add_double("adam-beta2", &a.adam_beta2, "AdamW beta2");
@@ -184,6 +185,11 @@ void finalize_train_args(TrainArgs& a) {
   MC_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters <= a.lr_decay_iters, "--lr-warmup-iters ",
            a.lr_warmup_iters, " must be in [0, --lr-decay-iters ", a.lr_decay_iters, "]");
   if (a.lr_wsd_decay_iters == 0) a.lr_wsd_decay_iters = std::max<int64_t>(1, a.lr_decay_iters / 10);
+  MC_CHECK(a.lr_wsd_decay_iters <= a.lr_decay_iters, "--lr-wsd-decay-iters ", a.lr_wsd_decay_iters,
+           " exceeds --lr-decay-iters ", a.lr_decay_iters);
+  const std::string& w = a.lr_wsd_decay_style;
+  MC_CHECK(w == "linear" || w == "cosine" || w == "exponential" || w == "minus_sqrt", "--lr-wsd-decay-style '", w,
+           "': expected linear, cosine, exponential or minus_sqrt");
   MC_CHECK(a.weight_decay >= 0, "--weight-decay ", a.weight_decay, " must be >= 0");
   MC_CHECK(a.adam_beta1 >= 0 && a.adam_beta1 < 1 && a.adam_beta2 >= 0 && a.adam_beta2 < 1,
            "--adam-beta1 and --adam-beta2 must be in [0, 1)");

@@ -29,6 +29,7 @@ struct TrainArgs {
   LrDecayStyle lr_decay_style = LrDecayStyle::Linear;
   int64_t lr_warmup_iters = 0, lr_decay_iters = 0;  // 0 decay iters: = train iters
   int64_t lr_wsd_decay_iters = 0;                    // WSD: final iterations that decay (0: 10% of decay iters)
+  std::string lr_wsd_decay_style = "exponential";   // WSD's final decay: linear, cosine, exponential, minus_sqrt
   double weight_decay = 0.01, adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8, clip_grad = 1.0;
   bool bf16 = false;
   int64_t seed = 1234;

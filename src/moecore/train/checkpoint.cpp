@@ -199,8 +199,8 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
     auto it = by_name.find(name);
     MC_CHECK(it != by_name.end(), "checkpoint '", ckpt.string(), "' has no tensor '", name,
              "': it was saved from a different model configuration");
-    MC_CHECK(it->second.shape() == dst.shape() && it->second.dtype() == dst.dtype(), "checkpoint tensor '", name,
-             "' is ", it->second.describe(), "; this model expects ", dtype_name(dst.dtype()), " ",
+    MC_CHECK(it->second.shape() == dst.shape() && it->second.dtype() == dst.dtype(), "checkpoint '", ckpt.string(),
+             "': tensor '", name, "' is ", it->second.describe(), "; this model expects ", dtype_name(dst.dtype()), " ",
              shape_str(dst.shape()));
     dst.copy_from(it->second.to(dst.device()));
     by_name.erase(it);

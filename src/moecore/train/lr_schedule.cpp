@@ -20,7 +20,11 @@ double learning_rate(const TrainArgs& a, int64_t step) {
       const int64_t decay_start = a.lr_decay_iters - a.lr_wsd_decay_iters;
       if (step <= decay_start) return max_lr;
       const double w = static_cast<double>(step - decay_start) / static_cast<double>(a.lr_wsd_decay_iters);
-      return min_lr + (max_lr - min_lr) * (1.0 - w);
+      double c = 1.0 - w;  // linear
+      if (a.lr_wsd_decay_style == "cosine") c = 0.5 * (1.0 + std::cos(M_PI * w));
+      if (a.lr_wsd_decay_style == "exponential") c = 2.0 * std::pow(0.5, w) - 1.0;
+      if (a.lr_wsd_decay_style == "minus_sqrt") c = 1.0 - std::sqrt(w);
+      return min_lr + (max_lr - min_lr) * c;
     }
     default: return max_lr;
   }

@@ -4,7 +4,9 @@
 //     constant  lr
 //     linear    min + (lr - min) * (1 - r)            r = (step - warmup) / (decay - warmup)
 //     cosine    min + (lr - min) * 0.5 * (1 + cos(pi r))
-//     WSD       lr until decay - wsd_decay, then linear to min_lr over the last wsd_decay steps
+//     WSD       lr until decay - wsd_decay, then to min_lr over the last wsd_decay steps with
+//               coefficient c(w) of w = progress in [0, 1] (--lr-wsd-decay-style):
+//               linear 1 - w, cosine 0.5 (1 + cos(pi w)), exponential 2 * 0.5^w - 1, minus_sqrt 1 - sqrt(w)
 //   after decay_iters: min_lr.
 #pragma once
 

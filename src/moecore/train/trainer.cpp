@@ -6,6 +6,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 
 #include <nlohmann/json.hpp>
@@ -111,7 +112,8 @@ int run_training(const TrainArgs& args) {
 
   std::vector<MoeLayer*> moe_layers = model.moe_layers();
   double interval_loss = 0, interval_ms = 0;
-  int64_t interval_steps = 0;
+  int64_t interval_steps = 0, interval_skipped = 0, interval_nan = 0;  // Megatron logs these per interval
+  int64_t interval_loss_steps = 0;  // steps whose loss enters the average (not the skipped ones)
   double last_aux = 0, last_z = 0;
   state.args = args.flag_values;
   auto save = [&] {
@@ -154,6 +156,8 @@ int run_training(const TrainArgs& args) {
                   std::isfinite(lm_loss) ? "gradients" : "loss");
       state.skipped_iterations++;
       state.nan_iterations++;
+      interval_skipped++;
+      interval_nan++;
       store.zero_grad();
     } else {
       const double clip = args.clip_grad > 0 && grad_norm > args.clip_grad ? args.clip_grad / (grad_norm + 1e-6) : 1.0;
@@ -169,7 +173,11 @@ int run_training(const TrainArgs& args) {
     }
     synchronize(dev);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    interval_loss += lm_loss;
+    const bool skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
+    if (!skipped) {
+      interval_loss += lm_loss;
+      interval_loss_steps++;
+    }
     interval_ms += ms;
     interval_steps++;
     last_aux = aux;
@@ -177,7 +185,8 @@ int run_training(const TrainArgs& args) {
 
     if (it % args.log_interval == 0 || it == args.train_iters) {
       const double avg_ms = interval_ms / static_cast<double>(interval_steps);
-      const double avg_loss = interval_loss / static_cast<double>(interval_steps);
+      const double avg_loss = interval_loss_steps > 0 ? interval_loss / static_cast<double>(interval_loss_steps)
+                                                      : std::numeric_limits<double>::quiet_NaN();
       const double tflops = flops_per_step / (avg_ms * 1e-3) / 1e12;
       const double tokens_per_s = static_cast<double>(tokens_per_step) / (avg_ms * 1e-3);
       const AllocatorStats mem = memory_stats(dev);
@@ -191,8 +200,8 @@ int run_training(const TrainArgs& args) {
       if (!moe_layers.empty()) std::printf(" load_balancing_loss: %.6E | z_loss: %.6E |", last_aux, last_z);
       std::printf(" loss scale: 1.0 | grad norm: %.3f | params norm: %.3f | number of skipped iterations: %3lld | "
                   "number of nan iterations: %3lld | tokens/s: %.0f |",
-                  grad_norm, params_norm, static_cast<long long>(state.skipped_iterations),
-                  static_cast<long long>(state.nan_iterations), tokens_per_s);
+                  grad_norm, params_norm, static_cast<long long>(interval_skipped),
+                  static_cast<long long>(interval_nan), tokens_per_s);
       if (dev.is_cuda()) std::printf(" MFU: %.1f%% |", 100.0 * tflops / 989.0);
       std::printf(" mem allocated/peak (GB): %.2f/%.2f |\n", mem.allocated_bytes / 1e9, mem.peak_allocated_bytes / 1e9);
       if (cfg.moe.per_layer_logging) {
@@ -244,7 +253,7 @@ int run_training(const TrainArgs& args) {
         tb->flush();
       }
       interval_loss = interval_ms = 0;
-      interval_steps = 0;
+      interval_steps = interval_skipped = interval_nan = interval_loss_steps = 0;
     }
 
     if (args.eval_interval > 0 && (it % args.eval_interval == 0 || it == args.train_iters)) {

@@ -1,0 +1,68 @@
+#include "moecore/data/dataset_info.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "moecore/cli/flags.h"
+#include "moecore/data/indexed_dataset.h"
+
+namespace moecore {
+
+int run_dataset_info(const std::vector<std::string>& args) {
+  cli::FlagSet flags("moecore dataset-info PREFIX",
+                     "Describe a Megatron indexed dataset (PREFIX.bin + PREFIX.idx): counts, dtype, "
+                     "sequence lengths; the last line is JSON.");
+  const std::vector<std::string> positional = flags.parse(args, /*allow_positional=*/true);
+  if (flags.help_requested()) {
+    std::cout << flags.help();
+    return 0;
+  }
+  if (positional.size() != 1)
+    throw cli::UsageError("moecore dataset-info: expected one PREFIX (the path of PREFIX.bin/PREFIX.idx without "
+                          "the extension), got " + std::to_string(positional.size()) + " arguments",
+                          __FILE__, __LINE__);
+  std::string prefix = positional[0];
+  for (const char* ext : {".bin", ".idx"})
+    if (prefix.size() > 4 && prefix.compare(prefix.size() - 4, 4, ext) == 0) prefix.resize(prefix.size() - 4);
+
+  const IndexedDataset data(prefix);
+  const int64_t S = data.num_sequences();
+  int64_t min_len = 0, max_len = 0, empty = 0;
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t len = data.sequence_length(i);
+    min_len = i == 0 ? len : std::min(min_len, len);
+    max_len = std::max(max_len, len);
+    empty += len == 0;
+  }
+  const double mean = S > 0 ? static_cast<double>(data.num_tokens()) / static_cast<double>(S) : 0.0;
+
+  std::printf("dataset      %s\n", prefix.c_str());
+  std::printf("files        %s (%lld bytes), %s (%lld bytes)\n", data.idx_path().c_str(),
+              static_cast<long long>(data.idx_bytes()), data.bin_path().c_str(), static_cast<long long>(data.bin_bytes()));
+  std::printf("dtype        %s (code %d)\n", token_dtype_name(data.dtype()), static_cast<int>(data.dtype()));
+  std::printf("sequences    %lld\n", static_cast<long long>(S));
+  std::printf("documents    %lld\n", static_cast<long long>(data.num_documents()));
+  std::printf("tokens       %lld\n", static_cast<long long>(data.num_tokens()));
+  std::printf("length       min %lld, max %lld, mean %.2f tokens per sequence (%lld empty)\n",
+              static_cast<long long>(min_len), static_cast<long long>(max_len), mean, static_cast<long long>(empty));
+  const nlohmann::json j = {{"prefix", prefix},
+                            {"idx_bytes", data.idx_bytes()},
+                            {"bin_bytes", data.bin_bytes()},
+                            {"dtype", token_dtype_name(data.dtype())},
+                            {"dtype_code", static_cast<int>(data.dtype())},
+                            {"sequences", S},
+                            {"documents", data.num_documents()},
+                            {"tokens", data.num_tokens()},
+                            {"min_sequence_length", min_len},
+                            {"max_sequence_length", max_len},
+                            {"mean_sequence_length", mean},
+                            {"empty_sequences", empty}};
+  std::fflush(stdout);
+  std::cout << j.dump() << std::endl;
+  return 0;
+}
+
+}  // namespace moecore

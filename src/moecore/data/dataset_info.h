@@ -1,0 +1,18 @@
+// moecore dataset-info PREFIX: describes a Megatron indexed dataset (PREFIX.bin + PREFIX.idx;
+// a trailing ".bin" or ".idx" on PREFIX is dropped). Prints human-readable lines, then one JSON
+// line last:
+//   {"prefix", "idx_bytes", "bin_bytes", "dtype", "dtype_code", "sequences", "documents",
+//    "tokens", "min_sequence_length", "max_sequence_length", "mean_sequence_length",
+//    "empty_sequences"}
+// A damaged dataset raises the reader's Error (the binary prints it and exits 1).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace moecore {
+
+// args: the arguments after "dataset-info". Returns the exit code.
+int run_dataset_info(const std::vector<std::string>& args);
+
+}  // namespace moecore

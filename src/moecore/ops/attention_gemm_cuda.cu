@@ -1,0 +1,443 @@
+// CUDA causal GQA attention through cuBLAS tensor-core GEMMs (the "gemm" path).
+//
+// Layout. q/out/dout [B, S, Hq, D] and k/v [B, S, Hkv, D] are first copied to head-major
+// [B * Hq, S, D] (k and v expanded: head h gets kv head h / group), so that every GEMM is
+// one cublasGemmStridedBatchedEx call over the B * Hq (b, h) pairs (batch strides S * D,
+// leading dimension D). The copies move ~4 * B * S * Hq * D elements: a few tens of us at
+// the benchmark sizes, against launching B times as many GEMMs with batch Hq.
+//
+// Scores. Per (b, h) a [S, ldS] fp32 buffer (ldS = S rounded up to 64) holds c Q K^T. The
+// scores are written in fp32, not bf16: a bf16 score s carries an absolute error of about
+// |s| 2^-9, which exp() turns into a relative error of P of the same size (~2% at |s| ~ 10),
+// as large as the whole bf16 output tolerance, and lse would inherit it. The row kernels then
+// overwrite each fp32 row in place with P (and dP with dS) stored in T: for bf16 the T matrix
+// has leading dimension 2 ldS (its row r occupies the first half of the fp32 row r), for f32
+// it is the same matrix. Rows are staged through shared memory so that the in-place write
+// cannot clobber values that other threads of the row still have to read.
+//
+// Causality. Queries are cut into blocks of Sb rows (Sb a multiple of 64, at most 8 blocks):
+// query block i only needs keys [0, kend_i), kend_i = min(S, (i + 1) Sb). Every GEMM touches
+// only that block-lower-triangular region, so 1/2 + 1/(2 nblocks) of the dense work is done
+// (9/16 at 8 blocks); the row kernel writes P = 0 above the diagonal inside the region.
+//
+//   forward:  per block  S = c Q_i K^T;  row kernel: mask, max, sum, lse, P = exp(S - lse);
+//             per block  O_i = P_i V;    O (fp32, head-major) -> out (T, [B, S, Hq, D]).
+//   backward: Dr = rowsum(dO * O); per block  S = c Q_i K^T, dP = dO_i V^T;
+//             row kernel: P = exp(S - lse) (masked), dS = P (dP - Dr), both stored in T
+//             (bf16: as hi + lo pairs, each GEMM below runs on hi, then on lo with beta = 1);
+//             per query block  dQ_i = c dS_i K;
+//             per key block j  dV_j = P[j.., j]^T dO[j..],  dK_j = c dS[j.., j]^T Q[j..]
+//             (rows from the diagonal block down); dQ, dK, dV are fp32 per query head,
+//             then dk/dv[g] = sum over the group's heads in a fixed order (no atomics).
+// GEMMs: bf16 (or f32) operands, fp32 compute (CUBLAS_COMPUTE_32F: no TF32 for f32),
+// fp32 outputs. The forward's P is one bf16 (P >= 0: no cancellation in P V); the backward's
+// P and dS are hi/lo bf16 pairs (see grad_rows_kernel), which doubles the three gradient
+// GEMMs but keeps the gradients as accurate as the fp32 tiled kernels. cuBLAS is deterministic for a fixed handle, stream and workspace.
+//
+// Memory: the score buffers (one in the forward, two in the backward) are taken per call
+// from the caching allocator; the (b, h) pairs are processed in chunks so that they stay
+// under MOECORE_ATTENTION_SCORE_MB (default 2048 MiB).
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <type_traits>
+
+#include "moecore/core/allocator.h"
+#include "moecore/ops/attention.h"
+#include "moecore/ops/cuda_common.cuh"
+
+namespace moecore::ops::cuda {
+
+namespace {
+
+constexpr int kRowThreads = 256;
+constexpr size_t kWorkspaceBytes = 32u << 20;
+constexpr int64_t kMaxBlocks = 8;  // causal query blocks
+
+cublasHandle_t blas_handle(Device dev, cudaStream_t stream) {
+  static std::mutex m;
+  static std::map<int, cublasHandle_t> handles;
+  static std::map<std::pair<int, cudaStream_t>, void*> spaces;  // kept for the process lifetime
+  std::lock_guard<std::mutex> lock(m);
+  auto it = handles.find(dev.index);
+  if (it == handles.end()) {
+    cublasHandle_t h;
+    MC_CUBLAS_CHECK(cublasCreate(&h));
+    it = handles.emplace(dev.index, h).first;
+  }
+  auto key = std::make_pair(dev.index, stream);
+  auto ws = spaces.find(key);
+  if (ws == spaces.end())
+    ws = spaces.emplace(key, cuda_allocator(dev.index).allocate(kWorkspaceBytes, stream)).first;
+  MC_CUBLAS_CHECK(cublasSetStream(it->second, stream));
+  // A workspace of our own per stream keeps cuBLAS's results reproducible across streams.
+  MC_CUBLAS_CHECK(cublasSetWorkspace(it->second, ws->second, kWorkspaceBytes));
+  return it->second;
+}
+
+template <typename T>
+constexpr cudaDataType_t cuda_type() {
+  return std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
+}
+
+// A matrix operand of a strided-batched GEMM: row-major with leading dimension ld, batch
+// stride `stride` elements.
+struct Mat {
+  const void* p;
+  cudaDataType_t type;
+  int64_t ld, stride;
+};
+
+// Row-major, per batch: C[m, n] = alpha op(A) op(B) + beta C, op(A) [m, k], op(B) [k, n].
+// Computed column-major as C^T = op(B)^T op(A)^T.
+void gemm_rm(cublasHandle_t h, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, Mat a, Mat b,
+             void* c, cudaDataType_t c_type, int64_t ldc, int64_t c_stride, int64_t batch, float beta = 0.0f) {
+  if (m <= 0 || n <= 0 || k <= 0 || batch <= 0) return;
+  MC_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+      static_cast<int>(k), &alpha, b.p, b.type, static_cast<int>(b.ld), b.stride, a.p, a.type, static_cast<int>(a.ld),
+      a.stride, &beta, c, c_type, static_cast<int>(ldc), c_stride, static_cast<int>(batch), CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT));
+}
+
+// dst[(b * H + h) * S + s, :] = src[b, s, h / rep, :]  (head-major copy; rep > 1 expands kv heads).
+template <typename T>
+__global__ void to_head_major_kernel(const T* src, T* dst, int64_t total, int S, int H, int Hsrc, int rep, int D) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % D);
+    const int64_t row = i / D;
+    const int s = static_cast<int>(row % S);
+    const int64_t bh = row / S;
+    const int h = static_cast<int>(bh % H);
+    const int64_t b = bh / H;
+    dst[i] = src[((b * S + s) * Hsrc + h / rep) * D + d];
+  }
+}
+
+// dst[b, s, g, :] = sum_{j < rep} src[b, g * rep + j, s, :]  in this order (src fp32 head-major).
+template <typename T>
+__global__ void from_head_major_kernel(const float* src, T* dst, int64_t total, int S, int Hdst, int rep, int D) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int d = static_cast<int>(i % D);
+    const int64_t r = i / D;
+    const int g = static_cast<int>(r % Hdst);
+    const int64_t bs = r / Hdst;
+    const int s = static_cast<int>(bs % S);
+    const int64_t b = bs / S;
+    const float* p = src + (((b * Hdst + g) * rep) * S + s) * D + d;
+    float acc = 0.0f;
+    for (int j = 0; j < rep; ++j) acc += p[static_cast<int64_t>(j) * S * D];
+    dst[i] = store<T>(acc);
+  }
+}
+
+// Dr[bh, s] = dO . O, one warp per row of the head-major copies.
+template <typename T>
+__global__ void dr_kernel(const T* o, const T* dout, float* dr, int64_t rows, int D) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  float acc = 0.0f;
+  for (int i = lane; i < D; i += 32) acc += load(dout[row * D + i]) * load(o[row * D + i]);
+  acc = warp_sum(acc);
+  if (lane == 0) dr[row] = acc;
+}
+
+struct RowGeom {
+  int S, Sb, ldS;  // ldS: fp32 leading dimension of the score buffers
+};
+
+__device__ __forceinline__ int row_end(const RowGeom& g, int s) { return min(g.S, (s / g.Sb + 1) * g.Sb); }
+
+// Forward row kernel, one warp per (bh, s) row of the chunk (kRowThreads / 32 rows a block):
+// scores (already scaled) -> P in T (in place) and lse. Three passes over the row (max, sum,
+// write; the re-reads hit L1/L2). In the write pass, iteration i stores P for columns
+// [32 i, 32 i + 32), whose bf16 bytes overlap fp32 columns [16 i, 16 i + 16): read in an
+// iteration <= i, and __syncwarp orders this iteration's reads before its writes.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(float* scores, float* lse, int64_t rows,
+                                                                   RowGeom g) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 32) + (threadIdx.x >> 5);
+  if (row >= rows) return;  // whole warps leave together
+  const int s = static_cast<int>(row % g.S);
+  const int n = row_end(g, s);
+  float* in = scores + row * g.ldS;
+  float m = -INFINITY;
+  for (int t = lane; t <= s; t += 32) m = fmaxf(m, in[t]);
+  m = warp_max(m);  // key 0 is always visible: finite
+  float l = 0.0f;
+  for (int t = lane; t <= s; t += 32) l += expf(in[t] - m);
+  const float row_lse = m + logf(warp_sum(l));
+  T* out = reinterpret_cast<T*>(in);
+  for (int t0 = 0; t0 < n; t0 += 32) {
+    const int t = t0 + lane;
+    const float x = t <= s ? in[t] : -INFINITY;  // t <= s < n
+    __syncwarp();
+    if (t < n) out[t] = store<T>(expf(x - row_lse));
+    __syncwarp();
+  }
+  if (lane == 0) lse[row] = row_lse;
+}
+
+// Backward row kernel, one block per row: P = exp(S - lse) (0 above the diagonal) into the
+// score row, dS = P (dP - Dr) into the dP row, in T and in place (the row is staged in shared
+// memory first). For bf16 each value x is stored as hi = bf16(x) at column t and lo =
+// bf16(x - hi) at column ldS + t of the bf16 row (the second half of the fp32 row), so that
+// the backward GEMMs (hi then lo, accumulated in fp32) see x to ~2^-17 relative: rounding P
+// and dS to one bf16 (flash-attention's choice) put errors of up to 25% on gradient entries
+// that cancel to near zero (dK at S = 2048, measured on an H200).
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads) grad_rows_kernel(float* scores, float* dp, const float* lse,
+                                                                const float* dr, RowGeom g) {
+  extern __shared__ float smem[];
+  const int64_t row = blockIdx.x;
+  const int s = static_cast<int>(row % g.S);
+  const int n = row_end(g, s);
+  float* srow = smem;
+  float* dprow = smem + n;
+  float* in = scores + row * g.ldS;
+  float* din = dp + row * g.ldS;
+  for (int t = threadIdx.x; t < n; t += kRowThreads) {
+    srow[t] = in[t];
+    dprow[t] = din[t];
+  }
+  __syncthreads();
+  const float row_lse = lse[row], row_dr = dr[row];
+  T* p_out = reinterpret_cast<T*>(in);
+  T* ds_out = reinterpret_cast<T*>(din);
+  for (int t = threadIdx.x; t < n; t += kRowThreads) {
+    const float p = t <= s ? expf(srow[t] - row_lse) : 0.0f;
+    const float ds = p * (dprow[t] - row_dr);
+    const T p_hi = store<T>(p), ds_hi = store<T>(ds);
+    p_out[t] = p_hi;
+    ds_out[t] = ds_hi;
+    if constexpr (!std::is_same_v<T, float>) {
+      p_out[g.ldS + t] = store<T>(p - load(p_hi));
+      ds_out[g.ldS + t] = store<T>(ds - load(ds_hi));
+    }
+  }
+}
+
+template <typename Kernel, typename... Args>
+void launch_rows(Kernel kernel, int64_t rows, size_t smem, cudaStream_t stream, Args... args) {
+  if (smem > 48 * 1024)
+    MC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<static_cast<unsigned>(rows), kRowThreads, smem, stream>>>(args...);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void to_head_major(const Tensor& src, Tensor& dst, const AttentionDims& d, int rep, cudaStream_t stream) {
+  const int64_t total = dst.numel();
+  to_head_major_kernel<T><<<grid_for(total), 256, 0, stream>>>(
+      src.data<T>(), dst.data<T>(), total, static_cast<int>(d.seq), static_cast<int>(d.q_heads),
+      static_cast<int>(d.q_heads / rep), rep, static_cast<int>(d.head_dim));
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void from_head_major(const Tensor& src, Tensor& dst, const AttentionDims& d, int rep, cudaStream_t stream) {
+  const int64_t total = dst.numel();
+  from_head_major_kernel<T><<<grid_for(total), 256, 0, stream>>>(
+      src.data<float>(), dst.data<T>(), total, static_cast<int>(d.seq), static_cast<int>(d.q_heads / rep), rep,
+      static_cast<int>(d.head_dim));
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+// Sizes shared by the forward and the backward.
+struct Plan {
+  int64_t S, D, BH, Sb, nblocks, ldS, chunk;  // chunk: (b, h) pairs per pass
+  RowGeom rows() const { return {static_cast<int>(S), static_cast<int>(Sb), static_cast<int>(ldS)}; }
+};
+
+int64_t score_budget_bytes() {
+  int64_t mb = 2048;
+  if (const char* e = std::getenv("MOECORE_ATTENTION_SCORE_MB")) {
+    const long long v = std::atoll(e);
+    if (v > 0) mb = v;
+  }
+  return mb << 20;
+}
+
+Plan make_plan(const AttentionDims& d, int buffers) {
+  Plan p{};
+  p.S = d.seq;
+  p.D = d.head_dim;
+  p.BH = d.batch * d.q_heads;
+  p.ldS = (d.seq + 63) / 64 * 64;
+  p.nblocks = std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, (d.seq + 255) / 256));
+  p.Sb = ((d.seq + p.nblocks - 1) / p.nblocks + 63) / 64 * 64;
+  p.nblocks = (d.seq + p.Sb - 1) / p.Sb;
+  const int64_t per_bh = p.S * p.ldS * static_cast<int64_t>(sizeof(float)) * buffers;
+  p.chunk = std::max<int64_t>(1, std::min<int64_t>(p.BH, score_budget_bytes() / per_bh));
+  return p;
+}
+
+template <typename T>
+void forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse,
+                  const AttentionDims& d) {
+  cudaStream_t stream = prepare(q);
+  const Device dev = q.device();
+  const Plan p = make_plan(d, 1);
+  const int rep = static_cast<int>(d.group());
+  const DType t = q.dtype();
+  Tensor qh = Tensor::empty({p.BH, p.S, p.D}, t, dev), kh = Tensor::empty({p.BH, p.S, p.D}, t, dev),
+         vh = Tensor::empty({p.BH, p.S, p.D}, t, dev), oh = Tensor::empty({p.BH, p.S, p.D}, DType::F32, dev);
+  to_head_major<T>(q, qh, d, 1, stream);
+  to_head_major<T>(k, kh, d, rep, stream);
+  to_head_major<T>(v, vh, d, rep, stream);
+  Tensor scores = Tensor::empty({p.chunk, p.S, p.ldS}, DType::F32, dev);
+  cublasHandle_t h = blas_handle(dev, stream);
+  const cudaDataType_t ct = cuda_type<T>();
+  const int64_t sd = p.S * p.D, ss = p.S * p.ldS;
+  const int64_t ldP = p.ldS * static_cast<int64_t>(sizeof(float) / sizeof(T));
+  const int64_t pstride = p.S * ldP;
+  for (int64_t bh0 = 0; bh0 < p.BH; bh0 += p.chunk) {
+    const int64_t nb = std::min(p.chunk, p.BH - bh0);
+    const T* Q = qh.data<T>() + bh0 * sd;
+    const T* K = kh.data<T>() + bh0 * sd;
+    const T* V = vh.data<T>() + bh0 * sd;
+    float* O = oh.data<float>() + bh0 * sd;
+    float* Sc = scores.data<float>();
+    for (int64_t i = 0; i < p.nblocks; ++i) {
+      const int64_t r0 = i * p.Sb, rows = std::min(p.Sb, p.S - r0), kend = std::min(p.S, r0 + p.Sb);
+      gemm_rm(h, false, true, rows, kend, p.D, static_cast<float>(scale), {Q + r0 * p.D, ct, p.D, sd},
+              {K, ct, p.D, sd}, Sc + r0 * p.ldS, CUDA_R_32F, p.ldS, ss, nb);
+    }
+    const int64_t rows = nb * p.S, warps = kRowThreads / 32;
+    softmax_rows_kernel<T><<<static_cast<unsigned>((rows + warps - 1) / warps), kRowThreads, 0, stream>>>(
+        Sc, lse.data<float>() + bh0 * p.S, rows, p.rows());
+    MC_CUDA_CHECK_LAUNCH();
+    const T* P = reinterpret_cast<const T*>(Sc);
+    for (int64_t i = 0; i < p.nblocks; ++i) {
+      const int64_t r0 = i * p.Sb, rows = std::min(p.Sb, p.S - r0), kend = std::min(p.S, r0 + p.Sb);
+      gemm_rm(h, false, false, rows, p.D, kend, 1.0f, {P + r0 * ldP, ct, ldP, pstride}, {V, ct, p.D, sd},
+              O + r0 * p.D, CUDA_R_32F, p.D, sd, nb);
+    }
+  }
+  from_head_major<T>(oh, out, d, 1, stream);
+}
+
+template <typename T>
+void backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                   const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d) {
+  cudaStream_t stream = prepare(q);
+  const Device dev = q.device();
+  const Plan p = make_plan(d, 2);
+  const int rep = static_cast<int>(d.group());
+  const DType t = q.dtype();
+  const Shape hm{p.BH, p.S, p.D};
+  Tensor qh = Tensor::empty(hm, t, dev), kh = Tensor::empty(hm, t, dev), vh = Tensor::empty(hm, t, dev),
+         doh = Tensor::empty(hm, t, dev);
+  to_head_major<T>(q, qh, d, 1, stream);
+  to_head_major<T>(k, kh, d, rep, stream);
+  to_head_major<T>(v, vh, d, rep, stream);
+  to_head_major<T>(dout, doh, d, 1, stream);
+  Tensor dr = Tensor::empty({p.BH, p.S}, DType::F32, dev);
+  {
+    Tensor oh = Tensor::empty(hm, t, dev);
+    to_head_major<T>(out, oh, d, 1, stream);
+    const int64_t rows = p.BH * p.S;
+    dr_kernel<T><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(oh.data<T>(), doh.data<T>(),
+                                                                            dr.data<float>(), rows,
+                                                                            static_cast<int>(p.D));
+    MC_CUDA_CHECK_LAUNCH();
+  }  // oh goes back to the allocator (stream-ordered)
+  Tensor dqh = Tensor::empty(hm, DType::F32, dev), dkh = Tensor::empty(hm, DType::F32, dev),
+         dvh = Tensor::empty(hm, DType::F32, dev);
+  Tensor scores = Tensor::empty({p.chunk, p.S, p.ldS}, DType::F32, dev);
+  Tensor dps = Tensor::empty({p.chunk, p.S, p.ldS}, DType::F32, dev);
+  cublasHandle_t h = blas_handle(dev, stream);
+  const cudaDataType_t ct = cuda_type<T>();
+  const int64_t sd = p.S * p.D, ss = p.S * p.ldS;
+  const int64_t ldP = p.ldS * static_cast<int64_t>(sizeof(float) / sizeof(T));
+  const int64_t pstride = p.S * ldP;
+  const float c = static_cast<float>(scale);
+  const size_t smem = 2 * sizeof(float) * static_cast<size_t>(std::min(p.S, p.nblocks * p.Sb));
+  for (int64_t bh0 = 0; bh0 < p.BH; bh0 += p.chunk) {
+    const int64_t nb = std::min(p.chunk, p.BH - bh0);
+    const T* Q = qh.data<T>() + bh0 * sd;
+    const T* K = kh.data<T>() + bh0 * sd;
+    const T* V = vh.data<T>() + bh0 * sd;
+    const T* dO = doh.data<T>() + bh0 * sd;
+    float* dQ = dqh.data<float>() + bh0 * sd;
+    float* dK = dkh.data<float>() + bh0 * sd;
+    float* dV = dvh.data<float>() + bh0 * sd;
+    float* Sc = scores.data<float>();
+    float* dP = dps.data<float>();
+    for (int64_t i = 0; i < p.nblocks; ++i) {
+      const int64_t r0 = i * p.Sb, rows = std::min(p.Sb, p.S - r0), kend = std::min(p.S, r0 + p.Sb);
+      gemm_rm(h, false, true, rows, kend, p.D, c, {Q + r0 * p.D, ct, p.D, sd}, {K, ct, p.D, sd}, Sc + r0 * p.ldS,
+              CUDA_R_32F, p.ldS, ss, nb);
+      gemm_rm(h, false, true, rows, kend, p.D, 1.0f, {dO + r0 * p.D, ct, p.D, sd}, {V, ct, p.D, sd},
+              dP + r0 * p.ldS, CUDA_R_32F, p.ldS, ss, nb);
+    }
+    launch_rows(grad_rows_kernel<T>, nb * p.S, smem, stream, Sc, dP, lse.data<float>() + bh0 * p.S,
+                dr.data<float>() + bh0 * p.S, p.rows());
+    const T* P = reinterpret_cast<const T*>(Sc);
+    const T* dS = reinterpret_cast<const T*>(dP);
+    // bf16: the hi part (offset 0) then the lo part (offset ldS) accumulated onto it in fp32.
+    const int parts = std::is_same_v<T, float> ? 1 : 2;
+    for (int part = 0; part < parts; ++part) {
+      const int64_t off = part * p.ldS;
+      const float beta = part == 0 ? 0.0f : 1.0f;
+      for (int64_t i = 0; i < p.nblocks; ++i) {
+        const int64_t r0 = i * p.Sb, rows = std::min(p.Sb, p.S - r0), kend = std::min(p.S, r0 + p.Sb);
+        gemm_rm(h, false, false, rows, p.D, kend, c, {dS + off + r0 * ldP, ct, ldP, pstride}, {K, ct, p.D, sd},
+                dQ + r0 * p.D, CUDA_R_32F, p.D, sd, nb, beta);
+      }
+      for (int64_t j = 0; j < p.nblocks; ++j) {
+        const int64_t c0 = j * p.Sb, cols = std::min(p.Sb, p.S - c0), kr = p.S - c0;  // query rows c0..S-1
+        gemm_rm(h, true, false, cols, p.D, kr, 1.0f, {P + off + c0 * ldP + c0, ct, ldP, pstride},
+                {dO + c0 * p.D, ct, p.D, sd}, dV + c0 * p.D, CUDA_R_32F, p.D, sd, nb, beta);
+        gemm_rm(h, true, false, cols, p.D, kr, c, {dS + off + c0 * ldP + c0, ct, ldP, pstride},
+                {Q + c0 * p.D, ct, p.D, sd}, dK + c0 * p.D, CUDA_R_32F, p.D, sd, nb, beta);
+      }
+    }
+  }
+  from_head_major<T>(dqh, dq, d, 1, stream);
+  from_head_major<T>(dkh, dk, d, rep, stream);
+  from_head_major<T>(dvh, dv, d, rep, stream);
+}
+
+template <typename F>
+void dispatch_gemm(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(bf16{}); return;
+    default: MC_FAIL(op, ": dtype ", dtype_name(t), " is not supported by the CUDA GEMM attention path (f32, bf16)");
+  }
+}
+
+}  // namespace
+
+bool attention_gemm_supported(const AttentionDims& d, DType dtype) {
+  // Row kernels stage up to two fp32 rows of S in shared memory (2 * 4 * 16384 = 128 KiB).
+  return (dtype == DType::F32 || dtype == DType::BF16) && d.seq <= kAttentionGemmMaxSeq && d.head_dim % 8 == 0 &&
+         d.batch * d.q_heads <= (int64_t(1) << 30);
+}
+
+void attention_forward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
+                            Tensor& lse, const AttentionDims& d) {
+  MC_CHECK(attention_gemm_supported(d, q.dtype()), "attention_forward: the GEMM path does not support S = ", d.seq,
+           ", D = ", d.head_dim, ", dtype ", dtype_name(q.dtype()));
+  dispatch_gemm(q.dtype(), "attention_forward", [&](auto tag) {
+    forward_impl<decltype(tag)>(q, k, v, scale, out, lse, d);
+  });
+}
+
+void attention_backward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                             const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                             const AttentionDims& d) {
+  MC_CHECK(attention_gemm_supported(d, q.dtype()), "attention_backward: the GEMM path does not support S = ", d.seq,
+           ", D = ", d.head_dim, ", dtype ", dtype_name(q.dtype()));
+  dispatch_gemm(q.dtype(), "attention_backward", [&](auto tag) {
+    backward_impl<decltype(tag)>(q, k, v, out, lse, dout, scale, dq, dk, dv, d);
+  });
+}
+
+}  // namespace moecore::ops::cuda
