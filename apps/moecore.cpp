@@ -14,6 +14,8 @@
 #include "moecore/cli/flags.h"
 #include "moecore/core/error.h"
 #include "moecore/core/system_info.h"
+#include "moecore/data/dataset_info.h"
+#include "moecore/data/preprocess.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/generate.h"
 #include "moecore/train/trainer.h"
@@ -78,8 +80,8 @@ const std::vector<Subcommand>& subcommands() {
       {"env", "devices, library versions and threads", run_env, ""},
       {"train", "train a MoE model", run_train, ""},
       {"generate", "sample tokens from a checkpoint", moecore::run_generate, ""},
-      {"preprocess", "JSONL to Megatron .bin/.idx", nullptr, "the data work"},
-      {"dataset-info", "describe a .bin/.idx dataset", nullptr, "the data work"},
+      {"preprocess", "JSONL to Megatron .bin/.idx", moecore::run_preprocess, ""},
+      {"dataset-info", "describe a .bin/.idx dataset", moecore::run_dataset_info, ""},
       {"convert", "HF <-> moecore checkpoints", nullptr, "the HF interop work"},
       {"plan", "memory and throughput planner", nullptr, "the planner work"},
   };

@@ -299,7 +299,7 @@ TEST(GPTDataset, BlendingSharesFollowWeights) {
   for (int d = 0; d < 3; ++d) write_docs(dir.file("b" + std::to_string(d)), numbered_docs(60, d * 100000, d));
   GPTDataConfig c;
   c.blend = {{5.0, dir.file("b0")}, {3.0, dir.file("b1")}, {2.0, dir.file("b2")}};
-  c.split = "98,2,0";
+  c.split = "9,1,0";
   c.seq_length = 16;
   c.num_samples = {10000, 20, 0};
   auto sets = build_gpt_datasets(c);

@@ -274,5 +274,18 @@ TEST(SentencePieceTokenizer, MissingLibraryOrFileIsAnError) {
   else EXPECT_NE(msg.find("libsentencepiece-dev"), std::string::npos) << msg;
 }
 
+// tests/data/tiny_sentencepiece.model: trained by SentencePieceTrainer (vocab 50, identity
+// normalisation) on 200 lines "hello world this is a tiny sentencepiece corpus number <i>".
+TEST(SentencePieceTokenizer, TinyModelRoundTrips) {
+  if (!tokenizer_has_sentencepiece()) GTEST_SKIP() << "moecore was built without SentencePiece (libsentencepiece-dev)";
+  auto t = make_tokenizer("SentencePieceTokenizer", (data_dir() / "tiny_sentencepiece.model").string());
+  EXPECT_EQ(t->vocab_size(), 50);
+  EXPECT_EQ(t->eod(), 2);  // </s>
+  const Ids ids = t->encode("hello world 42");
+  EXPECT_EQ(ids, (Ids{3, 11, 6, 7, 7, 18, 3, 25, 12, 7, 23, 48, 26}));
+  EXPECT_EQ(t->decode(ids), "hello world 42");
+  EXPECT_THROW(t->decode({50}), Error);
+}
+
 }  // namespace
 }  // namespace moecore

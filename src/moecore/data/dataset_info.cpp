@@ -1,6 +1,7 @@
 #include "moecore/data/dataset_info.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 
@@ -15,6 +16,10 @@ int run_dataset_info(const std::vector<std::string>& args) {
   cli::FlagSet flags("moecore dataset-info PREFIX",
                      "Describe a Megatron indexed dataset (PREFIX.bin + PREFIX.idx): counts, dtype, "
                      "sequence lengths; the last line is JSON.");
+  bool entropy = false;
+  flags.add_bool("unigram-entropy", &entropy,
+                 "also read every token and report the unigram entropy in nats (a model that beats it has learned "
+                 "more than token frequencies)");
   const std::vector<std::string> positional = flags.parse(args, /*allow_positional=*/true);
   if (flags.help_requested()) {
     std::cout << flags.help();
@@ -48,7 +53,26 @@ int run_dataset_info(const std::vector<std::string>& args) {
   std::printf("tokens       %lld\n", static_cast<long long>(data.num_tokens()));
   std::printf("length       min %lld, max %lld, mean %.2f tokens per sequence (%lld empty)\n",
               static_cast<long long>(min_len), static_cast<long long>(max_len), mean, static_cast<long long>(empty));
-  const nlohmann::json j = {{"prefix", prefix},
+  double unigram_entropy = 0;
+  if (entropy) {
+    std::vector<int64_t> counts;
+    std::vector<int32_t> buf;
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t len = data.sequence_length(i);
+      buf.resize(static_cast<size_t>(len));
+      data.read(i, 0, len, buf.data());
+      for (int32_t t : buf) {
+        MC_CHECK(t >= 0, "dataset '", prefix, "': negative token ", t, " in sequence ", i);
+        if (static_cast<size_t>(t) >= counts.size()) counts.resize(static_cast<size_t>(t) + 1, 0);
+        counts[static_cast<size_t>(t)]++;
+      }
+    }
+    const double n = static_cast<double>(data.num_tokens());
+    for (int64_t c : counts)
+      if (c > 0) unigram_entropy -= static_cast<double>(c) / n * std::log(static_cast<double>(c) / n);
+    std::printf("unigram entropy %.4f nats per token\n", unigram_entropy);
+  }
+  nlohmann::json j = {{"prefix", prefix},
                             {"idx_bytes", data.idx_bytes()},
                             {"bin_bytes", data.bin_bytes()},
                             {"dtype", token_dtype_name(data.dtype())},
@@ -60,6 +84,7 @@ int run_dataset_info(const std::vector<std::string>& args) {
                             {"max_sequence_length", max_len},
                             {"mean_sequence_length", mean},
                             {"empty_sequences", empty}};
+  if (entropy) j["unigram_entropy_nats"] = unigram_entropy;
   std::fflush(stdout);
   std::cout << j.dump() << std::endl;
   return 0;

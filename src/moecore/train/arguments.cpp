@@ -1,6 +1,9 @@
 #include "moecore/train/arguments.h"
 
 #include <algorithm>
+#include <cstdlib>
+
+#include "moecore/data/tokenizer.h"
 
 namespace moecore {
 
@@ -81,6 +84,28 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_string("metrics-file", &a.metrics_file, "JSONL metrics file (default: <save>/metrics.jsonl when --save is set)");
   f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda when present)");
   f.add_bool("mock-data", &a.mock_data, "synthetic learnable data (arithmetic progressions)");
+  f.add_list("data-path", &a.data_path, "Megatron dataset prefixes (.bin/.idx), optionally weighted: [w1] p1 [w2 p2 ...]");
+  f.add_string("split", &a.split, "train,valid,test weights over documents");
+  f.add_string("data-cache-path", &a.data_cache_path, "where sample indices are cached (default: beside the data)");
+  f.add_string("tokenizer-type", &a.tokenizer_type, "ByteTokenizer, HuggingFaceTokenizer or SentencePieceTokenizer");
+  f.add_string("tokenizer-model", &a.tokenizer_model, "tokenizer.json or .model file");
+  f.add_int("make-vocab-size-divisible-by", &a.make_vocab_size_divisible_by, "pad the tokenizer's vocabulary to a multiple of this");
+}
+
+std::vector<std::pair<double, std::string>> parse_data_path(const std::vector<std::string>& items) {
+  // Megatron: "prefix" alone, or "w1 p1 w2 p2 ...".
+  std::vector<std::pair<double, std::string>> blend;
+  if (items.size() == 1) return {{1.0, items[0]}};
+  MC_CHECK(items.size() % 2 == 0, "--data-path: expected one prefix or weight/prefix pairs, got ", items.size(),
+           " values");
+  for (size_t i = 0; i < items.size(); i += 2) {
+    char* end = nullptr;
+    const double w = std::strtod(items[i].c_str(), &end);
+    MC_CHECK(*end == '\0' && w > 0, "--data-path: '", items[i], "' should be a positive weight before prefix '",
+             items[i + 1], "'");
+    blend.emplace_back(w, items[i + 1]);
+  }
+  return blend;
 }
 
 TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text) {
@@ -164,8 +189,18 @@ void finalize_train_args(TrainArgs& a) {
   else if (a.token_drop_policy == "position") e.drop_policy = ops::DropPolicy::Position;
   else MC_FAIL("--moe-token-drop-policy '", a.token_drop_policy, "': expected probs or position");
 
-  MC_CHECK(a.mock_data, "moecore train needs a data source: --mock-data (Megatron .bin/.idx datasets through "
-                        "--data-path arrive with the data work)");
+  MC_CHECK(a.mock_data != !a.data_path.empty(), "moecore train needs exactly one data source: --mock-data or "
+                                                "--data-path PREFIX (Megatron .bin/.idx)");
+  if (!a.data_path.empty()) {
+    a.data_blend = parse_data_path(a.data_path);
+    MC_CHECK(!a.tokenizer_type.empty(), "--data-path needs --tokenizer-type (it sets the vocabulary size)");
+    const int64_t tok_vocab = make_tokenizer(a.tokenizer_type, a.tokenizer_model)->vocab_size();
+    MC_CHECK(a.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by must be >= 1");
+    const int64_t d = a.make_vocab_size_divisible_by, padded = (tok_vocab + d - 1) / d * d;
+    MC_CHECK(m.vocab_size == 0 || m.vocab_size >= tok_vocab, "--vocab-size ", m.vocab_size,
+             " is smaller than the tokenizer's vocabulary (", tok_vocab, ")");
+    if (m.vocab_size == 0) m.vocab_size = padded;
+  }
   finalize_model_config(m, a.moe_layer_freq);
 
   MC_CHECK(a.micro_batch_size >= 1, "--micro-batch-size ", a.micro_batch_size, " must be >= 1");

@@ -40,6 +40,11 @@ struct TrainArgs {
   Device device;
   bool mock_data = false;
   std::string config_file;
+  // real data (Megatron .bin/.idx): --data-path [w1] prefix1 [w2 prefix2 ...]
+  std::vector<std::string> data_path;
+  std::vector<std::pair<double, std::string>> data_blend;  // parsed --data-path
+  std::string split = "969,30,1", data_cache_path, tokenizer_type, tokenizer_model;
+  int64_t make_vocab_size_divisible_by = 128;
 
   int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }
 
@@ -57,6 +62,8 @@ void register_train_flags(cli::FlagSet& flags, TrainArgs& args);
 // Parses argv (with --config FILE applied first), fills derived values and validates every
 // combination; raises cli::UsageError / Error naming the flag.
 TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text);
+// "--data-path p" or "--data-path w1 p1 w2 p2": (weight, prefix) pairs.
+std::vector<std::pair<double, std::string>> parse_data_path(const std::vector<std::string>& items);
 // Derived values and checks, after parsing.
 void finalize_train_args(TrainArgs& args);
 // Rebuilds the arguments a checkpoint was trained with (its saved flag values), on `device`.

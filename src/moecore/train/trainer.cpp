@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moecore/core/allocator.h"
-#include "moecore/data/mock_data.h"
+#include "moecore/train/data_source.h"
 #include "moecore/model/gpt.h"
 #include "moecore/ops/adamw.h"
 #include "moecore/ops/reduce.h"
@@ -88,8 +88,7 @@ int run_training(const TrainArgs& args) {
     std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
                 static_cast<long long>(state.iteration));
   }
-  const MockData train_data(cfg.vocab_size, cfg.seq_length, static_cast<uint64_t>(args.seed), "train");
-  const MockData valid_data(cfg.vocab_size, cfg.seq_length, static_cast<uint64_t>(args.seed), "valid");
+  const DataSources data = make_data_sources(args);
   std::unique_ptr<TensorBoardWriter> tb;
   if (!args.tensorboard_dir.empty()) tb = std::make_unique<TensorBoardWriter>(args.tensorboard_dir);
   std::ofstream metrics;
@@ -127,7 +126,7 @@ int run_training(const TrainArgs& args) {
     if (dev.is_cuda()) cuda_allocator(dev.index).reset_peak();
     double loss_sum = 0;
     for (int64_t m = 0; m < micro; ++m) {
-      const Batch b = train_data.batch(state.consumed_samples + m * args.micro_batch_size, args.micro_batch_size, dev);
+      const Batch b = data.train->batch(state.consumed_samples + m * args.micro_batch_size, args.micro_batch_size, dev);
       GPTModel::Ctx ctx;
       const uint64_t rng = static_cast<uint64_t>(args.seed) * 0x100000001B3ull + static_cast<uint64_t>(it * micro + m);
       loss_sum += model.forward(b.tokens, b.labels, true, rng, ctx);
@@ -256,10 +255,10 @@ int run_training(const TrainArgs& args) {
       interval_steps = interval_skipped = interval_nan = interval_loss_steps = 0;
     }
 
-    if (args.eval_interval > 0 && (it % args.eval_interval == 0 || it == args.train_iters)) {
+    if (args.eval_interval > 0 && data.valid && (it % args.eval_interval == 0 || it == args.train_iters)) {
       double vsum = 0;
       for (int64_t e = 0; e < args.eval_iters; ++e) {
-        const Batch b = valid_data.batch(e * args.micro_batch_size, args.micro_batch_size, dev);
+        const Batch b = data.valid->batch(e * args.micro_batch_size, args.micro_batch_size, dev);
         GPTModel::Ctx ctx;
         vsum += model.forward(b.tokens, b.labels, false, 0, ctx);
       }
