@@ -52,3 +52,28 @@ TEST(Flags, ClosestWord) {
   EXPECT_EQ(closest("trian", {"train", "generate", "env"}), "train");
   EXPECT_EQ(closest("qqqqqqqq", {"train", "env"}), "");
 }
+
+TEST(Flags, BooleansTakeTrueOrFalseAfterEquals) {
+  bool x = true;
+  FlagSet f("moecore train", "test");
+  f.add_bool("bf16", &x, "");
+  f.parse({"--bf16=false"});
+  EXPECT_FALSE(x);
+  f.parse({"--bf16=true"});
+  EXPECT_TRUE(x);
+  EXPECT_THROW(f.parse({"--bf16=maybe"}), UsageError);
+}
+
+TEST(Flags, ListsTakeValuesUpToTheNextFlag) {
+  std::vector<std::string> paths;
+  int64_t n = 0;
+  FlagSet f("moecore train", "test");
+  f.add_list("data-path", &paths, "");
+  f.add_int("n", &n, "");
+  f.parse({"--data-path", "0.3", "a", "0.7", "b", "--n", "2"});
+  EXPECT_EQ(paths, (std::vector<std::string>{"0.3", "a", "0.7", "b"}));
+  EXPECT_EQ(n, 2);
+  f.set("data_path", "[x, y]", "config");
+  EXPECT_EQ(paths, (std::vector<std::string>{"x", "y"}));
+  EXPECT_THROW(f.parse({"--data-path", "--n", "1"}), UsageError);
+}

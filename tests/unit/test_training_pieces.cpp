@@ -544,3 +544,17 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
   // The same groups with --group-query-attention are fine.
   EXPECT_EQ(parse_error(base_args({"--group-query-attention", "--num-query-groups", "2"})), "");
 }
+
+TEST(TrainingPieces, DataPathWeightsOrEqualShares) {
+  const auto single = moecore::parse_data_path({"corpus"});
+  ASSERT_EQ(single.size(), 1u);
+  EXPECT_EQ(single[0].second, "corpus");
+  const auto weighted = moecore::parse_data_path({"0.3", "a", "0.7", "b"});
+  ASSERT_EQ(weighted.size(), 2u);
+  EXPECT_DOUBLE_EQ(weighted[1].first, 0.7);
+  EXPECT_EQ(weighted[1].second, "b");
+  const auto equal = moecore::parse_data_path({"a", "b", "c"});  // Megatron: unweighted prefixes share equally
+  ASSERT_EQ(equal.size(), 3u);
+  EXPECT_DOUBLE_EQ(equal[2].first, 1.0);
+  EXPECT_THROW(moecore::parse_data_path({"0.5", "a", "-1", "b"}), moecore::Error);
+}

@@ -204,7 +204,17 @@ std::vector<std::string> FlagSet::parse(const std::vector<std::string>& args, bo
     if (!f) fail_unknown(name, "");
     given_.push_back(name);
     if (f->kind == "bool") {
-      if (inline_value) fail("flag '--" + name + "' takes no value");
+      if (inline_value) {
+        // --flag=false turns off a boolean a config file turned on
+        if (value == "true" || value == "1") {
+          f->set("");
+        } else if (value == "false" || value == "0") {
+          f->set("__false__");
+        } else {
+          fail("flag '--" + name + "' takes no value (or =true / =false), got '" + value + "'");
+        }
+        continue;
+      }
       f->set("");
       continue;
     }

@@ -47,7 +47,7 @@ Device parse_device(std::string_view text) {
     int index = 0;
     if (text.size() > 5) {
       const std::string digits(text.substr(5));
-      MC_CHECK(!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos,
+      MC_CHECK(!digits.empty() && digits.size() <= 4 && digits.find_first_not_of("0123456789") == std::string::npos,
                "bad device '", text, "': expected cpu, cuda or cuda:N");
       index = std::stoi(digits);
     }

@@ -1,5 +1,6 @@
 #include "moecore/model/config.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "moecore/core/error.h"
@@ -60,7 +61,13 @@ void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
   if (c.num_query_groups == 0) c.num_query_groups = c.num_attention_heads;
   MC_CHECK(c.num_query_groups >= 1 && c.num_attention_heads % c.num_query_groups == 0, "--num-attention-heads ",
            c.num_attention_heads, " is not divisible by --num-query-groups ", c.num_query_groups);
-  if (c.ffn_hidden_size == 0) c.ffn_hidden_size = 4 * c.hidden_size;
+  MC_CHECK(c.ffn_hidden_size >= 0 && c.kv_channels >= 0 && c.num_query_groups >= 0 && c.max_position_embeddings >= 0,
+           "--ffn-hidden-size, --kv-channels, --num-query-groups and --max-position-embeddings must be >= 0");
+  MC_CHECK(c.rotary_base > 0, "--rotary-base ", c.rotary_base, " must be > 0");
+  if (c.ffn_hidden_size == 0) {
+    // Megatron: 4h, or with SwiGLU 2/3 of that rounded down to a multiple of 64 (same parameters)
+    c.ffn_hidden_size = c.swiglu ? std::max<int64_t>(64, (8 * c.hidden_size / 3) / 64 * 64) : 4 * c.hidden_size;
+  }
   if (c.max_position_embeddings == 0) c.max_position_embeddings = c.seq_length;
   MC_CHECK(c.seq_length <= c.max_position_embeddings, "--seq-length ", c.seq_length,
            " exceeds --max-position-embeddings ", c.max_position_embeddings);
@@ -80,6 +87,9 @@ void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
     return;
   }
   c.moe_layer = parse_moe_layer_freq(moe_layer_freq.empty() ? "1" : moe_layer_freq, c.num_layers);
+  MC_CHECK(m.ffn_hidden_size >= 0, "--moe-ffn-hidden-size ", m.ffn_hidden_size, " must be >= 0");
+  MC_CHECK(m.capacity_factor >= 0, "--moe-expert-capacity-factor ", m.capacity_factor, " must be >= 0 (0: dropless)");
+  MC_CHECK(m.shared_expert_size >= 0, "--moe-shared-expert-intermediate-size ", m.shared_expert_size, " must be >= 0");
   if (m.ffn_hidden_size == 0) m.ffn_hidden_size = c.ffn_hidden_size;
   m.router.num_experts = m.num_experts;
   ops::validate_router_config(m.router);
@@ -88,6 +98,9 @@ void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
   MC_CHECK(m.input_jitter_eps >= 0 && m.input_jitter_eps < 1, "--moe-input-jitter-eps ", m.input_jitter_eps,
            " must be in [0, 1)");
   MC_CHECK(m.bias_update_rate >= 0, "--moe-router-bias-update-rate ", m.bias_update_rate, " must be >= 0");
+  MC_CHECK(!m.enable_expert_bias || m.router.score == ops::RouterScore::Sigmoid || m.router.pre_softmax,
+           "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or --moe-router-pre-softmax "
+           "(the bias shifts scores, not logits)");
   if (m.load_balancing == LoadBalancing::Sinkhorn) {
     MC_CHECK(m.router.score == ops::RouterScore::Softmax && !m.router.pre_softmax && m.router.num_groups == 0,
              "--moe-router-load-balancing-type sinkhorn selects with its own scores: it cannot be combined with "

@@ -42,6 +42,13 @@ std::vector<MoeLayer*> GPTModel::moe_layers() {
   return out;
 }
 
+std::vector<int64_t> GPTModel::moe_layer_numbers() const {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < cfg_.num_layers; ++i)
+    if (cfg_.is_moe(i)) out.push_back(i);
+  return out;
+}
+
 Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
   MC_CHECK(tokens.ndim() == 2 && tokens.dtype() == DType::I32, "model input must be [batch, seq] i32, got ",
            tokens.describe());

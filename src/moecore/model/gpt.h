@@ -42,6 +42,7 @@ class GPTModel {
   Tensor logits(const Tensor& tokens);
 
   std::vector<MoeLayer*> moe_layers();
+  std::vector<int64_t> moe_layer_numbers() const;  // decoder layer index of each moe_layers() entry
   const ModelConfig& config() const { return cfg_; }
 
  private:

@@ -103,7 +103,18 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   if (expert_bias_) bias = cast_to(expert_bias_->master, router_dtype_);
   ctx.probs = Tensor::empty({tokens, k}, router_dtype_, dev);
   ctx.indices = Tensor::empty({tokens, k}, DType::I32, dev);
-  ops::router_topk_forward(ctx.logits, bias, moe_.router, ctx.probs, ctx.indices);
+  ops::RouterConfig router = moe_.router;
+  if (router.sinkhorn && !training) {
+    // Megatron's sinkhorn router outside training: a plain top-k of the activation, softmax over
+    // all experts (k > 1, not renormalised: the pre-softmax path) or the sigmoid (k = 1).
+    router.sinkhorn = false;
+    if (router.topk > 1) {
+      router.pre_softmax = true;
+    } else {
+      router.score = ops::RouterScore::Sigmoid;
+    }
+  }
+  ops::router_topk_forward(ctx.logits, bias, router, ctx.probs, ctx.indices);
 
   if (training) {
     if (uses_aux_loss(moe_)) {

@@ -1,6 +1,7 @@
 #include "moecore/train/arguments.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 
 #include "moecore/data/tokenizer.h"
@@ -79,7 +80,9 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("eval-iters", &a.eval_iters, "validation batches per run");
   f.add_string("save", &a.save, "checkpoint directory");
   f.add_int("save-interval", &a.save_interval, "steps between checkpoints (0: only at the end)");
-  f.add_string("load", &a.load, "checkpoint directory to resume from");
+  f.add_string("load", &a.load, "checkpoint directory to resume from (none there: start from scratch, as Megatron)");
+  f.add_bool("override-opt-param-scheduler", &a.override_opt_param_scheduler,
+             "resume with this run's learning-rate settings instead of refusing when they differ");
   f.add_string("tensorboard-dir", &a.tensorboard_dir, "write TensorBoard event files here");
   f.add_string("metrics-file", &a.metrics_file, "JSONL metrics file (default: <save>/metrics.jsonl when --save is set)");
   f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda when present)");
@@ -93,16 +96,31 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
 }
 
 std::vector<std::pair<double, std::string>> parse_data_path(const std::vector<std::string>& items) {
-  // Megatron: "prefix" alone, or "w1 p1 w2 p2 ...".
+  // Megatron: "w1 p1 w2 p2 ..." (weights and prefixes alternate), or prefixes alone (equal weights).
   std::vector<std::pair<double, std::string>> blend;
-  if (items.size() == 1) return {{1.0, items[0]}};
-  MC_CHECK(items.size() % 2 == 0, "--data-path: expected one prefix or weight/prefix pairs, got ", items.size(),
-           " values");
-  for (size_t i = 0; i < items.size(); i += 2) {
+  auto weight = [](const std::string& s, double* w) {
     char* end = nullptr;
-    const double w = std::strtod(items[i].c_str(), &end);
-    MC_CHECK(*end == '\0' && w > 0, "--data-path: '", items[i], "' should be a positive weight before prefix '",
-             items[i + 1], "'");
+    *w = std::strtod(s.c_str(), &end);
+    return !s.empty() && *end == '\0';
+  };
+  bool weighted = items.size() % 2 == 0;
+  for (size_t i = 0; weighted && i < items.size(); i += 2) {
+    double w = 0;
+    weighted = weight(items[i], &w);
+  }
+  if (!weighted) {
+    for (const std::string& p : items) {
+      double w = 0;
+      MC_CHECK(!weight(p, &w), "--data-path: '", p, "' looks like a weight but the list does not alternate weights and "
+                                "prefixes");
+      blend.emplace_back(1.0, p);
+    }
+    return blend;
+  }
+  for (size_t i = 0; i < items.size(); i += 2) {
+    double w = 0;
+    weight(items[i], &w);
+    MC_CHECK(w > 0, "--data-path: weight '", items[i], "' of prefix '", items[i + 1], "' must be > 0");
     blend.emplace_back(w, items[i + 1]);
   }
   return blend;
@@ -128,6 +146,36 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   return a;
 }
 
+void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& saved, const TrainArgs& now) {
+  static const std::vector<std::string> model = {
+      "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
+      "num-query-groups", "kv-channels", "max-position-embeddings", "vocab-size", "normalization",
+      "position-embedding-type", "rotary-base", "swiglu", "disable-bias-linear",
+      "untie-embeddings-and-output-weights", "qk-layernorm", "num-experts", "moe-layer-freq", "moe-ffn-hidden-size",
+      "moe-router-topk", "moe-router-score-function", "moe-router-pre-softmax", "moe-router-num-groups",
+      "moe-router-group-topk", "moe-router-topk-scaling-factor", "moe-router-enable-expert-bias",
+      "moe-shared-expert-intermediate-size", "moe-shared-expert-gate", "tokenizer-type"};
+  static const std::vector<std::string> schedule = {"lr", "min-lr", "lr-decay-style", "lr-decay-iters",
+                                                    "lr-warmup-iters", "lr-wsd-decay-iters", "lr-wsd-decay-style"};
+  static const std::vector<std::string> per_run = {"config", "load", "save", "save-interval", "metrics-file",
+                                                   "tensorboard-dir", "train-iters", "log-interval", "eval-interval",
+                                                   "eval-iters", "device", "override-opt-param-scheduler"};
+  auto in = [](const std::vector<std::string>& list, const std::string& n) {
+    return std::find(list.begin(), list.end(), n) != list.end();
+  };
+  for (const auto& [name, value] : now.flag_values) {
+    const auto it = std::find_if(saved.begin(), saved.end(), [&](const auto& kv) { return kv.first == name; });
+    if (it == saved.end() || it->second == value || in(per_run, name)) continue;
+    MC_CHECK(!in(model, name), "--load: the checkpoint was trained with --", name, " ", it->second, "; this run has ",
+             value, " (the model must be the same to resume)");
+    MC_CHECK(!in(schedule, name) || now.override_opt_param_scheduler, "--load: the checkpoint's --", name, " is ",
+             it->second, ", this run's is ", value,
+             "; keep the learning-rate settings when resuming, or pass --override-opt-param-scheduler");
+    std::printf("note: --%s changed from %s to %s since the checkpoint\n", name.c_str(), it->second.c_str(),
+                value.c_str());
+  }
+}
+
 TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::string>>& saved,
                                 const std::string& device, const std::string& origin) {
   TrainArgs a;
@@ -141,12 +189,18 @@ TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::st
     flags.set(name, value, origin);
   }
   a.flag_values = flags.values();
-  a.device_text = device;
+  // The device decides the precision: the CPU computes in fp32; the GPU router is fp32.
+  a.device_text = device.empty() ? (cuda_device_count() > 0 ? "cuda" : "cpu") : device;
+  if (a.device_text.rfind("cuda", 0) != 0) a.bf16 = false;
+  if (a.device_text.rfind("cuda", 0) == 0) a.router_dtype = "fp32";
   a.load.clear();
   a.save.clear();
   a.save_interval = 0;
   a.metrics_file.clear();
-  if (!device.empty() && device.rfind("cuda", 0) != 0) a.bf16 = false;  // the CPU computes in fp32
+  // Generation reads no data: the recorded vocabulary size stands (the tokenizer file may be gone).
+  MC_CHECK(a.model.vocab_size > 0, origin, " does not record the vocabulary size");
+  a.data_path.clear();
+  a.mock_data = true;
   finalize_train_args(a);
   return a;
 }
@@ -204,6 +258,7 @@ void finalize_train_args(TrainArgs& a) {
   finalize_model_config(m, a.moe_layer_freq);
 
   MC_CHECK(a.micro_batch_size >= 1, "--micro-batch-size ", a.micro_batch_size, " must be >= 1");
+  MC_CHECK(a.global_batch_size >= 0, "--global-batch-size ", a.global_batch_size, " must be >= 1 (0: micro batch size)");
   if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size;
   MC_CHECK(a.global_batch_size % a.micro_batch_size == 0, "--global-batch-size ", a.global_batch_size,
            " is not divisible by --micro-batch-size ", a.micro_batch_size);
@@ -219,6 +274,7 @@ void finalize_train_args(TrainArgs& a) {
   if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
   MC_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters <= a.lr_decay_iters, "--lr-warmup-iters ",
            a.lr_warmup_iters, " must be in [0, --lr-decay-iters ", a.lr_decay_iters, "]");
+  MC_CHECK(a.lr_decay_iters >= 1 && a.lr_wsd_decay_iters >= 0, "--lr-decay-iters and --lr-wsd-decay-iters must be >= 0");
   if (a.lr_wsd_decay_iters == 0) a.lr_wsd_decay_iters = std::max<int64_t>(1, a.lr_decay_iters / 10);
   MC_CHECK(a.lr_wsd_decay_iters <= a.lr_decay_iters, "--lr-wsd-decay-iters ", a.lr_wsd_decay_iters,
            " exceeds --lr-decay-iters ", a.lr_decay_iters);
@@ -238,6 +294,15 @@ void finalize_train_args(TrainArgs& a) {
                                    : parse_device(a.device_text);
   MC_CHECK(!(a.bf16 && a.device.is_cpu()), "--bf16 needs a CUDA device (--device cuda); the CPU trains in fp32");
   MC_CHECK(!(e.router_fp64 && a.device.is_cuda()), "--moe-router-dtype fp64 is CPU-only; the GPU router runs in fp32");
+  MC_CHECK(!(a.device.is_cuda() && e.num_experts > ops::kRouterCudaMaxExperts), "--num-experts ", e.num_experts,
+           " exceeds the CUDA router's limit of ", ops::kRouterCudaMaxExperts);
+  // Record resolved values so that a checkpoint says what the run actually used.
+  for (auto& [name, value] : a.flag_values) {
+    if (name == "lr-decay-iters") value = std::to_string(a.lr_decay_iters);
+    if (name == "lr-wsd-decay-iters") value = std::to_string(a.lr_wsd_decay_iters);
+    if (name == "vocab-size") value = std::to_string(m.vocab_size);
+    if (name == "global-batch-size") value = std::to_string(a.global_batch_size);
+  }
   if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";
 }
 

@@ -37,6 +37,7 @@ struct TrainArgs {
   std::string save, load, tensorboard_dir, metrics_file;
   int64_t save_interval = 0;
   std::string device_text;  // "" = cuda when present, else cpu
+  bool override_opt_param_scheduler = false;  // resume with other learning-rate settings
   Device device;
   bool mock_data = false;
   std::string config_file;
@@ -66,6 +67,10 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
 std::vector<std::pair<double, std::string>> parse_data_path(const std::vector<std::string>& items);
 // Derived values and checks, after parsing.
 void finalize_train_args(TrainArgs& args);
+// Before resuming: flags that define the model or the routing must equal the checkpoint's
+// (an Error names the first that differs); learning-rate schedule flags too unless
+// --override-opt-param-scheduler; other changed flags are listed on stdout.
+void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& saved, const TrainArgs& now);
 // Rebuilds the arguments a checkpoint was trained with (its saved flag values), on `device`.
 TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::string>>& saved,
                                 const std::string& device, const std::string& origin);

@@ -1,8 +1,10 @@
 #include "moecore/train/checkpoint.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -36,16 +38,27 @@ std::string iter_name(int64_t it) {
   std::snprintf(buf, sizeof buf, "iter_%07lld", static_cast<long long>(it));
   return buf;
 }
+// fsync a file or directory so that a rename that follows cannot outlive the data it names.
+void sync_path(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY);
+  MC_CHECK(fd >= 0, "cannot open '", p.string(), "' to flush it to disk");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  MC_CHECK(rc == 0, "flushing '", p.string(), "' to disk failed (disk full or I/O error?)");
+}
+
 void write_text_atomically(const fs::path& path, const std::string& text) {
   const fs::path tmp = path.string() + ".tmp-" + std::to_string(getpid());
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     MC_CHECK(f.good(), "cannot write '", tmp.string(), "'");
     f << text;
-    f.flush();
-    MC_CHECK(f.good(), "writing '", tmp.string(), "' failed (disk full?)");
+    f.close();
+    MC_CHECK(!f.fail(), "writing '", tmp.string(), "' failed (disk full?)");
   }
+  sync_path(tmp);
   fs::rename(tmp, path);
+  sync_path(path.parent_path().empty() ? fs::path(".") : path.parent_path());
 }
 }  // namespace
 
@@ -68,8 +81,9 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   f.write(h.data(), static_cast<std::streamsize>(h.size()));
   for (const NamedTensor& nt : tensors)
     f.write(static_cast<const char*>(nt.tensor.data_ptr()), static_cast<std::streamsize>(nt.tensor.nbytes()));
-  f.flush();
-  MC_CHECK(f.good(), "writing '", path, "' failed (disk full?)");
+  f.close();
+  MC_CHECK(!f.fail(), "writing '", path, "' failed (disk full?)");
+  sync_path(path);
 }
 
 std::vector<NamedTensor> read_safetensors(const std::string& path) {
@@ -108,7 +122,17 @@ std::vector<NamedTensor> read_safetensors(const std::string& path) {
   return out;
 }
 
+static void save_checkpoint_unchecked(const std::string& dir, const ParamStore& params, const TrainingState& state);
+
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state) {
+  try {
+    save_checkpoint_unchecked(dir, params, state);
+  } catch (const fs::filesystem_error& e) {
+    MC_FAIL("saving a checkpoint to '", dir, "' failed: ", e.what());
+  }
+}
+
+static void save_checkpoint_unchecked(const std::string& dir, const ParamStore& params, const TrainingState& state) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   MC_CHECK(!ec, "--save '", dir, "': cannot create it: ", ec.message());
@@ -132,6 +156,7 @@ void save_checkpoint(const std::string& dir, const ParamStore& params, const Tra
                                {"nan_iterations", state.nan_iterations},
                                {"args", state.args}};
   write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
+  sync_path(tmp_dir);
   // Replace a previous checkpoint of the same iteration only once the new one is complete.
   if (fs::exists(final_dir)) {
     const fs::path old = final_dir.string() + ".old-" + std::to_string(getpid());
@@ -141,10 +166,29 @@ void save_checkpoint(const std::string& dir, const ParamStore& params, const Tra
   } else {
     fs::rename(tmp_dir, final_dir);
   }
+  sync_path(dir);
   write_text_atomically(fs::path(dir) / "latest_checkpointed_iteration.txt", std::to_string(state.iteration) + "\n");
 }
 
 namespace {
+// The newest complete checkpoint under a save directory: iter_* directories with meta.json,
+// including one left as iter_*.old-<pid> by a crash while re-saving the same iteration.
+fs::path newest_complete(const fs::path& dir) {
+  fs::path best;
+  long long best_it = -1;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("iter_", 0) != 0 || name.find(".tmp-") != std::string::npos) continue;
+    if (!fs::exists(entry.path() / "meta.json") || !fs::exists(entry.path() / "model_optim.safetensors")) continue;
+    const long long it = std::atoll(name.c_str() + 5);
+    if (it > best_it) {
+      best_it = it;
+      best = entry.path();
+    }
+  }
+  return best;
+}
+
 fs::path locate_checkpoint(const std::string& dir) {
   fs::path ckpt = dir;
   MC_CHECK(fs::exists(ckpt), "--load '", dir, "': no such directory");
@@ -157,8 +201,14 @@ fs::path locate_checkpoint(const std::string& dir) {
     f >> it;
     MC_CHECK(f && it >= 0, "--load '", dir, "': latest_checkpointed_iteration.txt does not hold an iteration");
     ckpt /= iter_name(it);
-    MC_CHECK(fs::exists(ckpt / "meta.json"), "--load '", dir, "': the latest checkpoint '", ckpt.string(),
-             "' is missing or incomplete");
+    if (!fs::exists(ckpt / "meta.json")) {
+      const fs::path fallback = newest_complete(dir);
+      MC_CHECK(!fallback.empty(), "--load '", dir, "': the latest checkpoint '", ckpt.string(),
+               "' is missing or incomplete, and no other complete checkpoint is there");
+      std::printf("note: --load %s: the latest checkpoint %s is missing or incomplete; using %s\n", dir.c_str(),
+                  ckpt.string().c_str(), fallback.string().c_str());
+      ckpt = fallback;
+    }
   }
   return ckpt;
 }
@@ -186,6 +236,11 @@ TrainingState parse_meta(const fs::path& ckpt) {
   return s;
 }
 }  // namespace
+
+bool checkpoint_exists(const std::string& dir) {
+  const fs::path p = dir;
+  return fs::exists(p / "meta.json") || fs::exists(p / "latest_checkpointed_iteration.txt");
+}
 
 TrainingState read_checkpoint_meta(const std::string& dir) { return parse_meta(locate_checkpoint(dir)); }
 

@@ -27,6 +27,8 @@ struct TrainingState {
   std::vector<std::pair<std::string, std::string>> args;  // the train flags (meta.json "args")
 };
 
+// True when dir is a checkpoint (iter_* with meta.json) or a save directory that names one.
+bool checkpoint_exists(const std::string& dir);
 // Reads only meta.json of the latest checkpoint under dir (or of dir itself).
 TrainingState read_checkpoint_meta(const std::string& dir);
 

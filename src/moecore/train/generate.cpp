@@ -7,6 +7,7 @@
 
 #include "moecore/cli/flags.h"
 #include "moecore/core/philox.h"
+#include "moecore/data/tokenizer.h"
 #include "moecore/model/gpt.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/train/arguments.h"
@@ -57,7 +58,7 @@ int run_generate(const std::vector<std::string>& argv) {
   GenerateArgs g;
   cli::FlagSet flags("moecore generate", "Sample tokens from a checkpoint written by moecore train --save.");
   flags.add_string("load", &g.load, "checkpoint directory (a --save directory or one iter_* inside it)");
-  flags.add_string("prompt", &g.prompt, "prompt text, encoded as UTF-8 bytes (vocabulary >= 256)");
+  flags.add_string("prompt", &g.prompt, "prompt text, encoded with the tokenizer the checkpoint was trained with");
   flags.add_string("prompt-ids", &g.prompt_ids, "prompt as space-separated token ids");
   flags.add_int("max-new-tokens", &g.max_new_tokens, "tokens to generate");
   flags.add_double("temperature", &g.temperature, "sampling temperature (0: greedy)");
@@ -85,10 +86,17 @@ int run_generate(const std::vector<std::string>& argv) {
 
   std::vector<int32_t> ids;
   const bool text = !g.prompt.empty();
+  std::unique_ptr<Tokenizer> tokenizer;
   if (text) {
-    MC_CHECK(cfg.vocab_size >= 256, "--prompt: the model's vocabulary (", cfg.vocab_size,
-             ") cannot hold UTF-8 bytes; give --prompt-ids");
-    for (unsigned char c : g.prompt) ids.push_back(c);
+    // The tokenizer the model was trained with (recorded in the checkpoint).
+    std::string type, model_file;
+    for (const auto& [name, value] : meta.args) {
+      if (name == "tokenizer-type") type = value;
+      if (name == "tokenizer-model") model_file = value;
+    }
+    MC_CHECK(!type.empty(), "--prompt: the checkpoint was trained without a tokenizer (--mock-data); give --prompt-ids");
+    tokenizer = make_tokenizer(type, model_file);
+    for (int64_t id : tokenizer->encode(g.prompt)) ids.push_back(static_cast<int32_t>(id));
   } else {
     ids = parse_ids(g.prompt_ids, cfg.vocab_size);
   }
@@ -116,10 +124,11 @@ int run_generate(const std::vector<std::string>& argv) {
   std::printf("\ngenerated ids: ");
   for (size_t i = prompt_len; i < ids.size(); ++i) std::printf("%d ", ids[i]);
   std::printf("\n");
-  if (text) {
-    std::string out;
-    for (int32_t id : ids) out.push_back(id < 256 ? static_cast<char>(id) : '\n');
-    std::printf("text: %s\n", out.c_str());
+  if (tokenizer) {
+    std::vector<int64_t> all;
+    for (int32_t id : ids)
+      if (id < tokenizer->vocab_size() && id != tokenizer->eod()) all.push_back(id);  // padding ids and eod: no text
+    std::printf("text: %s\n", tokenizer->decode(all).c_str());
   }
   return 0;
 }

@@ -1,10 +1,10 @@
 // `moecore generate`: sampling from a checkpoint, to look at what a model learned.
 //
-// The model is rebuilt from the train flags saved in the checkpoint. Prompts are token ids
-// (--prompt-ids "3 5 7", any vocabulary) or text (--prompt), encoded as UTF-8 bytes (ids 0-255;
-// the byte tokenizer's vocabulary is 257 with end-of-document 256) for models whose vocabulary
-// holds them. Each new token re-runs the model over the last seq-length tokens (no KV cache):
-// fine for looking, not for serving.
+// The model is rebuilt from the train flags saved in the checkpoint (on the CPU in fp32, on a
+// GPU in the checkpoint's precision). Prompts are token ids (--prompt-ids "3 5 7", any model) or
+// text (--prompt), encoded and decoded with the tokenizer the model was trained with (so not
+// for --mock-data models). Each new token re-runs the model over the last seq-length tokens (no
+// KV cache): fine for looking, not for serving.
 #pragma once
 
 #include <string>

@@ -14,6 +14,8 @@
 
 namespace moecore {
 
-double learning_rate(const TrainArgs& args, int64_t step);  // step is 1-based
+// The learning rate after `steps` completed optimizer steps (the step that follows uses it;
+// Megatron's OptimizerParamScheduler.get_lr with num_steps = steps).
+double learning_rate(const TrainArgs& args, int64_t steps);
 
 }  // namespace moecore

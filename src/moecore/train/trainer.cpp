@@ -81,10 +81,12 @@ int run_training(const TrainArgs& args) {
   GPTModel model(cfg, store);
   store.initialize();
   TrainingState state;
-  if (!args.load.empty()) {
+  if (!args.load.empty() && !checkpoint_exists(args.load)) {
+    // Megatron's behaviour for the first run of a job that passes --load and --save alike.
+    std::printf("note: no checkpoint in --load %s; training from scratch\n", args.load.c_str());
+  } else if (!args.load.empty()) {
+    check_resume_flags(read_checkpoint_meta(args.load).args, args);
     state = load_checkpoint(args.load, store);
-    // Resuming with another model is caught tensor by tensor in load_checkpoint; other flags
-    // (lr, iterations, ...) may change on resume.
     std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
                 static_cast<long long>(state.iteration));
   }
@@ -113,7 +115,8 @@ int run_training(const TrainArgs& args) {
   double interval_loss = 0, interval_ms = 0;
   int64_t interval_steps = 0, interval_skipped = 0, interval_nan = 0;  // Megatron logs these per interval
   int64_t interval_loss_steps = 0;  // steps whose loss enters the average (not the skipped ones)
-  double last_aux = 0, last_z = 0;
+  double interval_aux = 0, interval_z = 0;  // balancing losses, averaged over the interval like lm loss
+  const std::vector<int64_t> moe_numbers = model.moe_layer_numbers();
   state.args = args.flag_values;
   auto save = [&] {
     if (args.save.empty()) return;
@@ -147,7 +150,8 @@ int run_training(const TrainArgs& args) {
     }
     state.consumed_samples += args.global_batch_size;
     state.iteration = it;
-    const double lr = learning_rate(args, it);
+    // Megatron's scheduler: the step after n successful steps uses lr(n); skipped steps do not count.
+    const double lr = learning_rate(args, it - 1 - state.skipped_iterations);
     double grad_norm = std::sqrt(grad_sq);
     if (!std::isfinite(lm_loss) || !std::isfinite(grad_sq)) {
       std::printf("iteration %lld: %s in the %s; step skipped\n", static_cast<long long>(it),
@@ -175,17 +179,21 @@ int run_training(const TrainArgs& args) {
     const bool skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
     if (!skipped) {
       interval_loss += lm_loss;
+      interval_aux += aux;
+      interval_z += z;
       interval_loss_steps++;
     }
     interval_ms += ms;
     interval_steps++;
-    last_aux = aux;
-    last_z = z;
 
     if (it % args.log_interval == 0 || it == args.train_iters) {
       const double avg_ms = interval_ms / static_cast<double>(interval_steps);
-      const double avg_loss = interval_loss_steps > 0 ? interval_loss / static_cast<double>(interval_loss_steps)
-                                                      : std::numeric_limits<double>::quiet_NaN();
+      const double steps_in = static_cast<double>(interval_loss_steps);
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      const double avg_loss = interval_loss_steps > 0 ? interval_loss / steps_in : nan;
+      const double avg_aux = interval_loss_steps > 0 ? interval_aux / steps_in : nan;
+      const double avg_z = interval_loss_steps > 0 ? interval_z / steps_in : nan;
+      const double logged_lr = learning_rate(args, it - state.skipped_iterations);  // the next step's, as Megatron logs
       const double tflops = flops_per_step / (avg_ms * 1e-3) / 1e12;
       const double tokens_per_s = static_cast<double>(tokens_per_step) / (avg_ms * 1e-3);
       const AllocatorStats mem = memory_stats(dev);
@@ -194,9 +202,9 @@ int run_training(const TrainArgs& args) {
                   "throughput per GPU (TFLOP/s/GPU): %.1f | learning rate: %.6E | global batch size: %5lld | "
                   "lm loss: %.6E |",
                   timestamp().c_str(), static_cast<long long>(it), static_cast<long long>(args.train_iters),
-                  static_cast<long long>(state.consumed_samples), avg_ms, tflops, lr,
+                  static_cast<long long>(state.consumed_samples), avg_ms, tflops, logged_lr,
                   static_cast<long long>(args.global_batch_size), avg_loss);
-      if (!moe_layers.empty()) std::printf(" load_balancing_loss: %.6E | z_loss: %.6E |", last_aux, last_z);
+      if (!moe_layers.empty()) std::printf(" load_balancing_loss: %.6E | z_loss: %.6E |", avg_aux, avg_z);
       std::printf(" loss scale: 1.0 | grad norm: %.3f | params norm: %.3f | number of skipped iterations: %3lld | "
                   "number of nan iterations: %3lld | tokens/s: %.0f |",
                   grad_norm, params_norm, static_cast<long long>(interval_skipped),
@@ -205,7 +213,8 @@ int run_training(const TrainArgs& args) {
       std::printf(" mem allocated/peak (GB): %.2f/%.2f |\n", mem.allocated_bytes / 1e9, mem.peak_allocated_bytes / 1e9);
       if (cfg.moe.per_layer_logging) {
         for (size_t l = 0; l < layer_stats.size(); ++l) {
-          std::printf("   moe layer %zu: load_balancing_loss %.6E z_loss %.6E tokens per expert [", l,
+          std::printf("   layer %lld (MoE): load_balancing_loss %.6E z_loss %.6E tokens per expert [",
+                      static_cast<long long>(moe_numbers[l]),
                       layer_stats[l].aux_loss / static_cast<double>(micro), layer_stats[l].z_loss / static_cast<double>(micro));
           for (size_t e = 0; e < layer_stats[l].tokens_per_expert.size(); ++e)
             std::printf("%s%.0f", e ? " " : "", layer_stats[l].tokens_per_expert[e]);
@@ -213,7 +222,7 @@ int run_training(const TrainArgs& args) {
         }
       }
       std::fflush(stdout);
-      nlohmann::json j = {{"iteration", it},        {"lm_loss", avg_loss},       {"learning_rate", lr},
+      nlohmann::json j = {{"iteration", it},        {"lm_loss", avg_loss},       {"learning_rate", logged_lr},
                           {"grad_norm", grad_norm}, {"params_norm", params_norm}, {"ms_per_iteration", avg_ms},
                           {"tflops_per_gpu", tflops}, {"tokens_per_s", tokens_per_s},
                           {"consumed_samples", state.consumed_samples},
@@ -221,8 +230,8 @@ int run_training(const TrainArgs& args) {
                           {"mem_allocated_bytes", mem.allocated_bytes},
                           {"mem_max_allocated_bytes", mem.peak_allocated_bytes}};
       if (!moe_layers.empty()) {
-        j["load_balancing_loss"] = last_aux;
-        j["z_loss"] = last_z;
+        j["load_balancing_loss"] = avg_aux;
+        j["z_loss"] = avg_z;
         if (cfg.moe.per_layer_logging) {
           nlohmann::json per = nlohmann::json::array();
           for (const MoeStepStats& s : layer_stats) per.push_back(s.tokens_per_expert);
@@ -231,7 +240,7 @@ int run_training(const TrainArgs& args) {
       }
       if (metrics.is_open()) metrics << j.dump() << "\n" << std::flush;
       if (tb) {
-        tb->add_scalar("learning-rate", lr, it);
+        tb->add_scalar("learning-rate", logged_lr, it);
         tb->add_scalar("batch-size", static_cast<double>(args.global_batch_size), it);
         tb->add_scalar("lm loss", avg_loss, it);
         tb->add_scalar("grad-norm", grad_norm, it);
@@ -240,18 +249,19 @@ int run_training(const TrainArgs& args) {
         tb->add_scalar("mem-allocated-bytes", static_cast<double>(mem.allocated_bytes), it);
         tb->add_scalar("mem-max-allocated-bytes", static_cast<double>(mem.peak_allocated_bytes), it);
         if (!moe_layers.empty()) {
-          tb->add_scalar("load_balancing_loss", last_aux, it);
-          tb->add_scalar("z_loss", last_z, it);
+          tb->add_scalar("load_balancing_loss", avg_aux, it);
+          tb->add_scalar("z_loss", avg_z, it);
           if (cfg.moe.per_layer_logging)
             for (size_t l = 0; l < layer_stats.size(); ++l) {
-              tb->add_scalar("moe/load_balancing_loss_layer_" + std::to_string(l),
+              tb->add_scalar("moe/load_balancing_loss_layer_" + std::to_string(moe_numbers[l]),
                              layer_stats[l].aux_loss / static_cast<double>(micro), it);
-              tb->add_scalar("moe/z_loss_layer_" + std::to_string(l), layer_stats[l].z_loss / static_cast<double>(micro), it);
+              tb->add_scalar("moe/z_loss_layer_" + std::to_string(moe_numbers[l]),
+                             layer_stats[l].z_loss / static_cast<double>(micro), it);
             }
         }
         tb->flush();
       }
-      interval_loss = interval_ms = 0;
+      interval_loss = interval_ms = interval_aux = interval_z = 0;
       interval_steps = interval_skipped = interval_nan = interval_loss_steps = 0;
     }
 

@@ -1,0 +1,106 @@
+// Communicators: one interface for collectives and point-to-point transfers, two backends.
+//
+//   make_mpi_world()        MPI over host tensors (CPU; pinned or pageable), device() == cpu
+//   make_nccl_world(dev)    NCCL over device tensors on the current stream of dev (cuda:i)
+//
+// Shapes (all tensors contiguous, one dtype per call, n = size()):
+//   all_reduce(t, op)                t: any shape, reduced element-wise in place
+//   reduce_scatter(in, out, op)      in: [n*R, ...], out: [R, ...]; rank r gets reduced rows
+//                                    [r*R, (r+1)*R) of in
+//   all_gather(in, out)              in: [R, ...], out: [n*R, ...]; rows [r*R, (r+1)*R) of out
+//                                    come from rank r
+//   all_to_all(in, sc, out, rc)      in: [sum(sc), ...], out: [sum(rc), ...] (same trailing
+//                                    shape); in's rows are grouped by destination (sc[0] rows for
+//                                    rank 0, then sc[1] rows for rank 1, ...), out's rows by source
+//                                    (rc[r] rows from rank r). Counts may be 0. rc[r] on this rank
+//                                    must equal sc[this rank] on rank r (not checkable locally).
+//   broadcast(t, root)               t: any shape, root's values everywhere
+//   send(t, peer) / recv(t, peer)    same shape and dtype on both sides; messages between two
+//                                    ranks arrive in the order they were sent
+// Reduce ops: Sum, Max, Min, Avg (= Sum / n; floating dtypes only, Avg of an integer dtype
+// is an Error). Integer sums wrap like the C types (u8 modulo 256).
+//
+// Dtypes. MPI: f32, f64, bf16, i32, i64, u8. bf16 reductions convert to f32, reduce in f32
+// and round once at the end (so a bf16 sum is the correctly rounded fp32 sum; Max/Min are
+// exact). NCCL: f32, bf16, i32, i64, u8 (NCCL reduces bf16 with a rounding per hop).
+//
+// Groups: between group_start() and group_end() (nestable) operations are only issued;
+// group_end() completes them all. NCCL: ncclGroupStart/End. MPI: non-blocking requests
+// (MPI_Iallreduce, MPI_Isend, ...) waited for at the outermost group_end(); results, and the
+// bf16 conversions back, are visible only after it. A group lets every rank post a send and
+// a receive (a ring) without deadlock, and a send to this rank itself is allowed only inside
+// a group. barrier() inside a group is an Error.
+//
+// split(ranks): a communicator of the listed ranks OF THIS COMMUNICATOR (global ranks for the
+// world), new rank = position in `ranks`. Only the members call it (MPI_Comm_create_group
+// underneath; NCCL: a new ncclComm bootstrapped over that MPI communicator), so disjoint groups
+// (even/odd ranks) can be created concurrently; all members must pass the same list.
+//
+// Errors: every argument error is an Error "comm <call>: <what was wrong>, expected <what>";
+// MPI failures surface through MC_MPI_CHECK, NCCL failures through MC_NCCL_CHECK.
+// Counts per call must fit MPI's int (2^31-1 elements per message).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moecore/core/device.h"
+#include "moecore/core/error.h"
+#include "moecore/core/tensor.h"
+
+namespace moecore::comm {
+
+enum class ReduceOp { Sum, Max, Min, Avg };
+const char* reduce_op_name(ReduceOp op);  // "sum", "max", "min", "avg"
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual Device device() const = 0;  // cpu for MPI, cuda:i for NCCL
+
+  virtual void all_reduce(Tensor& t, ReduceOp op) = 0;
+  virtual void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) = 0;
+  virtual void all_gather(const Tensor& in, Tensor& out) = 0;
+  virtual void all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                          const std::vector<int64_t>& recv_counts) = 0;
+  virtual void broadcast(Tensor& t, int root) = 0;
+  virtual void send(const Tensor& t, int peer) = 0;
+  virtual void recv(Tensor& t, int peer) = 0;
+  virtual void barrier() = 0;
+
+  virtual std::unique_ptr<Communicator> split(const std::vector<int64_t>& ranks) = 0;
+
+  virtual void group_start() = 0;
+  virtual void group_end() = 0;
+};
+
+// A duplicate of MPI_COMM_WORLD (errors returned). Needs moecore::mpi_init first.
+std::unique_ptr<Communicator> make_mpi_world();
+// NCCL over all MPI ranks on `device` (cuda:i); rank 0 creates the NCCL id and broadcasts it
+// over MPI. Needs moecore::mpi_init first; an Error on a build without CUDA.
+std::unique_ptr<Communicator> make_nccl_world(Device device);
+
+// ---- argument checks shared by the backends -------------------------------------------
+// Each raises an Error "comm <call>: ..." naming what was expected.
+namespace detail {
+void check_tensor(const char* call, const char* name, const Tensor& t, Device device,
+                  const std::vector<DType>& supported);
+void check_same_dtype(const char* call, const Tensor& a, const Tensor& b);
+void check_reduce_op(const char* call, DType dtype, ReduceOp op);
+void check_peer(const char* call, const char* what, int peer, int size);
+// in: [factor*R, rest...] and out: [R, rest...] (reduce_scatter: big=in; all_gather: big=out).
+void check_rows_multiple(const char* call, const char* big_name, const Tensor& big, const char* small_name,
+                         const Tensor& small, int factor);
+// all_to_all: counts per rank, non-negative, summing to the rows; same trailing shapes.
+void check_all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, const Tensor& out,
+                      const std::vector<int64_t>& recv_counts, int size);
+// split: non-empty, in range, no duplicates, contains `rank`.
+void check_split(const std::vector<int64_t>& ranks, int rank, int size);
+std::string dtypes_str(const std::vector<DType>& ds);  // "f32, bf16, i32"
+}  // namespace detail
+
+}  // namespace moecore::comm

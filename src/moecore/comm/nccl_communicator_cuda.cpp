@@ -1,0 +1,180 @@
+#include "moecore/comm/nccl_communicator.h"
+
+#include <numeric>
+
+#include "moecore/core/cuda_check.h"
+#include "moecore/core/mpi_check.h"
+#include "moecore/core/nccl_check.h"
+
+namespace moecore::comm {
+namespace {
+
+const std::vector<DType> kNcclDtypes = {DType::F32, DType::BF16, DType::I32, DType::I64, DType::U8};
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::F32: return ncclFloat32;
+    case DType::BF16: return ncclBfloat16;
+    case DType::I32: return ncclInt32;
+    case DType::I64: return ncclInt64;
+    case DType::U8: return ncclUint8;
+    default: MC_FAIL("comm: dtype ", dtype_name(t), " has no NCCL type, expected one of ", detail::dtypes_str(kNcclDtypes));
+  }
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return ncclSum;
+    case ReduceOp::Max: return ncclMax;
+    case ReduceOp::Min: return ncclMin;
+    case ReduceOp::Avg: return ncclAvg;
+  }
+  return ncclSum;
+}
+
+size_t count(const Tensor& t) { return static_cast<size_t>(t.numel()); }
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(MPI_Comm mpi_comm, Device device) : mpi_(mpi_comm), device_(device) {
+  try {
+    MC_MPI_CHECK(MPI_Comm_set_errhandler(mpi_, MPI_ERRORS_RETURN));
+    MC_MPI_CHECK(MPI_Comm_rank(mpi_, &rank_));
+    MC_MPI_CHECK(MPI_Comm_size(mpi_, &size_));
+    set_current_device(device_);
+    ncclUniqueId id{};
+    if (rank_ == 0) MC_NCCL_CHECK(ncclGetUniqueId(&id));
+    MC_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, mpi_));
+    MC_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+  } catch (...) {
+    MPI_Comm_free(&mpi_);
+    throw;
+  }
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_) ncclCommDestroy(comm_);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && mpi_ != MPI_COMM_NULL) MPI_Comm_free(&mpi_);
+}
+
+void* NcclCommunicator::stream() const { return current_stream(device_).handle(); }
+
+#define MC_NCCL_STREAM static_cast<cudaStream_t>(stream())
+
+void NcclCommunicator::all_reduce(Tensor& t, ReduceOp op) {
+  detail::check_tensor("all_reduce", "t", t, device_, kNcclDtypes);
+  detail::check_reduce_op("all_reduce", t.dtype(), op);
+  MC_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), count(t), nccl_type(t.dtype()), nccl_op(op), comm_,
+                              MC_NCCL_STREAM));
+}
+
+void NcclCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
+  detail::check_tensor("reduce_scatter", "in", in, device_, kNcclDtypes);
+  detail::check_tensor("reduce_scatter", "out", out, device_, kNcclDtypes);
+  detail::check_same_dtype("reduce_scatter", in, out);
+  detail::check_rows_multiple("reduce_scatter", "in", in, "out", out, size_);
+  detail::check_reduce_op("reduce_scatter", in.dtype(), op);
+  MC_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), count(out), nccl_type(in.dtype()), nccl_op(op), comm_,
+                                  MC_NCCL_STREAM));
+}
+
+void NcclCommunicator::all_gather(const Tensor& in, Tensor& out) {
+  detail::check_tensor("all_gather", "in", in, device_, kNcclDtypes);
+  detail::check_tensor("all_gather", "out", out, device_, kNcclDtypes);
+  detail::check_same_dtype("all_gather", in, out);
+  detail::check_rows_multiple("all_gather", "out", out, "in", in, size_);
+  MC_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), count(in), nccl_type(in.dtype()), comm_, MC_NCCL_STREAM));
+}
+
+void NcclCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                                  const std::vector<int64_t>& recv_counts) {
+  detail::check_tensor("all_to_all", "in", in, device_, kNcclDtypes);
+  detail::check_tensor("all_to_all", "out", out, device_, kNcclDtypes);
+  detail::check_same_dtype("all_to_all", in, out);
+  detail::check_all_to_all(in, send_counts, out, recv_counts, size_);
+  const int64_t row = std::accumulate(in.shape().begin() + 1, in.shape().end(), int64_t{1}, std::multiplies<>());
+  const size_t row_bytes = static_cast<size_t>(row) * dtype_size(in.dtype());
+  const ncclDataType_t type = nccl_type(in.dtype());
+  const cudaStream_t s = MC_NCCL_STREAM;
+  char* src = static_cast<char*>(in.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  MC_NCCL_CHECK(ncclGroupStart());
+  for (int r = 0; r < size_; ++r) {
+    if (send_counts[r] > 0)
+      MC_NCCL_CHECK(ncclSend(src, static_cast<size_t>(send_counts[r] * row), type, r, comm_, s));
+    if (recv_counts[r] > 0)
+      MC_NCCL_CHECK(ncclRecv(dst, static_cast<size_t>(recv_counts[r] * row), type, r, comm_, s));
+    src += send_counts[r] * row_bytes;
+    dst += recv_counts[r] * row_bytes;
+  }
+  MC_NCCL_CHECK(ncclGroupEnd());
+}
+
+void NcclCommunicator::broadcast(Tensor& t, int root) {
+  detail::check_tensor("broadcast", "t", t, device_, kNcclDtypes);
+  detail::check_peer("broadcast", "root", root, size_);
+  MC_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), count(t), nccl_type(t.dtype()), root, comm_, MC_NCCL_STREAM));
+}
+
+void NcclCommunicator::send(const Tensor& t, int peer) {
+  detail::check_tensor("send", "t", t, device_, kNcclDtypes);
+  detail::check_peer("send", "peer", peer, size_);
+  MC_CHECK(peer != rank_ || group_depth_ > 0, "comm send: peer ", peer,
+           " is this rank, expected another rank (sending to itself needs group_start/group_end)");
+  MC_NCCL_CHECK(ncclSend(t.data_ptr(), count(t), nccl_type(t.dtype()), peer, comm_, MC_NCCL_STREAM));
+}
+
+void NcclCommunicator::recv(Tensor& t, int peer) {
+  detail::check_tensor("recv", "t", t, device_, kNcclDtypes);
+  detail::check_peer("recv", "peer", peer, size_);
+  MC_CHECK(peer != rank_ || group_depth_ > 0, "comm recv: peer ", peer,
+           " is this rank, expected another rank (receiving from itself needs group_start/group_end)");
+  MC_NCCL_CHECK(ncclRecv(t.data_ptr(), count(t), nccl_type(t.dtype()), peer, comm_, MC_NCCL_STREAM));
+}
+
+void NcclCommunicator::barrier() {
+  MC_CHECK(group_depth_ == 0, "comm barrier: called inside group_start/group_end, expected it outside a group");
+  MC_CUDA_CHECK(cudaStreamSynchronize(MC_NCCL_STREAM));
+  MC_MPI_CHECK(MPI_Barrier(mpi_));
+}
+
+std::unique_ptr<Communicator> NcclCommunicator::split(const std::vector<int64_t>& ranks) {
+  MC_CHECK(group_depth_ == 0, "comm split: called inside group_start/group_end, expected it outside a group");
+  detail::check_split(ranks, rank_, size_);
+  std::vector<int> members(ranks.begin(), ranks.end());
+  MPI_Group parent = MPI_GROUP_NULL, sub = MPI_GROUP_NULL;
+  MC_MPI_CHECK(MPI_Comm_group(mpi_, &parent));
+  MC_MPI_CHECK(MPI_Group_incl(parent, static_cast<int>(members.size()), members.data(), &sub));
+  MPI_Comm sub_comm = MPI_COMM_NULL;
+  const int rc = MPI_Comm_create_group(mpi_, sub, /*tag=*/0, &sub_comm);
+  MPI_Group_free(&sub);
+  MPI_Group_free(&parent);
+  MC_MPI_CHECK(rc);
+  return std::make_unique<NcclCommunicator>(sub_comm, device_);
+}
+
+void NcclCommunicator::group_start() {
+  MC_NCCL_CHECK(ncclGroupStart());
+  ++group_depth_;
+}
+
+void NcclCommunicator::group_end() {
+  MC_CHECK(group_depth_ > 0, "comm group_end: no open group, expected a group_start() before it");
+  --group_depth_;
+  MC_NCCL_CHECK(ncclGroupEnd());
+}
+
+std::unique_ptr<Communicator> make_nccl_world(Device device) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  MC_CHECK(initialized, "comm make_nccl_world: MPI is not initialised, expected moecore::mpi_init() first");
+  MC_CHECK(device.is_cuda() && device.index < cuda_device_count(), "comm make_nccl_world: device ", device.str(),
+           ", expected a CUDA device cuda:i with i < ", cuda_device_count(), " (the devices present)");
+  MPI_Comm comm = MPI_COMM_NULL;
+  MC_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+  return std::make_unique<NcclCommunicator>(comm, device);
+}
+
+}  // namespace moecore::comm

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Resuming checks the flags: another model is refused naming the flag, other learning-rate
+# settings are refused unless --override-opt-param-scheduler, a --load directory without a
+# checkpoint starts from scratch, and a 'latest' file naming a missing checkpoint falls back to
+# the newest complete one.
+set -euo pipefail
+bin=$1; src=$2
+dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
+run() { "$bin" train --config "$src/configs/tiny.yaml" --device cpu --train-iters 4 --lr-warmup-iters 1 --lr-decay-iters 10 --log-interval 1 --eval-interval 0 "$@"; }
+expect_fail() { local re=$1; shift; if out=$("$@" 2>&1); then echo "FAIL: should have failed: $*"; exit 1; fi
+  grep -Eq -- "$re" <<<"$out" || { echo "$out"; echo "FAIL: no /$re/"; exit 1; }; }
+
+run --save "$dir/a" --load "$dir/a" > "$dir/log" 2>&1 || { cat "$dir/log"; exit 1; }
+grep -q "no checkpoint in --load" "$dir/log" || { cat "$dir/log"; echo "FAIL: scratch note"; exit 1; }
+expect_fail "trained with --hidden-size 64; this run has 96" run --load "$dir/a" --hidden-size 96
+expect_fail "trained with --moe-router-topk 2; this run has 1" run --load "$dir/a" --moe-router-topk 1
+expect_fail "--override-opt-param-scheduler" run --load "$dir/a" --lr 1e-3 --train-iters 6
+out=$(run --load "$dir/a" --lr 1e-3 --train-iters 6 --override-opt-param-scheduler 2>&1)
+grep -q "note: --lr changed" <<<"$out" || { echo "$out"; echo "FAIL: change not listed"; exit 1; }
+grep -q "iteration        6/" <<<"$out" || { echo "$out"; echo "FAIL: did not continue"; exit 1; }
+# bool flags from a config can be switched off on the command line
+expect_fail "needs exactly one data source" run --mock-data=false
+# the latest checkpoint is gone: fall back to the newest complete one
+run --save "$dir/b" --save-interval 2 > /dev/null 2>&1
+rm -rf "$dir/b/iter_0000004"
+out=$(run --load "$dir/b" --train-iters 4 2>&1)
+grep -q "using .*iter_0000002" <<<"$out" || { echo "$out"; echo "FAIL: no fallback"; exit 1; }
+# generate needs a tokenizer for text prompts
+expect_fail "trained without a tokenizer" "$bin" generate --load "$dir/a" --prompt "hi" --device cpu
+echo PASS
