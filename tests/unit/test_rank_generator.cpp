@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <map>
-#include <random>
 
 #include "moecore/core/error.h"
 #include "moecore/parallel/parallel_config.h"
@@ -18,7 +17,7 @@ using Groups = std::vector<std::vector<int64_t>>;
 
 namespace {
 
-// Groups {base + k*step + j*inner_step ...}: small builders for the literal golden lists.
+// [0],[1],...,[world-1]
 Groups singletons(int64_t world) {
   Groups g;
   for (int64_t r = 0; r < world; ++r) g.push_back({r});
@@ -29,7 +28,10 @@ std::string to_string(const Groups& groups) {
   std::string s;
   for (const auto& g : groups) {
     s += "[";
-    for (size_t i = 0; i < g.size(); ++i) s += (i ? "," : "") + std::to_string(g[i]);
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (i) s += ",";
+      s += std::to_string(g[i]);
+    }
     s += "]";
   }
   return s;
@@ -378,13 +380,17 @@ TEST(ParallelConfig, ValidateAcceptsGoodLayouts) {
   ParallelConfig c = config16();
   c.vpp = 2;
   EXPECT_NO_THROW(validate(c, d));
-  c.order = "tp-cp-pp";  // ep and dp... dp = 2 > 1: must be named
+  c.order = "tp-cp-dp-pp";  // ep = 4 > 1 must be named
   EXPECT_THROW(validate(c, d), Error);
   ParallelConfig small;
   small.world = 4;
   small.tp = 4;
+  small.etp = 4;
   small.order = "tp";  // every other size is 1: may be left out, as in Megatron
-  EXPECT_NO_THROW(validate(small, d));
+  EXPECT_NO_THROW(validate(small, ModelDims{}));
+  small.order = "tp-pp";  // ...but a size > 1 may not
+  small.tp = 2;  // dp = 2
+  EXPECT_NE(error_of(small, ModelDims{}).find("does not name 'dp'"), std::string::npos);
 }
 
 TEST(ParallelConfig, ValidateErrorsNameTheFlags) {

@@ -30,7 +30,10 @@ constexpr const char* kVpp = "--num-virtual-stages-per-pipeline-rank (or --num-l
 
 std::string group_str(const std::vector<int64_t>& g) {
   std::string s = "[";
-  for (size_t i = 0; i < g.size(); ++i) s += (i ? "," : "") + std::to_string(g[i]);
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(g[i]);
+  }
   return s + "]";
 }
 

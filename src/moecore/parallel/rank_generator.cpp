@@ -26,7 +26,10 @@ std::vector<std::string> split_dashes(const std::string& s) {
 
 std::string join_dashes(const std::vector<std::string>& names) {
   std::string s;
-  for (size_t i = 0; i < names.size(); ++i) s += (i ? "-" : "") + names[i];
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i) s += "-";
+    s += names[i];
+  }
   return s;
 }
 
@@ -223,7 +226,10 @@ std::vector<std::vector<int64_t>> all_groups(const ParallelConfig& c, const std:
     return (s.expert ? expert_generator(c) : dense_generator(c)).get_ranks(s.mask);
   }
   std::string list;
-  for (const std::string& k : group_kinds()) list += (list.empty() ? "" : ", ") + k;
+  for (const std::string& k : group_kinds()) {
+    if (!list.empty()) list += ", ";
+    list += k;
+  }
   MC_FAIL("all_groups: unknown group kind '", kind, "'; expected one of ", list);
 }
 
