@@ -118,7 +118,23 @@ MPI_Datatype mpi_type(DType t) {
   }
 }
 
-MPI_Op mpi_op(ReduceOp op) {
+// u8 sums must wrap modulo 256, but Open MPI 4.1's vectorised MPI_SUM on MPI_UINT8_T saturates
+// at 255: u8 sums use this user-defined op instead.
+void u8_sum_wrapping(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint8_t* a = static_cast<const uint8_t*>(in);
+  uint8_t* b = static_cast<uint8_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = static_cast<uint8_t>(a[i] + b[i]);
+}
+
+MPI_Op mpi_op(ReduceOp op, DType dtype) {
+  if (dtype == DType::U8 && op == ReduceOp::Sum) {
+    static const MPI_Op u8_sum = [] {
+      MPI_Op o = MPI_OP_NULL;
+      MC_MPI_CHECK(MPI_Op_create(&u8_sum_wrapping, /*commute=*/1, &o));
+      return o;
+    }();
+    return u8_sum;
+  }
   switch (op) {
     case ReduceOp::Sum:
     case ReduceOp::Avg: return MPI_SUM;  // Avg divides afterwards
@@ -208,12 +224,12 @@ void MpiCommunicator::all_reduce(Tensor& t, ReduceOp op) {
   p.keep_alive.push_back(t);
   if (t.dtype() == DType::BF16) {
     Tensor s = bf16_to_f32(t);
-    MC_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, s.data_ptr(), n, MPI_FLOAT, mpi_op(op), comm_, &p.request));
+    MC_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, s.data_ptr(), n, MPI_FLOAT, mpi_op(op, DType::F32), comm_, &p.request));
     p.keep_alive.push_back(s);
     const float scale = op == ReduceOp::Avg ? static_cast<float>(size_) : 1.0f;
     p.finish = [s, t, scale] { f32_to_bf16(s, t, scale); };
   } else {
-    MC_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, mpi_type(t.dtype()), mpi_op(op), comm_, &p.request));
+    MC_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, mpi_type(t.dtype()), mpi_op(op, t.dtype()), comm_, &p.request));
     if (op == ReduceOp::Avg) p.finish = [t, size = size_] { divide(t, size); };
   }
   issue(std::move(p));
@@ -231,14 +247,14 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op)
   p.keep_alive = {in, out};
   if (in.dtype() == DType::BF16) {
     Tensor s_in = bf16_to_f32(in), s_out = Tensor::empty(out.shape(), DType::F32);
-    MC_MPI_CHECK(MPI_Ireduce_scatter_block(s_in.data_ptr(), s_out.data_ptr(), n, MPI_FLOAT, mpi_op(op), comm_,
+    MC_MPI_CHECK(MPI_Ireduce_scatter_block(s_in.data_ptr(), s_out.data_ptr(), n, MPI_FLOAT, mpi_op(op, DType::F32), comm_,
                                            &p.request));
     p.keep_alive.push_back(s_in);
     p.keep_alive.push_back(s_out);
     const float scale = op == ReduceOp::Avg ? static_cast<float>(size_) : 1.0f;
     p.finish = [s_out, out, scale] { f32_to_bf16(s_out, out, scale); };
   } else {
-    MC_MPI_CHECK(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), n, mpi_type(in.dtype()), mpi_op(op), comm_,
+    MC_MPI_CHECK(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), n, mpi_type(in.dtype()), mpi_op(op, in.dtype()), comm_,
                                            &p.request));
     if (op == ReduceOp::Avg) p.finish = [out, size = size_] { divide(out, size); };
   }

@@ -5,7 +5,8 @@
 // together with the tensors it uses (kept alive) and a finisher (bf16 f32->bf16 conversion,
 // Avg division). Outside a group the pending work is completed immediately; inside
 // group_start()/group_end() it is completed at the outermost group_end() with MPI_Waitall.
-// bf16 reductions go through f32 scratch buffers: convert, reduce in f32, round once.
+// bf16 reductions go through f32 scratch buffers: convert, reduce in f32, round once. u8 sums
+// use a user-defined wrapping MPI_Op (Open MPI 4.1's vectorised MPI_SUM on MPI_UINT8_T saturates).
 #pragma once
 
 #include <mpi.h>

@@ -1,0 +1,90 @@
+// dist tier: moecore::comm over NCCL on device tensors. The same checks as test_comm.cpp (the
+// comm_checks:: functions defined there) run on the NCCL world communicator, rank i on
+// cuda:<local rank>. Skipped without the CUDA backend or with fewer GPUs than local ranks
+// (every rank of a node takes the same decision, so no rank is left waiting in a collective).
+#include <gtest/gtest.h>
+
+#include <memory>
+
+#include "moecore/comm/bootstrap.h"
+#include "moecore/comm/communicator.h"
+#include "moecore/core/device.h"
+#include "moecore/core/tensor.h"
+
+using namespace moecore;
+using namespace moecore::comm;
+
+namespace comm_checks {  // defined in test_comm.cpp
+void check_all_reduce(Communicator& c, bool with_f64);
+void check_reduce_scatter(Communicator& c);
+void check_all_gather(Communicator& c);
+void check_all_to_all_uneven(Communicator& c);
+void check_broadcast_from_last_rank(Communicator& c);
+void check_send_recv_ring(Communicator& c);
+void check_grouped_calls(Communicator& c);
+void check_split_even_odd(Communicator& c);
+void check_bad_arguments(Communicator& c);
+}  // namespace comm_checks
+
+namespace {
+
+class CommNccl : public ::testing::Test {
+ protected:
+  // One NCCL world for the whole suite (creating one costs a bootstrap round).
+  static void SetUpTestSuite() {
+    const LaunchEnv env = read_launch_env();
+    if (!MOECORE_WITH_CUDA || cuda_device_count() < env.local_world) {
+      skip_reason_ = !MOECORE_WITH_CUDA ? "built without CUDA"
+                                        : "needs " + std::to_string(env.local_world) + " CUDA devices (one per local rank), found " +
+                                              std::to_string(cuda_device_count());
+      return;
+    }
+    world_ = make_nccl_world(Device::cuda(env.local_rank)).release();
+  }
+  static void TearDownTestSuite() {
+    delete world_;
+    world_ = nullptr;
+  }
+  void SetUp() override {
+    if (!world_) GTEST_SKIP() << "NCCL tests: " << skip_reason_;
+  }
+  static Communicator& c() { return *world_; }
+
+  static Communicator* world_;
+  static std::string skip_reason_;
+};
+Communicator* CommNccl::world_ = nullptr;
+std::string CommNccl::skip_reason_;
+
+}  // namespace
+
+TEST_F(CommNccl, WorldMatchesLaunch) {
+  const LaunchEnv env = read_launch_env();
+  EXPECT_EQ(c().size(), env.world);
+  EXPECT_EQ(c().rank(), env.rank);
+  EXPECT_EQ(c().device(), Device::cuda(env.local_rank));
+}
+TEST_F(CommNccl, AllReduceEveryDtypeAndOpMatchesFormula) { comm_checks::check_all_reduce(c(), /*with_f64=*/false); }
+TEST_F(CommNccl, ReduceScatterMatchesFormula) { comm_checks::check_reduce_scatter(c()); }
+TEST_F(CommNccl, AllGatherPlacesRankRowsInOrder) { comm_checks::check_all_gather(c()); }
+TEST_F(CommNccl, AllToAllUnevenCountsWithEmptySenderAndReceiver) { comm_checks::check_all_to_all_uneven(c()); }
+TEST_F(CommNccl, BroadcastFromNonZeroRoot) { comm_checks::check_broadcast_from_last_rank(c()); }
+TEST_F(CommNccl, SendRecvRing) { comm_checks::check_send_recv_ring(c()); }
+TEST_F(CommNccl, GroupedCallsCompleteAtGroupEnd) { comm_checks::check_grouped_calls(c()); }
+TEST_F(CommNccl, SplitIntoEvenAndOddRanks) { comm_checks::check_split_even_odd(c()); }
+TEST_F(CommNccl, BadArgumentsRaiseErrors) {
+  comm_checks::check_bad_arguments(c());
+  // Host tensors and f64 are not for the NCCL communicator.
+  Tensor host = Tensor::zeros({4}, DType::F32);
+  try {
+    c().all_reduce(host, ReduceOp::Sum);
+    ADD_FAILURE() << "all_reduce of a host tensor on an NCCL communicator did not fail";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("comm all_reduce: t is Tensor(f32, cpu"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expected a tensor on " + c().device().str()), std::string::npos) << msg;
+  }
+  Tensor f64 = Tensor::zeros({4}, DType::F64, c().device());
+  EXPECT_THROW(c().broadcast(f64, 0), Error);
+  c().barrier();
+}
