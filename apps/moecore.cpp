@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "moecore/cli/flags.h"
+#include "moecore/comm/bootstrap.h"
+#include "moecore/core/mpi_check.h"
 #include "moecore/core/error.h"
 #include "moecore/core/system_info.h"
 #include "moecore/data/dataset_info.h"
@@ -136,17 +138,39 @@ int dispatch(int argc, char** argv) {
 
 }  // namespace
 
+namespace {
+// Several ranks (mpirun / srun): MPI is initialised for the communicators, and an error on one
+// rank aborts them all (MPI_Abort) instead of leaving the others waiting in a collective.
+bool g_mpi = false;
+
+int fail(int code, const std::string& message, bool usage) {
+  std::fprintf(stderr, usage ? "%s\n" : "moecore: error: %s\n", message.c_str());
+  if (g_mpi) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    std::fprintf(stderr, "moecore: rank %d failed; stopping every rank\n", rank);
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, code);
+  }
+  return code;
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   try {
-    return dispatch(argc, argv);
+    const moecore::comm::LaunchEnv env = moecore::comm::read_launch_env();
+    if (env.world > 1 && env.launcher != "torchrun" && env.launcher != "none") {
+      moecore::mpi_init(&argc, &argv);
+      g_mpi = true;
+    }
+    const int rc = dispatch(argc, argv);
+    if (g_mpi) moecore::mpi_finalize();
+    return rc;
   } catch (const UsageError& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 2;
+    return fail(2, e.what(), true);
   } catch (const moecore::Error& e) {
-    std::fprintf(stderr, "moecore: error: %s\n", e.what());
-    return 1;
+    return fail(1, e.what(), false);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "moecore: internal error: %s\n", e.what());
-    return 1;
+    return fail(1, std::string("internal error: ") + e.what(), false);
   }
 }

@@ -57,6 +57,8 @@ class MoeLayer {
   // global_aux_loss counts. Returns this step's statistics and clears them.
   MoeStepStats finish_step();
   const MoeStepStats& stats() const { return stats_; }
+  // Data parallelism: the trainer reduces the step's statistics over the ranks before finish_step.
+  MoeStepStats& mutable_stats() { return stats_; }
 
  private:
   Tensor router_logits(const Tensor& x, bool training, uint64_t rng_seed, Ctx& ctx) const;

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "moecore/comm/bootstrap.h"
 #include "moecore/data/tokenizer.h"
 
 namespace moecore {
@@ -85,7 +86,13 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
              "resume with this run's learning-rate settings instead of refusing when they differ");
   f.add_string("tensorboard-dir", &a.tensorboard_dir, "write TensorBoard event files here");
   f.add_string("metrics-file", &a.metrics_file, "JSONL metrics file (default: <save>/metrics.jsonl when --save is set)");
-  f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda when present)");
+  f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda:<local rank> when present)");
+  f.add_int("tensor-model-parallel-size", &a.tp, "tensor parallelism (only 1 in this version)");
+  f.add_int("pipeline-model-parallel-size", &a.pp, "pipeline parallelism (only 1 in this version)");
+  f.add_int("context-parallel-size", &a.cp, "context parallelism (only 1 in this version)");
+  f.add_int("expert-model-parallel-size", &a.ep, "expert parallelism (only 1 in this version)");
+  f.add_int("expert-tensor-parallel-size", &a.etp, "expert tensor parallelism (only 1 in this version)");
+  f.add_bool("use-distributed-optimizer", &a.use_distributed_optimizer, "ZeRO-1 optimizer sharding (not in this version)");
   f.add_bool("mock-data", &a.mock_data, "synthetic learnable data (arithmetic progressions)");
   f.add_list("data-path", &a.data_path, "Megatron dataset prefixes (.bin/.idx), optionally weighted: [w1] p1 [w2 p2 ...]");
   f.add_string("split", &a.split, "train,valid,test weights over documents");
@@ -290,7 +297,30 @@ void finalize_train_args(TrainArgs& a) {
   MC_CHECK(a.eval_interval >= 0 && a.eval_iters >= 1, "--eval-interval must be >= 0 and --eval-iters >= 1");
   MC_CHECK(a.save_interval >= 0, "--save-interval ", a.save_interval, " must be >= 0");
   MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");
-  a.device = a.device_text.empty() ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu())
+  // Ranks: data parallelism over every process the launcher started (world = DP).
+  const comm::LaunchEnv env = comm::read_launch_env();
+  a.world = env.world;
+  a.rank = env.rank;
+  a.local_rank = env.local_rank;
+  MC_CHECK(env.world == 1 || env.launcher != "torchrun",
+           "moecore train under torchrun (RANK/WORLD_SIZE without MPI) is not available in this version: launch with "
+           "mpirun or srun");
+  for (const auto& [flag, size] : {std::pair<const char*, int64_t>{"--tensor-model-parallel-size", a.tp},
+                                   {"--pipeline-model-parallel-size", a.pp}, {"--context-parallel-size", a.cp},
+                                   {"--expert-model-parallel-size", a.ep}, {"--expert-tensor-parallel-size", a.etp}}) {
+    MC_CHECK(size >= 1, flag, " ", size, " must be >= 1");
+    MC_CHECK(size == 1, flag, " ", size, " is not available in this version: it runs data parallelism only (every "
+                        "launched rank is a data-parallel rank)");
+  }
+  MC_CHECK(!a.use_distributed_optimizer, "--use-distributed-optimizer is not available in this version");
+  MC_CHECK(a.global_batch_size % (a.micro_batch_size * a.world) == 0, "--global-batch-size ", a.global_batch_size,
+           " is not divisible by --micro-batch-size ", a.micro_batch_size, " x data-parallel size ", a.world,
+           " (the launched ranks)");
+  MC_CHECK(a.world == 1 || e.load_balancing != LoadBalancing::GlobalAuxLoss || e.num_experts == 0,
+           "--moe-router-load-balancing-type global_aux_loss with several data-parallel ranks is not available in "
+           "this version");
+  const int64_t gpus = cuda_device_count();
+  a.device = a.device_text.empty() ? (gpus > 0 ? Device::cuda(static_cast<int>(a.local_rank % gpus)) : Device::cpu())
                                    : parse_device(a.device_text);
   MC_CHECK(!(a.bf16 && a.device.is_cpu()), "--bf16 needs a CUDA device (--device cuda); the CPU trains in fp32");
   MC_CHECK(!(e.router_fp64 && a.device.is_cuda()), "--moe-router-dtype fp64 is CPU-only; the GPU router runs in fp32");

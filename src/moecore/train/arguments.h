@@ -38,6 +38,12 @@ struct TrainArgs {
   int64_t save_interval = 0;
   std::string device_text;  // "" = cuda when present, else cpu
   bool override_opt_param_scheduler = false;  // resume with other learning-rate settings
+  // Parallelism (Megatron's flags). This version runs data parallelism over every launched
+  // rank (mpirun/srun): world = DP. The other sizes are validated and refused above 1 until the
+  // distributed-core and 4-D parallelism work implements them.
+  int64_t tp = 1, pp = 1, cp = 1, ep = 1, etp = 1;
+  bool use_distributed_optimizer = false;
+  int64_t world = 1, rank = 0, local_rank = 0;  // from the launcher's environment
   Device device;
   bool mock_data = false;
   std::string config_file;
@@ -47,7 +53,8 @@ struct TrainArgs {
   std::string split = "969,30,1", data_cache_path, tokenizer_type, tokenizer_model;
   int64_t make_vocab_size_divisible_by = 128;
 
-  int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }
+  int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }  // over all DP ranks
+  int64_t data_parallel_size() const { return world; }
 
   // Every train flag's value as given or defaulted (saved with checkpoints: generate rebuilds
   // the model from it).

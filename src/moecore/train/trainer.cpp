@@ -11,7 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "moecore/comm/communicator.h"
 #include "moecore/core/allocator.h"
+#include "moecore/ops/elementwise.h"
 #include "moecore/train/data_source.h"
 #include "moecore/model/gpt.h"
 #include "moecore/ops/adamw.h"
@@ -70,12 +72,69 @@ AllocatorStats memory_stats(Device d) {
   return d.is_cuda() ? cuda_allocator(d.index).stats() : cpu_allocator().stats();
 }
 
+// Data-parallel helpers: a null communicator means one rank.
+double average_over_ranks(comm::Communicator* c, double v) {
+  if (!c) return v;
+  // MPI reduces f64 exactly; NCCL here takes f32 (the loss for the log, not for the update).
+  const DType dt = c->device().is_cpu() ? DType::F64 : DType::F32;
+  Tensor t = Tensor::empty({1}, dt, c->device());
+  if (dt == DType::F64) {
+    t.copy_from(Tensor::from_vector(std::vector<double>{v}, {1}));
+  } else {
+    t.copy_from(Tensor::from_vector(std::vector<float>{static_cast<float>(v)}, {1}).to(c->device()));
+  }
+  c->all_reduce(t, comm::ReduceOp::Avg);
+  return dt == DType::F64 ? t.to_vector<double>()[0] : t.to_vector<float>()[0];
+}
+
+void sum_over_ranks(comm::Communicator* c, std::vector<double>& v) {
+  if (!c || v.empty()) return;
+  Tensor t = Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
+  if (c->device().is_cuda()) {
+    Tensor f = Tensor::empty(t.shape(), DType::F32, Device::cpu());
+    ops::cast(t, f);
+    t = f.to(c->device());  // token counts: exact in f32 up to 2^24
+  }
+  c->all_reduce(t, comm::ReduceOp::Sum);
+  if (t.dtype() == DType::F64) {
+    v = t.to_vector<double>();
+  } else {
+    const std::vector<float> f = t.to_vector<float>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = f[i];
+  }
+}
+
+// Every rank must run the same configuration: compare a hash of the flag values.
+void check_same_flags(comm::Communicator* c, const TrainArgs& args) {
+  if (!c) return;
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const auto& [name, value] : args.flag_values) {
+    if (name == "device") continue;  // may legitimately differ per rank
+    for (char ch : name + "=" + value + ";") h = (h ^ static_cast<uint8_t>(ch)) * 0x100000001b3ull;
+  }
+  const int64_t mine = static_cast<int64_t>(h >> 1);
+  Tensor t = Tensor::from_vector(std::vector<int64_t>{mine, -mine}, {2}).to(c->device());
+  c->all_reduce(t, comm::ReduceOp::Max);
+  const std::vector<int64_t> r = t.to_vector<int64_t>();
+  MC_CHECK(r[0] == mine && r[1] == -mine, "the ranks were started with different flags (rank ", c->rank(),
+           " differs); start every rank with the same command line");
+}
+
 }  // namespace
 
 int run_training(const TrainArgs& args) {
   const ModelConfig& cfg = args.model;
   const Device dev = args.device;
   set_current_device(dev);
+  // Data parallelism: every launched rank trains its share of each global batch; gradients,
+  // losses and MoE statistics are averaged (or summed) over the ranks.
+  std::unique_ptr<comm::Communicator> world;
+  if (args.world > 1) world = dev.is_cuda() ? comm::make_nccl_world(dev) : comm::make_mpi_world();
+  comm::Communicator* dp = world.get();
+  check_same_flags(dp, args);
+  const int64_t dp_size = args.data_parallel_size(), dp_rank = args.rank;
+  const bool logger = dp_rank == dp_size - 1;  // Megatron logs from the last rank
+  const bool writer = dp_rank == 0;            // and saves from the first
   const DType compute = args.bf16 ? DType::BF16 : DType::F32;
   ParamStore store(dev, DType::F32, compute, static_cast<uint64_t>(args.seed));
   GPTModel model(cfg, store);
@@ -87,14 +146,15 @@ int run_training(const TrainArgs& args) {
   } else if (!args.load.empty()) {
     check_resume_flags(read_checkpoint_meta(args.load).args, args);
     state = load_checkpoint(args.load, store);
-    std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
-                static_cast<long long>(state.iteration));
+    if (args.rank == args.world - 1)
+      std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
+                  static_cast<long long>(state.iteration));
   }
   const DataSources data = make_data_sources(args);
   std::unique_ptr<TensorBoardWriter> tb;
-  if (!args.tensorboard_dir.empty()) tb = std::make_unique<TensorBoardWriter>(args.tensorboard_dir);
+  if (logger && !args.tensorboard_dir.empty()) tb = std::make_unique<TensorBoardWriter>(args.tensorboard_dir);
   std::ofstream metrics;
-  if (!args.metrics_file.empty()) {
+  if (logger && !args.metrics_file.empty()) {
     std::error_code ec;
     const auto parent = std::filesystem::path(args.metrics_file).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent, ec);
@@ -102,14 +162,15 @@ int run_training(const TrainArgs& args) {
     MC_CHECK(metrics.good(), "--metrics-file '", args.metrics_file, "': cannot open it for writing");
   }
 
-  const int64_t micro = args.num_microbatches();
+  const int64_t micro = args.num_microbatches() / dp_size;  // micro-batches of this rank per step
   const int64_t tokens_per_step = args.global_batch_size * cfg.seq_length;
   const double flops_per_step = model_flops_per_step(cfg, tokens_per_step);
-  std::printf("moecore train: %lld parameters (%lld active matmul), %s, %s compute, %lld micro-batches of %lld, "
-              "%.3g model FLOPs per step\n",
-              static_cast<long long>(store.num_elements()), static_cast<long long>(active_matmul_params(cfg)),
-              dev.str().c_str(), dtype_name(compute), static_cast<long long>(micro),
-              static_cast<long long>(args.micro_batch_size), flops_per_step);
+  if (logger)
+    std::printf("moecore train: %lld parameters (%lld active matmul), %s, %s compute, %lld data-parallel rank(s), "
+                "%lld micro-batches of %lld per rank, %.3g model FLOPs per step\n",
+                static_cast<long long>(store.num_elements()), static_cast<long long>(active_matmul_params(cfg)),
+                dev.str().c_str(), dtype_name(compute), static_cast<long long>(dp_size), static_cast<long long>(micro),
+                static_cast<long long>(args.micro_batch_size), flops_per_step);
 
   std::vector<MoeLayer*> moe_layers = model.moe_layers();
   double interval_loss = 0, interval_ms = 0;
@@ -120,8 +181,12 @@ int run_training(const TrainArgs& args) {
   state.args = args.flag_values;
   auto save = [&] {
     if (args.save.empty()) return;
-    save_checkpoint(args.save, store, state);
-    std::printf("saved checkpoint to %s at iteration %lld\n", args.save.c_str(), static_cast<long long>(state.iteration));
+    if (writer) {  // data-parallel ranks hold identical parameters
+      save_checkpoint(args.save, store, state);
+      std::printf("saved checkpoint to %s at iteration %lld\n", args.save.c_str(),
+                  static_cast<long long>(state.iteration));
+    }
+    if (dp) dp->barrier();
   };
 
   for (int64_t it = state.iteration + 1; it <= args.train_iters; ++it) {
@@ -129,13 +194,28 @@ int run_training(const TrainArgs& args) {
     if (dev.is_cuda()) cuda_allocator(dev.index).reset_peak();
     double loss_sum = 0;
     for (int64_t m = 0; m < micro; ++m) {
-      const Batch b = data.train->batch(state.consumed_samples + m * args.micro_batch_size, args.micro_batch_size, dev);
+      // Megatron's order: micro-batch m of the step is [rank 0's samples | rank 1's | ...].
+      const int64_t first = state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size;
+      const Batch b = data.train->batch(first, args.micro_batch_size, dev);
       GPTModel::Ctx ctx;
-      const uint64_t rng = static_cast<uint64_t>(args.seed) * 0x100000001B3ull + static_cast<uint64_t>(it * micro + m);
+      const uint64_t rng = static_cast<uint64_t>(args.seed) * 0x100000001B3ull +
+                           static_cast<uint64_t>((it * micro + m) * dp_size + dp_rank);
       loss_sum += model.forward(b.tokens, b.labels, true, rng, ctx);
       model.backward(1.0 / static_cast<double>(micro), ctx);
     }
-    const double lm_loss = loss_sum / static_cast<double>(micro);
+    const double lm_loss = average_over_ranks(dp, loss_sum / static_cast<double>(micro));
+    if (dp) {
+      // Average gradients over the data-parallel ranks (one all-reduce per parameter; bucketing
+      // and overlap come with the distributed-core work).
+      for (const auto& p : store.all())
+        if (p->trainable) dp->all_reduce(p->grad, comm::ReduceOp::Avg);
+      for (MoeLayer* l : moe_layers) {
+        MoeStepStats& s = l->mutable_stats();
+        sum_over_ranks(dp, s.tokens_per_expert);  // the expert bias follows the global counts
+        s.aux_loss = average_over_ranks(dp, s.aux_loss);
+        s.z_loss = average_over_ranks(dp, s.z_loss);
+      }
+    }
     const double grad_sq = sum_of_squares(store, true);
     double aux = 0, z = 0;
     std::vector<MoeStepStats> layer_stats;
@@ -154,7 +234,7 @@ int run_training(const TrainArgs& args) {
     const double lr = learning_rate(args, it - 1 - state.skipped_iterations);
     double grad_norm = std::sqrt(grad_sq);
     if (!std::isfinite(lm_loss) || !std::isfinite(grad_sq)) {
-      std::printf("iteration %lld: %s in the %s; step skipped\n", static_cast<long long>(it),
+      if (logger) std::printf("iteration %lld: %s in the %s; step skipped\n", static_cast<long long>(it),
                   std::isnan(lm_loss) || std::isnan(grad_sq) ? "NaN" : "Inf",
                   std::isfinite(lm_loss) ? "gradients" : "loss");
       state.skipped_iterations++;
@@ -186,7 +266,7 @@ int run_training(const TrainArgs& args) {
     interval_ms += ms;
     interval_steps++;
 
-    if (it % args.log_interval == 0 || it == args.train_iters) {
+    if (logger && (it % args.log_interval == 0 || it == args.train_iters)) {
       const double avg_ms = interval_ms / static_cast<double>(interval_steps);
       const double steps_in = static_cast<double>(interval_loss_steps);
       const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -273,8 +353,9 @@ int run_training(const TrainArgs& args) {
         vsum += model.forward(b.tokens, b.labels, false, 0, ctx);
       }
       const double vloss = vsum / static_cast<double>(args.eval_iters);
-      std::printf(" validation loss at iteration %lld | lm loss value: %.6E | lm loss PPL: %.6E |\n",
-                  static_cast<long long>(it), vloss, std::exp(std::min(vloss, 700.0)));
+      if (logger)
+        std::printf(" validation loss at iteration %lld | lm loss value: %.6E | lm loss PPL: %.6E |\n",
+                    static_cast<long long>(it), vloss, std::exp(std::min(vloss, 700.0)));
       std::fflush(stdout);
       if (metrics.is_open()) metrics << nlohmann::json({{"iteration", it}, {"valid_lm_loss", vloss}}).dump() << "\n";
       if (tb) tb->add_scalar("lm loss validation", vloss, it);
