@@ -51,6 +51,20 @@ Param& ParamStore::get(const std::string& name) {
 }
 
 void ParamStore::initialize() {
+  if (!grad_buffer_.defined()) {
+    constexpr int64_t kAlign = 64;
+    int64_t total = 0;
+    for (const auto& p : params_)
+      if (p->trainable) total += (p->master.numel() + kAlign - 1) / kAlign * kAlign;
+    grad_buffer_ = Tensor::zeros({total}, master_, device_);
+    int64_t offset = 0;
+    for (auto& p : params_) {
+      if (!p->trainable) continue;
+      const int64_t n = p->master.numel();
+      p->grad = grad_buffer_.slice(0, offset, offset + n).view(p->shape);
+      offset += (n + kAlign - 1) / kAlign * kAlign;
+    }
+  }
   for (auto& p : params_) {
     switch (p->init) {
       case Init::Normal: ops::fill_normal(p->master, seed_, rng_key(p->name), 0.0, p->std); break;
@@ -67,6 +81,10 @@ void ParamStore::initialize() {
 }
 
 void ParamStore::zero_grad() {
+  if (grad_buffer_.defined()) {
+    ops::fill(grad_buffer_, 0.0);
+    return;
+  }
   for (auto& p : params_)
     if (p->trainable) ops::fill(p->grad, 0.0);
 }

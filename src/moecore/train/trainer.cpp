@@ -56,7 +56,13 @@ std::string timestamp() {
   return buf;
 }
 
-double sum_of_squares(const ParamStore& store, bool grads) {
+double sum_of_squares(ParamStore& store, bool grads) {
+  if (grads) {  // one reduction over the flat buffer (its padding is zero)
+    const Tensor& g = store.grad_buffer();
+    Tensor out = Tensor::empty({1}, g.dtype(), g.device());
+    ops::sum_squares(g, out);
+    return g.dtype() == DType::F64 ? out.to_vector<double>()[0] : out.to_vector<float>()[0];
+  }
   double total = 0;
   for (const auto& p : store.all()) {
     if (!p->trainable) continue;
@@ -205,10 +211,9 @@ int run_training(const TrainArgs& args) {
     }
     const double lm_loss = average_over_ranks(dp, loss_sum / static_cast<double>(micro));
     if (dp) {
-      // Average gradients over the data-parallel ranks (one all-reduce per parameter; bucketing
-      // and overlap come with the distributed-core work).
-      for (const auto& p : store.all())
-        if (p->trainable) dp->all_reduce(p->grad, comm::ReduceOp::Avg);
+      // Average gradients over the data-parallel ranks: one all-reduce of the flat gradient
+      // buffer after the backward (overlap with the backward comes with the distributed-core work).
+      dp->all_reduce(store.grad_buffer(), comm::ReduceOp::Avg);
       for (MoeLayer* l : moe_layers) {
         MoeStepStats& s = l->mutable_stats();
         sum_over_ranks(dp, s.tokens_per_expert);  // the expert bias follows the global counts
