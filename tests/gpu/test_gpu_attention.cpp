@@ -32,9 +32,13 @@ struct AttnCase {
 // near a rounding boundary can round to neighbouring bf16 numbers on the two devices: one
 // bf16 step is 2^-8..2^-7 relative; measured max 0.8% relative, so rtol 2e-2 (the brief's
 // ~2e-2) with atol 2e-3 for values that cancel to ~0. lse stays f32 for bf16 inputs.
+// The GEMM path's forward also rounds P to bf16 before P V (as flash attention does): each
+// weight carries a relative error up to 2^-9, so out moves by up to 2^-9 * sum_t P_t |v_t| <=
+// 2^-9 max|v| ~ 2e-3 (|v| <= 1 here) on top of the output's own rounding: atol 4e-3 for out
+// (seen once: 2.5e-3 on an element of -0.015, seed 95135831841, S = 64, D = 32).
 std::vector<Tolerance> tolerances(DType t) {
   const Tolerance lse{1e-5, 1e-5};
-  if (t == DType::BF16) return {{2e-3, 2e-2}, lse, {2e-3, 2e-2}, {2e-3, 2e-2}, {2e-3, 2e-2}};
+  if (t == DType::BF16) return {{4e-3, 2e-2}, lse, {2e-3, 2e-2}, {2e-3, 2e-2}, {2e-3, 2e-2}};
   return {{5e-6, 1e-5}, lse, {2e-5, 1e-4}, {2e-5, 1e-4}, {2e-5, 1e-4}};
 }
 
