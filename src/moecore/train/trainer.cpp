@@ -279,7 +279,7 @@ int run_training(const TrainArgs& args) {
       const double avg_aux = interval_loss_steps > 0 ? interval_aux / steps_in : nan;
       const double avg_z = interval_loss_steps > 0 ? interval_z / steps_in : nan;
       const double logged_lr = learning_rate(args, it - state.skipped_iterations);  // the next step's, as Megatron logs
-      const double tflops = flops_per_step / (avg_ms * 1e-3) / 1e12;
+      const double tflops = flops_per_step / (avg_ms * 1e-3) / 1e12 / static_cast<double>(dp_size);  // per GPU
       const double tokens_per_s = static_cast<double>(tokens_per_step) / (avg_ms * 1e-3);
       const AllocatorStats mem = memory_stats(dev);
       const double params_norm = std::sqrt(sum_of_squares(store, false));
