@@ -18,6 +18,7 @@
 #include "moecore/core/system_info.h"
 #include "moecore/data/dataset_info.h"
 #include "moecore/data/preprocess.h"
+#include "moecore/interop/hf_convert.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/generate.h"
 #include "moecore/train/trainer.h"
@@ -84,7 +85,7 @@ const std::vector<Subcommand>& subcommands() {
       {"generate", "sample tokens from a checkpoint", moecore::run_generate, ""},
       {"preprocess", "JSONL to Megatron .bin/.idx", moecore::run_preprocess, ""},
       {"dataset-info", "describe a .bin/.idx dataset", moecore::run_dataset_info, ""},
-      {"convert", "HF <-> moecore checkpoints", nullptr, "the HF interop work"},
+      {"convert", "HF <-> moecore checkpoints (Mixtral, Qwen3-MoE)", moecore::interop::run_convert, ""},
       {"plan", "memory and throughput planner", nullptr, "the planner work"},
   };
   return list;

@@ -153,7 +153,8 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   return a;
 }
 
-void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& saved, const TrainArgs& now) {
+void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& saved, const TrainArgs& now,
+                        bool check_schedule) {
   static const std::vector<std::string> model = {
       "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
       "num-query-groups", "kv-channels", "max-position-embeddings", "vocab-size", "normalization",
@@ -175,6 +176,7 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
     if (it == saved.end() || it->second == value || in(per_run, name)) continue;
     MC_CHECK(!in(model, name), "--load: the checkpoint was trained with --", name, " ", it->second, "; this run has ",
              value, " (the model must be the same to resume)");
+    if (!check_schedule && !in(model, name)) continue;
     MC_CHECK(!in(schedule, name) || now.override_opt_param_scheduler, "--load: the checkpoint's --", name, " is ",
              it->second, ", this run's is ", value,
              "; keep the learning-rate settings when resuming, or pass --override-opt-param-scheduler");

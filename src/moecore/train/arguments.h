@@ -77,7 +77,9 @@ void finalize_train_args(TrainArgs& args);
 // Before resuming: flags that define the model or the routing must equal the checkpoint's
 // (an Error names the first that differs); learning-rate schedule flags too unless
 // --override-opt-param-scheduler; other changed flags are listed on stdout.
-void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& saved, const TrainArgs& now);
+// check_schedule false: a model-only checkpoint (moecore convert), whose training starts afresh.
+void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& saved, const TrainArgs& now,
+                        bool check_schedule = true);
 // Rebuilds the arguments a checkpoint was trained with (its saved flag values), on `device`.
 TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::string>>& saved,
                                 const std::string& device, const std::string& origin);

@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "moecore/ops/elementwise.h"
+
 namespace fs = std::filesystem;
 
 namespace moecore {
@@ -221,9 +223,11 @@ TrainingState parse_meta(const fs::path& ckpt) {
   } catch (const std::exception& e) {
     MC_FAIL("'", (ckpt / "meta.json").string(), "' is not valid JSON: ", e.what());
   }
-  MC_CHECK(meta.value("format", "") == "moecore-checkpoint-v1", "'", (ckpt / "meta.json").string(),
-           "': unknown checkpoint format '", meta.value("format", ""), "'");
+  const std::string format = meta.value("format", "");
+  MC_CHECK(format == "moecore-checkpoint-v1" || format == "moecore-model-v1", "'", (ckpt / "meta.json").string(),
+           "': unknown checkpoint format '", format, "'");
   TrainingState s;
+  s.model_only = format == "moecore-model-v1";
   try {
     s.iteration = meta.at("iteration").get<int64_t>();
     s.consumed_samples = meta.at("consumed_samples").get<int64_t>();
@@ -262,7 +266,10 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
   };
   for (const auto& p : params.all()) {
     take(p->name, p->master);
-    if (p->trainable) {
+    if (p->trainable && s.model_only) {
+      ops::fill(p->exp_avg, 0.0);
+      ops::fill(p->exp_avg_sq, 0.0);
+    } else if (p->trainable) {
       take(p->name + ".exp_avg", p->exp_avg);
       take(p->name + ".exp_avg_sq", p->exp_avg_sq);
     }
@@ -271,7 +278,54 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
            "' that this model does not: it was saved from a different model configuration");
   params.refresh_compute_weights();
   params.zero_grad();
+  if (s.model_only) s.iteration = s.consumed_samples = s.skipped_iterations = s.nan_iterations = 0;
   return s;
+}
+
+void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
+                           const std::vector<std::pair<std::string, std::string>>& args, const std::string& source_json) {
+  nlohmann::json source;
+  try {
+    source = nlohmann::json::parse(source_json);
+  } catch (const std::exception& e) {
+    MC_FAIL("save_model_checkpoint: source is not valid JSON: ", e.what());
+  }
+  try {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    MC_CHECK(!ec, "'", dir, "': cannot create it: ", ec.message());
+    const fs::path final_dir = fs::path(dir) / iter_name(0);
+    const fs::path tmp_dir = fs::path(dir) / (iter_name(0) + ".tmp-" + std::to_string(getpid()));
+    fs::remove_all(tmp_dir);
+    fs::create_directories(tmp_dir);
+    write_safetensors((tmp_dir / "model_optim.safetensors").string(), tensors);
+    const nlohmann::json meta = {{"format", "moecore-model-v1"}, {"iteration", 0},   {"consumed_samples", 0},
+                                 {"args", args},                 {"source", source}};
+    write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
+    sync_path(tmp_dir);
+    fs::remove_all(final_dir);
+    fs::rename(tmp_dir, final_dir);
+    sync_path(dir);
+    write_text_atomically(fs::path(dir) / "latest_checkpointed_iteration.txt", "0\n");
+  } catch (const fs::filesystem_error& e) {
+    MC_FAIL("saving a model checkpoint to '", dir, "' failed: ", e.what());
+  }
+}
+
+std::string read_checkpoint_source(const std::string& dir) {
+  const fs::path ckpt = locate_checkpoint(dir);
+  std::ifstream f(ckpt / "meta.json");
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    MC_FAIL("'", (ckpt / "meta.json").string(), "' is not valid JSON: ", e.what());
+  }
+  return meta.contains("source") ? meta["source"].dump() : "{}";
+}
+
+std::string checkpoint_tensor_file(const std::string& dir) {
+  return (locate_checkpoint(dir) / "model_optim.safetensors").string();
 }
 
 }  // namespace moecore

@@ -25,6 +25,7 @@ struct TrainingState {
   int64_t skipped_iterations = 0;
   int64_t nan_iterations = 0;
   std::vector<std::pair<std::string, std::string>> args;  // the train flags (meta.json "args")
+  bool model_only = false;  // a "moecore-model-v1" checkpoint: weights without optimizer state
 };
 
 // True when dir is a checkpoint (iter_* with meta.json) or a save directory that names one.
@@ -33,8 +34,22 @@ bool checkpoint_exists(const std::string& dir);
 TrainingState read_checkpoint_meta(const std::string& dir);
 
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state);
-// Loads the latest checkpoint under dir (or dir itself if it is an iter_* directory).
+// Loads the latest checkpoint under dir (or dir itself if it is an iter_* directory). A model-only
+// checkpoint (below) sets the masters, zeroes the AdamW states and starts at iteration 0.
 TrainingState load_checkpoint(const std::string& dir, ParamStore& params);
+
+// Model-only checkpoint (written by `moecore convert`): <dir>/iter_0000000/model_optim.safetensors
+// with the fp32 masters only (no "<name>.exp_avg"/".exp_avg_sq"), meta.json "format":
+// "moecore-model-v1", "args" = the train flags, and `source_json` (a JSON object as text, e.g. the
+// HF config and each tensor's original dtype) stored as meta.json "source" for a later export.
+struct NamedTensor;
+void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
+                           const std::vector<std::pair<std::string, std::string>>& args,
+                           const std::string& source_json = "{}");
+// meta.json "source" of the latest checkpoint under dir as JSON text ("{}" when absent).
+std::string read_checkpoint_source(const std::string& dir);
+// The safetensors file of the latest checkpoint under dir.
+std::string checkpoint_tensor_file(const std::string& dir);
 
 // Minimal safetensors I/O for the checkpoint (the full reader/writer comes with HF interop).
 struct NamedTensor {

@@ -150,7 +150,9 @@ int run_training(const TrainArgs& args) {
     // Megatron's behaviour for the first run of a job that passes --load and --save alike.
     std::printf("note: no checkpoint in --load %s; training from scratch\n", args.load.c_str());
   } else if (!args.load.empty()) {
-    check_resume_flags(read_checkpoint_meta(args.load).args, args);
+    const TrainingState meta = read_checkpoint_meta(args.load);
+    // A model-only checkpoint (moecore convert) starts training afresh: only the model must match.
+    check_resume_flags(meta.args, args, /*check_schedule=*/!meta.model_only);
     state = load_checkpoint(args.load, store);
     if (args.rank == args.world - 1)
       std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),

@@ -1,0 +1,365 @@
+#include "moecore/interop/hf_convert.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "moecore/cli/flags.h"
+#include "moecore/core/error.h"
+#include "moecore/interop/safetensors.h"
+#include "moecore/train/arguments.h"
+#include "moecore/train/checkpoint.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace moecore::interop {
+
+namespace {
+
+enum class Arch { Mixtral, Qwen3Moe };
+
+const char* arch_name(Arch a) { return a == Arch::Mixtral ? "MixtralForCausalLM" : "Qwen3MoeForCausalLM"; }
+
+// One of our parameters: the concatenation (flat, in order) of its HF parts.
+struct Part {
+  std::string hf;
+  Shape shape;
+};
+struct Mapped {
+  std::string ours;
+  Shape shape;
+  std::vector<Part> parts;
+};
+
+std::vector<Mapped> build_mapping(const ModelConfig& c, Arch arch) {
+  const int64_t h = c.hidden_size, d = c.head_dim(), v = c.vocab_size;
+  std::vector<Mapped> m;
+  auto one = [&](const std::string& ours, const std::string& hf, const Shape& s) { m.push_back({ours, s, {{hf, s}}}); };
+  one("embedding.word_embeddings.weight", "model.embed_tokens.weight", {v, h});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string o = "decoder.layers." + std::to_string(i), p = "model.layers." + std::to_string(i);
+    one(o + ".input_layernorm.weight", p + ".input_layernorm.weight", {h});
+    one(o + ".self_attention.linear_q.weight", p + ".self_attn.q_proj.weight", {c.num_attention_heads * d, h});
+    one(o + ".self_attention.linear_k.weight", p + ".self_attn.k_proj.weight", {c.kv_heads() * d, h});
+    one(o + ".self_attention.linear_v.weight", p + ".self_attn.v_proj.weight", {c.kv_heads() * d, h});
+    one(o + ".self_attention.linear_proj.weight", p + ".self_attn.o_proj.weight", {h, c.num_attention_heads * d});
+    if (c.qk_layernorm) {
+      one(o + ".self_attention.q_layernorm.weight", p + ".self_attn.q_norm.weight", {d});
+      one(o + ".self_attention.k_layernorm.weight", p + ".self_attn.k_norm.weight", {d});
+    }
+    one(o + ".pre_mlp_layernorm.weight", p + ".post_attention_layernorm.weight", {h});
+    if (c.is_moe(i)) {
+      const int64_t e = c.moe.num_experts, f = c.moe.ffn_hidden_size;
+      const std::string moe = p + (arch == Arch::Mixtral ? ".block_sparse_moe" : ".mlp");
+      one(o + ".mlp.router.weight", moe + ".gate.weight", {e, h});
+      Mapped fc1{o + ".mlp.experts.linear_fc1.weight", {e, 2 * f, h}, {}};
+      Mapped fc2{o + ".mlp.experts.linear_fc2.weight", {e, h, f}, {}};
+      for (int64_t x = 0; x < e; ++x) {
+        const std::string ex = moe + ".experts." + std::to_string(x);
+        const bool mx = arch == Arch::Mixtral;
+        fc1.parts.push_back({ex + (mx ? ".w1.weight" : ".gate_proj.weight"), {f, h}});
+        fc1.parts.push_back({ex + (mx ? ".w3.weight" : ".up_proj.weight"), {f, h}});
+        fc2.parts.push_back({ex + (mx ? ".w2.weight" : ".down_proj.weight"), {h, f}});
+      }
+      m.push_back(fc1);
+      m.push_back(fc2);
+    } else {
+      const int64_t f = c.ffn_hidden_size;
+      m.push_back({o + ".mlp.linear_fc1.weight", {2 * f, h}, {{p + ".mlp.gate_proj.weight", {f, h}}, {p + ".mlp.up_proj.weight", {f, h}}}});
+      one(o + ".mlp.linear_fc2.weight", p + ".mlp.down_proj.weight", {h, f});
+    }
+  }
+  one("decoder.final_layernorm.weight", "model.norm.weight", {h});
+  if (c.untie_embeddings) one("output_layer.weight", "lm_head.weight", {v, h});
+  return m;
+}
+
+json read_json_file(const fs::path& p) {
+  std::ifstream f(p);
+  MC_CHECK(f.good(), "cannot read '", p.string(), "'");
+  try {
+    return json::parse(f);
+  } catch (const std::exception& e) {
+    MC_FAIL("'", p.string(), "' is not valid JSON: ", e.what());
+  }
+}
+
+Arch arch_of(const json& cfg, const std::string& origin) {
+  std::string a;
+  if (cfg.contains("architectures") && cfg["architectures"].is_array() && !cfg["architectures"].empty())
+    a = cfg["architectures"][0].get<std::string>();
+  const std::string mt = cfg.value("model_type", "");
+  if (a == "MixtralForCausalLM" || (a.empty() && mt == "mixtral")) return Arch::Mixtral;
+  if (a == "Qwen3MoeForCausalLM" || (a.empty() && mt == "qwen3_moe")) return Arch::Qwen3Moe;
+  MC_FAIL(origin, ": architecture '", a.empty() ? mt : a,
+          "' is not supported; supported: MixtralForCausalLM, Qwen3MoeForCausalLM (Qwen2-MoE needs q/k/v biases and a "
+          "shared-expert gate that are not mapped yet)");
+}
+
+std::string num_text(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  return buf;
+}
+
+int64_t need_int(const json& cfg, const char* key, const std::string& origin) {
+  MC_CHECK(cfg.contains(key) && cfg[key].is_number_integer(), origin, ": config.json has no integer '", key, "'");
+  return cfg[key].get<int64_t>();
+}
+
+// Per layer: MoE? (Qwen3: not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.)
+std::vector<bool> moe_layers(const json& cfg, Arch arch, int64_t layers) {
+  std::vector<bool> out(static_cast<size_t>(layers), true);
+  if (arch == Arch::Mixtral) return out;
+  const int64_t step = cfg.value("decoder_sparse_step", int64_t{1});
+  std::set<int64_t> dense;
+  if (cfg.contains("mlp_only_layers") && cfg["mlp_only_layers"].is_array())
+    for (const auto& x : cfg["mlp_only_layers"]) dense.insert(x.get<int64_t>());
+  for (int64_t i = 0; i < layers; ++i) out[static_cast<size_t>(i)] = !dense.count(i) && step > 0 && (i + 1) % step == 0;
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const std::string& text,
+                                                                          const std::string& origin) {
+  json cfg;
+  try {
+    cfg = json::parse(text);
+  } catch (const std::exception& e) {
+    MC_FAIL(origin, ": config.json is not valid JSON: ", e.what());
+  }
+  const Arch arch = arch_of(cfg, origin);
+  const std::string act = cfg.value("hidden_act", "silu");
+  MC_CHECK(act == "silu", origin, ": hidden_act '", act, "' is not supported (SwiGLU experts need silu)");
+  MC_CHECK(!cfg.value("attention_bias", false), origin, ": attention_bias true is not supported (no q/k/v biases)");
+  const int64_t layers = need_int(cfg, "num_hidden_layers", origin), hidden = need_int(cfg, "hidden_size", origin),
+                heads = need_int(cfg, "num_attention_heads", origin);
+  const int64_t kv = cfg.contains("num_key_value_heads") && cfg["num_key_value_heads"].is_number_integer()
+                         ? cfg["num_key_value_heads"].get<int64_t>() : heads;
+  const int64_t head_dim = cfg.contains("head_dim") && cfg["head_dim"].is_number_integer()
+                               ? cfg["head_dim"].get<int64_t>() : hidden / heads;
+  const int64_t maxpos = need_int(cfg, "max_position_embeddings", origin);
+  const bool tied = cfg.value("tie_word_embeddings", false);
+  const int64_t experts = need_int(cfg, arch == Arch::Mixtral ? "num_local_experts" : "num_experts", origin);
+  const int64_t ffn = need_int(cfg, "intermediate_size", origin);
+  const int64_t moe_ffn = arch == Arch::Mixtral ? ffn : need_int(cfg, "moe_intermediate_size", origin);
+  // Qwen3 with norm_topk_prob false: softmax over all experts, top-k, no renormalisation =
+  // Megatron's pre-softmax. Mixtral and norm_topk_prob true: softmax over the chosen k (default).
+  const bool pre_softmax = arch == Arch::Qwen3Moe && !cfg.value("norm_topk_prob", false);
+  std::string freq = "[";
+  const std::vector<bool> moe = moe_layers(cfg, arch, layers);
+  for (size_t i = 0; i < moe.size(); ++i) freq += std::string(i ? "," : "") + (moe[i] ? "1" : "0");
+  freq += "]";
+  // Every layer MoE: Megatron's "1" (what a user passes to resume); otherwise the per-layer list
+  // (HF's (i+1) % decoder_sparse_step differs from Megatron's i % N).
+  if (std::find(moe.begin(), moe.end(), false) == moe.end()) freq = "1";
+
+  TrainArgs a;
+  cli::FlagSet flags("moecore convert", "");
+  register_train_flags(flags, a);
+  const std::vector<std::pair<std::string, std::string>> set = {
+      {"num-layers", std::to_string(layers)},
+      {"hidden-size", std::to_string(hidden)},
+      {"ffn-hidden-size", std::to_string(ffn)},
+      {"num-attention-heads", std::to_string(heads)},
+      {"group-query-attention", "true"},
+      {"num-query-groups", std::to_string(kv)},
+      {"kv-channels", std::to_string(head_dim)},
+      {"vocab-size", std::to_string(need_int(cfg, "vocab_size", origin))},
+      {"normalization", "RMSNorm"},
+      {"norm-epsilon", num_text(cfg.value("rms_norm_eps", 1e-6))},
+      {"position-embedding-type", "rope"},
+      {"rotary-base", num_text(cfg.value("rope_theta", 10000.0))},
+      {"max-position-embeddings", std::to_string(maxpos)},
+      {"seq-length", std::to_string(std::min<int64_t>(maxpos, 4096))},
+      {"swiglu", "true"},
+      {"disable-bias-linear", "true"},
+      {"untie-embeddings-and-output-weights", tied ? "false" : "true"},
+      {"qk-layernorm", arch == Arch::Qwen3Moe ? "true" : "false"},
+      {"num-experts", std::to_string(experts)},
+      {"moe-layer-freq", freq},
+      {"moe-router-topk", std::to_string(need_int(cfg, "num_experts_per_tok", origin))},
+      {"moe-ffn-hidden-size", std::to_string(moe_ffn)},
+      {"moe-aux-loss-coeff", num_text(cfg.value("router_aux_loss_coef", 0.0))},
+      {"moe-router-pre-softmax", pre_softmax ? "true" : "false"},
+      {"mock-data", "true"},
+      {"micro-batch-size", "1"},
+      {"global-batch-size", "1"},
+      {"train-iters", "1"},
+  };
+  for (const auto& [k, v] : set) flags.set(k, v, origin);
+  return flags.values();
+}
+
+void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir) {
+  const std::string origin = "HF checkpoint '" + hf_dir + "'";
+  const json cfg = read_json_file(fs::path(hf_dir) / "config.json");
+  const Arch arch = arch_of(cfg, origin);
+  const auto flags = hf_config_to_train_flags(cfg.dump(), origin);
+  const TrainArgs args = train_args_from_saved(flags, "cpu", origin);
+  const std::vector<Mapped> mapping = build_mapping(args.model, arch);
+  const SafetensorsReader reader(hf_dir);
+
+  std::set<std::string> expected;
+  for (const Mapped& m : mapping)
+    for (const Part& p : m.parts) expected.insert(p.hf);
+  for (const std::string& n : reader.names())
+    MC_CHECK(expected.count(n), origin, " has tensor '", n, "' that a ", arch_name(arch),
+             " with this config.json does not (unexpected tensor; not converted)");
+
+  std::vector<NamedTensor> out;
+  json dtypes = json::object(), order = json::array();
+  for (const Mapped& m : mapping) {
+    Tensor t = Tensor::empty(m.shape, DType::F32);
+    float* dst = static_cast<float*>(t.data_ptr());
+    for (const Part& p : m.parts) {
+      MC_CHECK(reader.has(p.hf), origin, " is missing tensor '", p.hf, "' (expected ", shape_str(p.shape), ")");
+      const StTensorInfo& info = reader.info(p.hf);
+      MC_CHECK(info.shape == p.shape, origin, ": tensor '", p.hf, "' has shape ", shape_str(info.shape),
+               "; config.json implies ", shape_str(p.shape));
+      MC_CHECK(info.dtype == StDType::BF16 || info.dtype == StDType::F16 || info.dtype == StDType::F32, origin,
+               ": tensor '", p.hf, "' is ", st_dtype_name(info.dtype), "; only BF16, F16 and F32 weights convert");
+      const Tensor src = reader.read_f32(p.hf);
+      std::memcpy(dst, src.data_ptr(), src.nbytes());
+      dst += src.numel();
+      dtypes[p.hf] = st_dtype_name(info.dtype);
+      order.push_back(p.hf);
+    }
+    out.push_back({m.ours, t});
+  }
+  const json source = {{"architecture", arch_name(arch)}, {"config", cfg}, {"dtypes", dtypes}, {"tensor_order", order}};
+  // The resolved values (as `moecore train` records them), so that a resuming run compares equal.
+  save_model_checkpoint(ckpt_dir, out, args.flag_values, source.dump());
+}
+
+namespace {
+json config_from_args(const ModelConfig& c, Arch arch) {
+  json j = {{"architectures", {arch_name(arch)}},
+            {"model_type", arch == Arch::Mixtral ? "mixtral" : "qwen3_moe"},
+            {"hidden_act", "silu"},
+            {"hidden_size", c.hidden_size},
+            {"num_hidden_layers", c.num_layers},
+            {"num_attention_heads", c.num_attention_heads},
+            {"num_key_value_heads", c.kv_heads()},
+            {"head_dim", c.head_dim()},
+            {"vocab_size", c.vocab_size},
+            {"rms_norm_eps", c.norm_epsilon},
+            {"rope_theta", c.rotary_base},
+            {"max_position_embeddings", c.max_position_embeddings},
+            {"tie_word_embeddings", !c.untie_embeddings},
+            {"num_experts_per_tok", c.moe.router.topk},
+            {"router_aux_loss_coef", c.moe.aux_loss_coeff},
+            {"attention_bias", false},
+            {"torch_dtype", "float32"}};
+  if (arch == Arch::Mixtral) {
+    j["num_local_experts"] = c.moe.num_experts;
+    j["intermediate_size"] = c.moe.ffn_hidden_size;
+  } else {
+    j["num_experts"] = c.moe.num_experts;
+    j["intermediate_size"] = c.ffn_hidden_size;
+    j["moe_intermediate_size"] = c.moe.ffn_hidden_size;
+    j["norm_topk_prob"] = !c.moe.router.pre_softmax;
+    j["decoder_sparse_step"] = 1;
+    json dense = json::array();
+    for (int64_t i = 0; i < c.num_layers; ++i)
+      if (!c.is_moe(i)) dense.push_back(i);
+    j["mlp_only_layers"] = dense;
+  }
+  return j;
+}
+}  // namespace
+
+void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes) {
+  const std::string origin = "checkpoint '" + ckpt_dir + "'";
+  const TrainingState meta = read_checkpoint_meta(ckpt_dir);
+  MC_CHECK(!meta.args.empty(), origin, " does not record the flags it was trained with");
+  const TrainArgs args = train_args_from_saved(meta.args, "cpu", origin);
+  const ModelConfig& c = args.model;
+  const json source = json::parse(read_checkpoint_source(ckpt_dir));
+  MC_CHECK(c.moe.num_experts > 0, origin, ": a dense model (no --num-experts) has no HF MoE equivalent");
+  MC_CHECK(c.swiglu && !c.add_bias_linear && c.rmsnorm && c.position_embedding_type == "rope" &&
+               c.moe.shared_expert_size == 0 && !c.moe.enable_expert_bias && c.moe.router.score == ops::RouterScore::Softmax &&
+               c.moe.router.num_groups == 0 && c.moe.router.scaling_factor == 0,
+           origin, ": only models with SwiGLU, RMSNorm, RoPE, no biases, no shared experts and softmax routing map ",
+           "to Mixtral or Qwen3-MoE");
+  Arch arch = c.qk_layernorm || c.moe.router.pre_softmax ? Arch::Qwen3Moe : Arch::Mixtral;
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    if (!c.is_moe(i)) arch = Arch::Qwen3Moe;
+  if (source.contains("architecture")) arch = arch_of({{"architectures", {source["architecture"]}}}, origin);
+  MC_CHECK(arch == Arch::Qwen3Moe || !c.qk_layernorm, origin, ": Mixtral has no q/k norms");
+  MC_CHECK(arch == Arch::Mixtral || c.qk_layernorm, origin, ": Qwen3-MoE needs --qk-layernorm");
+
+  const std::vector<Mapped> mapping = build_mapping(c, arch);
+  const SafetensorsFile file(checkpoint_tensor_file(ckpt_dir));
+  std::set<std::string> ours;
+  for (const Mapped& m : mapping) ours.insert(m.ours);
+  for (const StTensorInfo& t : file.tensors()) {
+    const bool optimizer = t.name.ends_with(".exp_avg") || t.name.ends_with(".exp_avg_sq");
+    MC_CHECK(optimizer || ours.count(t.name), origin, " has tensor '", t.name, "' that has no ", arch_name(arch),
+             " equivalent");
+  }
+  const json dtypes = source.value("dtypes", json::object());
+  std::vector<StWriteTensor> out;
+  for (const Mapped& m : mapping) {
+    const StTensorInfo& info = file.info(m.ours);
+    MC_CHECK(info.dtype == StDType::F32 && info.shape == m.shape, origin, ": tensor '", m.ours, "' is ",
+             st_dtype_name(info.dtype), " ", shape_str(info.shape), "; expected F32 ", shape_str(m.shape));
+    const float* src = reinterpret_cast<const float*>(file.data(info));
+    std::vector<float> aligned;  // the mapping is 8-byte aligned; copy anyway for strict aliasing safety
+    for (const Part& p : m.parts) {
+      const size_t n = static_cast<size_t>(shape_numel(p.shape));
+      aligned.assign(n, 0.f);
+      std::memcpy(aligned.data(), src, n * 4);
+      src += n;
+      const StDType dt = dtypes.contains(p.hf) ? parse_st_dtype(dtypes[p.hf].get<std::string>(), origin) : StDType::F32;
+      out.push_back({p.hf, dt, p.shape, f32_to_st_bytes(aligned.data(), n, dt)});
+    }
+  }
+  json cfg = source.contains("config") ? source["config"] : config_from_args(c, arch);
+  std::error_code ec;
+  fs::create_directories(hf_dir, ec);
+  MC_CHECK(!ec, "cannot create '", hf_dir, "': ", ec.message());
+  write_safetensors_checkpoint(hf_dir, out, max_shard_bytes);
+  std::ofstream f(fs::path(hf_dir) / "config.json", std::ios::trunc);
+  f << cfg.dump(2) << "\n";
+  f.close();
+  MC_CHECK(!f.fail(), "writing '", (fs::path(hf_dir) / "config.json").string(), "' failed");
+}
+
+int run_convert(const std::vector<std::string>& argv) {
+  std::string from, to, input, output, shard = "5GB";
+  cli::FlagSet flags("moecore convert", "Convert checkpoints between HuggingFace (Mixtral, Qwen3-MoE) and moecore.");
+  flags.add_string("from", &from, "source format: hf or moecore");
+  flags.add_string("to", &to, "target format: moecore or hf");
+  flags.add_string("input", &input, "source: an HF model directory or a moecore checkpoint directory");
+  flags.add_string("output", &output, "target directory");
+  flags.add_string("max-shard-size", &shard, "largest safetensors shard written for --to hf (e.g. 500MB, 5GB)");
+  flags.parse(argv);
+  if (flags.help_requested()) {
+    std::printf("%s", flags.help().c_str());
+    return 0;
+  }
+  MC_CHECK(!input.empty() && !output.empty(), "moecore convert needs --input and --output");
+  const uint64_t max_shard = parse_size(shard);
+  if (from == "hf" && to == "moecore") {
+    convert_hf_to_moecore(input, output);
+  } else if (from == "moecore" && to == "hf") {
+    convert_moecore_to_hf(input, output, max_shard);
+  } else {
+    MC_FAIL("moecore convert: --from '", from, "' --to '", to, "': expected --from hf --to moecore or --from moecore --to hf");
+  }
+  std::printf("converted %s (%s) -> %s (%s)\n", input.c_str(), from.c_str(), output.c_str(), to.c_str());
+  return 0;
+}
+
+}  // namespace moecore::interop

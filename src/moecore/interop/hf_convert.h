@@ -1,0 +1,51 @@
+// HF <-> moecore checkpoint conversion for Mixtral (MixtralForCausalLM) and Qwen3-MoE
+// (Qwen3MoeForCausalLM).
+//
+//   moecore convert --from hf --to moecore --input HF_DIR --output CKPT_DIR
+//   moecore convert --from moecore --to hf --input CKPT_DIR --output HF_DIR [--max-shard-size 5GB]
+//
+// hf -> moecore writes a model-only checkpoint (train/checkpoint.h, "moecore-model-v1"): fp32
+// masters under our names, meta.json "args" = train flags derived from config.json (so
+// `moecore generate --load` / `moecore train --load` rebuild the model), and meta.json "source"
+// = {"architecture", "config" (config.json as read), "dtypes" {HF tensor: original dtype}}.
+// moecore -> hf writes config.json (the recorded one, else one derived from the flags) and the
+// tensors in their recorded dtype (else F32): a bf16 checkpoint round-trips bit-identically.
+//
+// Tensor mapping (HF linear weights are [out, in] like ours; N = layer, M = expert):
+//   model.embed_tokens.weight                 embedding.word_embeddings.weight [V,H]
+//   model.layers.N.input_layernorm.weight     decoder.layers.N.input_layernorm.weight
+//   ...self_attn.{q,k,v,o}_proj.weight        ...self_attention.linear_{q,k,v,proj}.weight
+//   ...self_attn.{q,k}_norm.weight (Qwen3)    ...self_attention.{q,k}_layernorm.weight [D]
+//   ...post_attention_layernorm.weight        ...pre_mlp_layernorm.weight
+//   Mixtral ...block_sparse_moe.gate.weight   ...mlp.router.weight [E,H]
+//           ...block_sparse_moe.experts.M.{w1 (gate), w3 (up)}.weight [F,H]
+//                                             ...mlp.experts.linear_fc1.weight [E,2F,H], [e] = [w1; w3]
+//           ...block_sparse_moe.experts.M.w2.weight [H,F]
+//                                             ...mlp.experts.linear_fc2.weight [E,H,F]
+//   Qwen3   ...mlp.gate.weight, ...mlp.experts.M.{gate_proj, up_proj, down_proj}.weight (as above)
+//           dense layers: ...mlp.{gate_proj, up_proj}.weight -> ...mlp.linear_fc1.weight [2F,H],
+//                         ...mlp.down_proj.weight -> ...mlp.linear_fc2.weight [H,F]
+//   model.norm.weight                         decoder.final_layernorm.weight
+//   lm_head.weight (untied only)              output_layer.weight [V,H]
+// RoPE: HF Mixtral/Qwen3 and moecore both rotate halves of each head (rotate_half), so q/k rows
+// are copied as they are; no interleave permutation is needed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moecore::interop {
+
+// The `moecore convert` command (argv after "convert"). Returns the exit status.
+int run_convert(const std::vector<std::string>& args);
+
+void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir);
+void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes);
+
+// config.json text -> train flag values (every train flag, as a checkpoint records them).
+std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const std::string& config_json,
+                                                                          const std::string& origin);
+
+}  // namespace moecore::interop

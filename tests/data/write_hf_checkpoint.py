@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Independent writer of tiny random HF MoE checkpoints (stdlib only) for the converter tests.
+
+usage: write_hf_checkpoint.py OUT_DIR --arch mixtral|qwen3 [--dtype bf16|f32] [--shards K]
+                              [--seed S] [--drop NAME] [--extra NAME] [--bad-shape NAME]
+                              [--architecture NAME]
+Writes OUT_DIR/config.json and OUT_DIR/model.safetensors, or K shards
+model-0000i-of-0000K.safetensors with model.safetensors.index.json.
+"""
+import argparse
+import json
+import os
+import random
+import struct
+
+
+def config(arch):
+    if arch == "mixtral":
+        return {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+            "hidden_size": 16, "intermediate_size": 12, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 40, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+            "max_position_embeddings": 64, "tie_word_embeddings": False, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "torch_dtype": "bfloat16",
+        }
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+        "hidden_size": 16, "intermediate_size": 20, "moe_intermediate_size": 6, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 40,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [1], "router_aux_loss_coef": 0.001,
+        "attention_bias": False, "torch_dtype": "bfloat16",
+    }
+
+
+def tensors(arch, cfg):
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    out = [("model.embed_tokens.weight", [v, h])]
+    for i in range(cfg["num_hidden_layers"]):
+        p = "model.layers.%d" % i
+        out += [(p + ".input_layernorm.weight", [h]),
+                (p + ".self_attn.q_proj.weight", [heads * d, h]),
+                (p + ".self_attn.k_proj.weight", [kv * d, h]),
+                (p + ".self_attn.v_proj.weight", [kv * d, h]),
+                (p + ".self_attn.o_proj.weight", [h, heads * d])]
+        if arch == "qwen3":
+            out += [(p + ".self_attn.q_norm.weight", [d]), (p + ".self_attn.k_norm.weight", [d])]
+        out.append((p + ".post_attention_layernorm.weight", [h]))
+        if arch == "mixtral":
+            f = cfg["intermediate_size"]
+            out.append((p + ".block_sparse_moe.gate.weight", [cfg["num_local_experts"], h]))
+            for e in range(cfg["num_local_experts"]):
+                x = p + ".block_sparse_moe.experts.%d" % e
+                out += [(x + ".w1.weight", [f, h]), (x + ".w2.weight", [h, f]), (x + ".w3.weight", [f, h])]
+        elif i in cfg["mlp_only_layers"]:
+            f = cfg["intermediate_size"]
+            out += [(p + ".mlp.gate_proj.weight", [f, h]), (p + ".mlp.up_proj.weight", [f, h]),
+                    (p + ".mlp.down_proj.weight", [h, f])]
+        else:
+            f = cfg["moe_intermediate_size"]
+            out.append((p + ".mlp.gate.weight", [cfg["num_experts"], h]))
+            for e in range(cfg["num_experts"]):
+                x = p + ".mlp.experts.%d" % e
+                out += [(x + ".gate_proj.weight", [f, h]), (x + ".up_proj.weight", [f, h]),
+                        (x + ".down_proj.weight", [h, f])]
+    out.append(("model.norm.weight", [h]))
+    if not cfg["tie_word_embeddings"]:
+        out.append(("lm_head.weight", [v, h]))
+    return out
+
+
+def encode(values, dtype):
+    raw = struct.pack("<%df" % len(values), *values)
+    if dtype == "F32":
+        return raw
+    # bf16: the upper half of each f32, rounded to nearest even
+    out = bytearray()
+    for (bits,) in struct.iter_unpack("<I", raw):
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out += struct.pack("<H", bits & 0xFFFF)
+    return bytes(out)
+
+
+def write_file(path, items):
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape, data in items:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for item in items:
+            f.write(item[3])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--arch", choices=["mixtral", "qwen3"], required=True)
+    ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--drop", action="append", default=[])
+    ap.add_argument("--extra", action="append", default=[])
+    ap.add_argument("--bad-shape", action="append", default=[])
+    ap.add_argument("--architecture")
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    cfg = config(a.arch)
+    if a.architecture:
+        cfg["architectures"] = [a.architecture]
+    dtype = "BF16" if a.dtype == "bf16" else "F32"
+    specs = [(n, s) for n, s in tensors(a.arch, cfg) if n not in a.drop] + [(n, [3]) for n in a.extra]
+    items = []
+    for name, shape in specs:
+        if name in a.bad_shape:
+            shape = [shape[0] + 1] + shape[1:]
+        n = 1
+        for x in shape:
+            n *= x
+        vals = [rng.gauss(0.0, 0.5) for _ in range(n)]
+        items.append((name, dtype, shape, encode(vals, dtype)))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    if a.shards <= 1:
+        write_file(os.path.join(a.out, "model.safetensors"), items)
+        return
+    per = (len(items) + a.shards - 1) // a.shards
+    weight_map, total = {}, 0
+    for k in range(a.shards):
+        part = items[k * per:(k + 1) * per]
+        fname = "model-%05d-of-%05d.safetensors" % (k + 1, a.shards)
+        write_file(os.path.join(a.out, fname), part)
+        for item in part:
+            weight_map[item[0]] = fname
+            total += len(item[3])
+    with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
