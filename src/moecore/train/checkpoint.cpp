@@ -1,5 +1,7 @@
 #include "moecore/train/checkpoint.h"
 
+#include "moecore/interop/safetensors.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -64,62 +66,29 @@ void write_text_atomically(const fs::path& path, const std::string& text) {
 }
 }  // namespace
 
+// The checkpoint's tensors go through interop/safetensors (the one safetensors implementation);
+// these wrappers keep moecore dtypes on both sides and flush the file before it is renamed.
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors) {
-  nlohmann::json header = nlohmann::json::object();
-  header["__metadata__"] = {{"format", "moecore-checkpoint"}};
-  size_t offset = 0;
+  std::vector<interop::StWriteTensor> out;
+  out.reserve(tensors.size());
   for (const NamedTensor& nt : tensors) {
-    const size_t bytes = nt.tensor.nbytes();
-    header[nt.name] = {{"dtype", st_dtype(nt.tensor.dtype())}, {"shape", nt.tensor.shape()},
-                       {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
+    const Tensor t = nt.tensor.to(Device::cpu()).contiguous();
+    const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+    out.push_back({nt.name, interop::parse_st_dtype(st_dtype(t.dtype()), path), t.shape(),
+                   std::vector<uint8_t>(p, p + t.nbytes())});
   }
-  std::string h = header.dump();
-  while (h.size() % 8 != 0) h.push_back(' ');  // 8-byte aligned data, as writers do
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  MC_CHECK(f.good(), "cannot write '", path, "'");
-  const uint64_t n = h.size();
-  f.write(reinterpret_cast<const char*>(&n), 8);
-  f.write(h.data(), static_cast<std::streamsize>(h.size()));
-  for (const NamedTensor& nt : tensors)
-    f.write(static_cast<const char*>(nt.tensor.data_ptr()), static_cast<std::streamsize>(nt.tensor.nbytes()));
-  f.close();
-  MC_CHECK(!f.fail(), "writing '", path, "' failed (disk full?)");
+  interop::write_safetensors_file(path, out, {{"format", "moecore-checkpoint"}});
   sync_path(path);
 }
 
 std::vector<NamedTensor> read_safetensors(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  MC_CHECK(f.good(), "cannot read '", path, "'");
-  const uint64_t file_size = fs::file_size(path);
-  uint64_t n = 0;
-  f.read(reinterpret_cast<char*>(&n), 8);
-  MC_CHECK(f.good() && n > 0 && 8 + n <= file_size, "'", path, "' is not a safetensors file (header length ", n,
-           ", file size ", file_size, ")");
-  std::string h(n, '\0');
-  f.read(h.data(), static_cast<std::streamsize>(n));
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(h);
-  } catch (const std::exception& e) {
-    MC_FAIL("'", path, "': header is not valid JSON: ", e.what());
-  }
-  const uint64_t data_size = file_size - 8 - n;
+  MC_CHECK(fs::exists(path), "cannot read '", path, "': no such file");
+  const interop::SafetensorsFile file(path);
   std::vector<NamedTensor> out;
-  for (auto& [name, info] : header.items()) {
-    if (name == "__metadata__") continue;
-    const DType dt = from_st_dtype(info.at("dtype").get<std::string>(), path);
-    const Shape shape = info.at("shape").get<Shape>();
-    const auto offs = info.at("data_offsets").get<std::vector<uint64_t>>();
-    MC_CHECK(offs.size() == 2 && offs[0] <= offs[1] && offs[1] <= data_size, "'", path, "': tensor '", name,
-             "' has data offsets beyond the file (truncated?)");
-    MC_CHECK(offs[1] - offs[0] == static_cast<uint64_t>(shape_numel(shape)) * dtype_size(dt), "'", path,
-             "': tensor '", name, "' has ", offs[1] - offs[0], " bytes for shape ", shape_str(shape));
-    Tensor t = Tensor::empty(shape, dt);
-    f.seekg(static_cast<std::streamoff>(8 + n + offs[0]));
-    f.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-    MC_CHECK(f.good(), "'", path, "': short read of tensor '", name, "'");
-    out.push_back({name, t});
+  for (const interop::StTensorInfo& info : file.tensors()) {
+    Tensor t = Tensor::empty(info.shape, from_st_dtype(interop::st_dtype_name(info.dtype), path));
+    std::memcpy(t.data_ptr(), file.data(info), info.nbytes());
+    out.push_back({info.name, t});
   }
   return out;
 }

@@ -51,7 +51,7 @@ std::string read_checkpoint_source(const std::string& dir);
 // The safetensors file of the latest checkpoint under dir.
 std::string checkpoint_tensor_file(const std::string& dir);
 
-// Minimal safetensors I/O for the checkpoint (the full reader/writer comes with HF interop).
+// safetensors I/O of the checkpoint tensors (a thin layer over interop/safetensors).
 struct NamedTensor {
   std::string name;
   Tensor tensor;  // CPU, contiguous
