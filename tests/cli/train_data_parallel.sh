@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Data parallelism under mpirun (CPU ranks): DP=2 and DP=4 print the single-rank run's lm loss
-# and load_balancing_loss (within 2e-5 relative) for 3 iterations, dense and MoE; ranks started
-# with different flags are refused; a rank that fails stops every rank with its message.
+# Data and expert parallelism under mpirun (CPU ranks): DP=2 and DP=4 (dense and MoE), EP=4,
+# EP=2 with the distributed optimizer, EP=2 with the allgather dispatcher and EP=4 with
+# global_aux_loss print the single-rank run's lm loss, load_balancing_loss and grad norm (within
+# 2e-5 relative) for 3 iterations; a checkpoint saved by EP=2 + distributed optimizer resumes
+# under other layouts to the single-rank losses; ranks started with different flags are refused;
+# a rank that fails stops every rank with its message.
 set -euo pipefail
 bin=$1; src=$2; mpiexec=$3
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 OMP_NUM_THREADS=1
 base=(train --config "$src/configs/tiny.yaml" --device cpu --train-iters 3 --lr-warmup-iters 1 --log-interval 1
       --eval-interval 0 --micro-batch-size 4 --global-batch-size 16)
-values() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*' "$1" | cut -d: -f2; }
+values() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*' "$1" | cut -d: -f2; }
 compare() {  # file_a file_b
   paste <(values "$1") <(values "$2") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }'
 }
@@ -45,7 +48,56 @@ if out=$(timeout 60 "$mpiexec" -np 1 --wdir "$dir/with" "$bin" "${text[@]}" : -n
 [ $(( $(date +%s) - start )) -lt 50 ] || { echo "FAIL: took too long (hang?)"; exit 1; }
 grep -q "c_text_document" <<<"$out" && grep -q "rank 1 failed; stopping every rank" <<<"$out" ||
   { echo "$out"; echo "FAIL: the failing rank's message is missing"; exit 1; }
+# expert parallelism: name, ranks, flags; each against the single-rank run of the same model
+run_single() {  # extra flags...
+  rm -f "$dir/single.jsonl"
+  "$bin" "${base[@]}" "$@" --metrics-file "$dir/single.jsonl" > "$dir/single.log" 2>&1 || { cat "$dir/single.log"; exit 1; }
+}
+run_ranks() {  # np extra flags...
+  local np=$1; shift
+  rm -f "$dir/dp.jsonl"
+  "$mpiexec" -np "$np" "$bin" "${base[@]}" "$@" --metrics-file "$dir/dp.jsonl" > "$dir/dp.log" 2>&1 || { cat "$dir/dp.log"; exit 1; }
+}
+run_single
+for case in "4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall" \
+            "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer" \
+            "2 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather" \
+            "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --use-distributed-optimizer" \
+            "4 --use-distributed-optimizer"; do
+  read -r -a c <<<"$case"
+  run_ranks "${c[@]}"
+  grep -q "expert-parallel size ${c[2]:-1}" "$dir/dp.log" || [ "${c[1]}" = --use-distributed-optimizer ] || { cat "$dir/dp.log"; echo "FAIL: EP not in use"; exit 1; }
+  compare "$dir/dp.jsonl" "$dir/single.jsonl" || { echo "FAIL: np=$case differs from one rank"; exit 1; }
+  echo "np=$case: same losses and grad norm as one rank"
+done
+# global_aux_loss balances over the whole global batch: one rank with the batch as one
+# micro-batch is the reference.
+run_single --moe-router-load-balancing-type global_aux_loss --micro-batch-size 16
+run_ranks 4 --moe-router-load-balancing-type global_aux_loss --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
+compare "$dir/dp.jsonl" "$dir/single.jsonl" || { echo "FAIL: EP=4 global_aux_loss differs from one rank"; exit 1; }
+echo "np=4 EP=4 global_aux_loss: same losses and grad norm as one rank"
+# checkpoints hold full tensors: EP=2 + distributed optimizer saves, EP=2 on 2 ranks and one
+# rank resume; both continue exactly as an uninterrupted single-rank run.
+sched=(--lr-decay-iters 4)
+rm -f "$dir/single.jsonl"
+"$bin" "${base[@]}" "${sched[@]}" --train-iters 4 --metrics-file "$dir/single.jsonl" > "$dir/single.log" 2>&1 || { cat "$dir/single.log"; exit 1; }
+"$mpiexec" -np 4 "$bin" "${base[@]}" "${sched[@]}" --train-iters 2 --expert-model-parallel-size 2 \
+  --use-distributed-optimizer --save "$dir/ckpt" > "$dir/save.log" 2>&1 || { cat "$dir/save.log"; exit 1; }
+tail_values() { values "$1" | tail -n 6; }
+for layout in "2 --expert-model-parallel-size 2 --use-distributed-optimizer" "1"; do
+  read -r -a c <<<"$layout"
+  rm -f "$dir/resumed.jsonl"
+  "$mpiexec" -np "${c[0]}" "$bin" "${base[@]}" "${sched[@]}" "${c[@]:1}" --train-iters 4 --load "$dir/ckpt" \
+    --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; exit 1; }
+  paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+    { echo "FAIL: resumed (np ${c[*]}) differs from the uninterrupted run"; exit 1; }
+  echo "checkpoint of EP=2 + distributed optimizer resumed on np ${c[*]}: same losses as one rank"
+done
 # not yet: other parallel sizes are refused clearly
-if out=$("$bin" "${base[@]}" --expert-model-parallel-size 2 2>&1); then echo "FAIL: EP accepted"; exit 1; fi
-grep -q "expert-model-parallel-size 2 is not available in this version" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$bin" "${base[@]}" --tensor-model-parallel-size 2 2>&1); then echo "FAIL: TP accepted"; exit 1; fi
+grep -q "tensor-model-parallel-size 2 is not available in this version" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$mpiexec" -np 2 "$bin" "${base[@]}" --expert-model-parallel-size 4 2>&1); then echo "FAIL: EP 4 on 2 ranks accepted"; exit 1; fi
+grep -q "expert-model-parallel-size 4 does not divide the 2 launched ranks" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$bin" "${base[@]}" --moe-token-dispatcher-type flex 2>&1); then echo "FAIL: flex accepted"; exit 1; fi
+grep -q "flex (DeepEP kernels) is not available" <<<"$out" || { echo "$out"; exit 1; }
 echo PASS

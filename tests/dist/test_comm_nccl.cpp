@@ -25,6 +25,9 @@ void check_grouped_calls(Communicator& c);
 void check_split_even_odd(Communicator& c);
 void check_bad_arguments(Communicator& c);
 }  // namespace comm_checks
+namespace dispatch_checks {  // defined in test_token_dispatcher.cpp
+void check_all(Communicator& c);
+}  // namespace dispatch_checks
 
 namespace {
 
@@ -88,3 +91,6 @@ TEST_F(CommNccl, BadArgumentsRaiseErrors) {
   EXPECT_THROW(c().broadcast(f64, 0), Error);
   c().barrier();
 }
+
+// The expert-parallel dispatchers (alltoall, allgather) on device tensors through NCCL.
+TEST_F(CommNccl, TokenDispatchersMatchTheClosedForm) { dispatch_checks::check_all(c()); }

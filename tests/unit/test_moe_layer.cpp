@@ -315,10 +315,10 @@ TEST(MoeLayer, CapacityPaddedMatchesUnpadded) {
     const Tensor yu = unpadded.layer->forward(x, 2, true, 1, cu);
     const Tensor yp = padded.layer->forward(x, 2, true, 1, cpd);
     const Tensor yd = dropless.layer->forward(x, 2, true, 1, cdl);
-    EXPECT_LE(cu.routing.num_rows, e * capacity);
-    EXPECT_EQ(cpd.routing.num_rows, e * capacity);
-    EXPECT_EQ(cpd.routing.host_tokens_per_expert, std::vector<int64_t>(4, capacity));
-    EXPECT_EQ(cdl.routing.num_rows, tokens * k);
+    EXPECT_LE(cu.dispatch.routing.num_rows, e * capacity);
+    EXPECT_EQ(cpd.dispatch.routing.num_rows, e * capacity);
+    EXPECT_EQ(cpd.dispatch.routing.host_tokens_per_expert, std::vector<int64_t>(4, capacity));
+    EXPECT_EQ(cdl.dispatch.routing.num_rows, tokens * k);
     EXPECT_TRUE(moecore::testing::allclose(yp, yu, {1e-13, 1e-12}));
     EXPECT_GT(max_abs_diff(to_doubles(yu), to_doubles(yd)), 1e-6) << "capacity dropped nothing";
 

@@ -16,9 +16,10 @@ AttentionBlock::AttentionBlock(ParamStore& store, const std::string& prefix, con
       rotary_base_(cfg.rotary_base) {
   const int64_t h = cfg.hidden_size;
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
-  q_proj_ = Linear(store, prefix + ".linear_q", h, heads_ * head_dim_, cfg.add_bias_linear, std);
-  k_proj_ = Linear(store, prefix + ".linear_k", h, kv_heads_ * head_dim_, cfg.add_bias_linear, std);
-  v_proj_ = Linear(store, prefix + ".linear_v", h, kv_heads_ * head_dim_, cfg.add_bias_linear, std);
+  const bool qkv_bias = cfg.add_bias_linear || cfg.add_qkv_bias;  // --add-qkv-bias: q/k/v only
+  q_proj_ = Linear(store, prefix + ".linear_q", h, heads_ * head_dim_, qkv_bias, std);
+  k_proj_ = Linear(store, prefix + ".linear_k", h, kv_heads_ * head_dim_, qkv_bias, std);
+  v_proj_ = Linear(store, prefix + ".linear_v", h, kv_heads_ * head_dim_, qkv_bias, std);
   o_proj_ = Linear(store, prefix + ".linear_proj", heads_ * head_dim_, h, cfg.add_bias_linear, out_std);
   if (qk_norm_) {
     q_norm_ = Norm(store, prefix + ".q_layernorm", head_dim_, cfg.rmsnorm, cfg.norm_epsilon);

@@ -1,5 +1,6 @@
 // Self-attention: separate q/k/v projections (GQA: Hkv <= Hq key/value heads), optional per-head
-// q/k normalisation (--qk-layernorm), RoPE, causal attention, output projection.
+// q/k normalisation (--qk-layernorm), RoPE, causal attention, output projection. Biases: on all
+// four projections with bias-linear, on q/k/v only with --add-qkv-bias (Qwen2).
 // x [B*S, H] -> [B*S, H]. Saved: the projections' inputs, q/k/v after RoPE, the attention
 // output and its logsumexp ("core_attn").
 #pragma once

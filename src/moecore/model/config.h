@@ -50,6 +50,8 @@ struct ModelConfig {
   double rotary_base = 10000.0;
   bool swiglu = true;                   // else GELU
   bool add_bias_linear = true;          // --disable-bias-linear turns it off
+  bool add_qkv_bias = false;            // --add-qkv-bias: biases on linear_q/k/v only (Qwen2), even
+                                        // with --disable-bias-linear
   bool untie_embeddings = false;        // --untie-embeddings-and-output-weights
   double init_method_std = 0.02;
   bool qk_layernorm = false;

@@ -9,7 +9,7 @@
 
 namespace moecore {
 
-GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store) : cfg_(cfg), compute_(store.compute_dtype()) {
+GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par) : cfg_(cfg), compute_(store.compute_dtype()) {
   if (store.master_dtype() == DType::F64) compute_ = DType::F64;
   const int64_t h = cfg.hidden_size;
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
@@ -23,7 +23,7 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store) : cfg_(cfg), compu
     attention_.emplace_back(store, p + ".self_attention", cfg);
     mlp_norm_.emplace_back(store, p + ".pre_mlp_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
     if (cfg.is_moe(i)) {
-      moe_.emplace_back(store, p + ".mlp", cfg);
+      moe_.emplace_back(store, p + ".mlp", cfg, par);
       mlp_.emplace_back();
     } else {
       mlp_.emplace_back(store, p + ".mlp", h, cfg.ffn_hidden_size, cfg.swiglu, cfg.add_bias_linear, std, out_std);

@@ -16,7 +16,8 @@ namespace moecore {
 
 class GPTModel {
  public:
-  GPTModel(const ModelConfig& cfg, ParamStore& store);
+  // par: the expert-parallel and balancing groups of the MoE layers (default: one rank).
+  GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par = {});
 
   struct LayerCtx {
     Norm::Ctx attn_norm, mlp_norm;

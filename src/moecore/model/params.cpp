@@ -25,8 +25,26 @@ Param& ParamStore::add(const std::string& name, const Shape& shape, Init init, d
   p->grad = Tensor::zeros(shape, master_, device_);
   p->exp_avg = Tensor::zeros(shape, master_, device_);
   p->exp_avg_sq = Tensor::zeros(shape, master_, device_);
+  p->full_rows = shape.empty() ? 0 : shape[0];
   params_.push_back(std::move(p));
   return *params_.back();
+}
+
+Shape Param::full_shape() const {
+  Shape s = shape;
+  s[0] = full_rows;
+  return s;
+}
+
+Param& ParamStore::add_expert(const std::string& name, const Shape& local_shape, int64_t full_rows,
+                              int64_t row_offset, double std) {
+  MC_CHECK(row_offset >= 0 && row_offset + local_shape[0] <= full_rows, "expert parameter '", name, "': rows [",
+           row_offset, ", ", row_offset + local_shape[0], ") are outside [0, ", full_rows, ")");
+  Param& p = add(name, local_shape, Init::Normal, std, true);
+  p.expert = true;
+  p.full_rows = full_rows;
+  p.row_offset = row_offset;
+  return p;
 }
 
 Param& ParamStore::add_buffer(const std::string& name, const Shape& shape) {
@@ -40,6 +58,7 @@ Param& ParamStore::add_buffer(const std::string& name, const Shape& shape) {
   p->compute_dtype = master_;
   p->master = Tensor::zeros(shape, master_, device_);
   p->weight = p->master;
+  p->full_rows = shape.empty() ? 0 : shape[0];
   params_.push_back(std::move(p));
   return *params_.back();
 }
@@ -50,24 +69,42 @@ Param& ParamStore::get(const std::string& name) {
   MC_FAIL("no parameter named '", name, "'");
 }
 
-void ParamStore::initialize() {
+void ParamStore::initialize(int64_t dense_shard_multiple, int64_t expert_shard_multiple) {
   if (!grad_buffer_.defined()) {
     constexpr int64_t kAlign = 64;
-    int64_t total = 0;
-    for (const auto& p : params_)
-      if (p->trainable) total += (p->master.numel() + kAlign - 1) / kAlign * kAlign;
-    grad_buffer_ = Tensor::zeros({total}, master_, device_);
-    int64_t offset = 0;
-    for (auto& p : params_) {
-      if (!p->trainable) continue;
-      const int64_t n = p->master.numel();
-      p->grad = grad_buffer_.slice(0, offset, offset + n).view(p->shape);
-      offset += (n + kAlign - 1) / kAlign * kAlign;
+    auto padded = [](int64_t n, int64_t unit) { return (n + unit - 1) / unit * unit; };
+    grad_offsets_.assign(params_.size(), -1);
+    for (bool expert : {false, true}) {
+      int64_t total = 0;
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (params_[i]->trainable && params_[i]->expert == expert) {
+          grad_offsets_[i] = total;
+          total += padded(params_[i]->master.numel(), kAlign);
+        }
+      total = padded(total, kAlign * (expert ? expert_shard_multiple : dense_shard_multiple));
+      Tensor& grads = expert ? expert_grad_buffer_ : grad_buffer_;
+      Tensor& masters = expert ? expert_master_buffer_ : master_buffer_;
+      grads = Tensor::zeros({total}, master_, device_);
+      masters = Tensor::zeros({total}, master_, device_);
+      for (size_t i = 0; i < params_.size(); ++i) {
+        Param& p = *params_[i];
+        if (!p.trainable || p.expert != expert) continue;
+        const int64_t begin = grad_offsets_[i], end = begin + p.master.numel();
+        p.grad = grads.slice(0, begin, end).view(p.shape);
+        const bool aliased = p.weight.data_ptr() == p.master.data_ptr();
+        p.master = masters.slice(0, begin, end).view(p.shape);
+        if (aliased) p.weight = p.master;
+      }
     }
   }
   for (auto& p : params_) {
     switch (p->init) {
-      case Init::Normal: ops::fill_normal(p->master, seed_, rng_key(p->name), 0.0, p->std); break;
+      case Init::Normal: {
+        // Global element index of this rank's first element: any expert layout draws the same values.
+        const int64_t offset = p->shape.empty() ? 0 : p->row_offset * (p->master.numel() / p->shape[0]);
+        ops::fill_normal(p->master, seed_, rng_key(p->name), 0.0, p->std, offset);
+        break;
+      }
       case Init::Zeros: ops::fill(p->master, 0.0); break;
       case Init::Ones: ops::fill(p->master, 1.0); break;
     }
@@ -80,9 +117,19 @@ void ParamStore::initialize() {
   refresh_compute_weights();
 }
 
+int64_t ParamStore::grad_offset(const Param& p) const {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].get() == &p) {
+      MC_CHECK(i < grad_offsets_.size() && grad_offsets_[i] >= 0, "parameter '", p.name, "' has no gradient buffer slot");
+      return grad_offsets_[i];
+    }
+  MC_FAIL("parameter '", p.name, "' is not in this store");
+}
+
 void ParamStore::zero_grad() {
   if (grad_buffer_.defined()) {
-    ops::fill(grad_buffer_, 0.0);
+    if (grad_buffer_.numel() > 0) ops::fill(grad_buffer_, 0.0);
+    if (expert_grad_buffer_.numel() > 0) ops::fill(expert_grad_buffer_, 0.0);
     return;
   }
   for (auto& p : params_)

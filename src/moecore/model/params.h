@@ -27,7 +27,16 @@ struct Param {
   bool weight_decay = true;
   bool trainable = true;  // false: a buffer
   DType compute_dtype = DType::F32;
+  // Expert parallelism: an expert parameter's gradient is reduced over the expert-data-parallel
+  // group (not the data-parallel one). A rank holding only some experts keeps rows
+  // [row_offset, row_offset + shape[0]) of a tensor of full_rows rows (dim 0 = experts); its
+  // Philox draw and its checkpoint slice use those global rows.
+  bool expert = false;
+  int64_t row_offset = 0, full_rows = 0;  // full_rows = shape[0] unless sharded
   Tensor master, weight, grad, exp_avg, exp_avg_sq;
+
+  Shape full_shape() const;
+  bool sharded() const { return full_rows != shape[0]; }
 };
 
 class ParamStore {
@@ -38,16 +47,29 @@ class ParamStore {
   Param& add(const std::string& name, const Shape& shape, Init init, double std, bool weight_decay,
              DType compute_dtype = DType::F32, bool use_store_compute = true);
   Param& add_buffer(const std::string& name, const Shape& shape);
+  // An expert parameter: the rows [row_offset, row_offset + shape[0]) of a [full_rows, ...] tensor.
+  Param& add_expert(const std::string& name, const Shape& local_shape, int64_t full_rows, int64_t row_offset,
+                    double std);
   Param& get(const std::string& name);
   const std::vector<std::unique_ptr<Param>>& all() const { return params_; }
 
-  // Draws every parameter from Philox and zeroes gradients and optimizer state. Also moves every
-  // gradient into one flat buffer (each parameter's grad becomes a view of it, at an offset
-  // rounded up to 64 elements = 256 bytes for the GEMMs' alignment): zeroing is one fill and a
-  // data-parallel reduction is one all-reduce.
-  void initialize();
-  // The flat gradient buffer (defined after initialize()); padding elements stay zero.
+  // Draws every parameter from Philox and zeroes gradients and optimizer state. Also moves the
+  // gradients into two flat buffers, dense parameters then expert parameters (each grad becomes
+  // a view, at an offset rounded up to 64 elements = 256 bytes for the GEMMs' alignment):
+  // zeroing is one fill and each data-parallel reduction works on one buffer.
+  // shard_multiple: each buffer's length is rounded up to a multiple of 64 * shard_multiple[i]
+  // (dense, expert), so the distributed optimizer can split it evenly over its group.
+  // The fp32 masters of trainable parameters live in flat buffers of the same layout
+  // (master_buffer(), expert_master_buffer()).
+  void initialize(int64_t dense_shard_multiple = 1, int64_t expert_shard_multiple = 1);
+  Tensor& master_buffer() { return master_buffer_; }
+  Tensor& expert_master_buffer() { return expert_master_buffer_; }
+  // The flat gradient buffers (defined after initialize(); either may be empty); padding
+  // elements stay zero.
   Tensor& grad_buffer() { return grad_buffer_; }
+  Tensor& expert_grad_buffer() { return expert_grad_buffer_; }
+  // Where a parameter's gradient lives in its buffer (elements).
+  int64_t grad_offset(const Param& p) const;
   void zero_grad();
   // weight = cast(master) where they differ (after the optimizer step or a checkpoint load).
   void refresh_compute_weights();
@@ -62,7 +84,8 @@ class ParamStore {
   DType master_, compute_;
   uint64_t seed_;
   std::vector<std::unique_ptr<Param>> params_;
-  Tensor grad_buffer_;
+  Tensor grad_buffer_, expert_grad_buffer_, master_buffer_, expert_master_buffer_;
+  std::vector<int64_t> grad_offsets_;  // per params_ entry, -1 for buffers
 };
 
 }  // namespace moecore

@@ -33,16 +33,19 @@ bool uses_aux_loss(const MoeConfig& m) {
 }
 }  // namespace
 
-MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg)
-    : moe_(cfg.moe), hidden_(cfg.hidden_size), swiglu_(cfg.swiglu), prefix_(prefix) {
+MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg, const MoeParallel& par)
+    : moe_(cfg.moe), hidden_(cfg.hidden_size), swiglu_(cfg.swiglu), prefix_(prefix), par_(par),
+      dispatcher_(par.ep, par.dispatcher, cfg.moe.num_experts) {
   MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
   router_dtype_ = (store.master_dtype() == DType::F64 || moe_.router_fp64) ? DType::F64 : DType::F32;
   const int64_t e = moe_.num_experts, h = cfg.hidden_size, f = moe_.ffn_hidden_size;
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
   gate_weight_ = &store.add(prefix + ".router.weight", {e, h}, Init::Normal, std, true, router_dtype_, false);
   if (moe_.enable_expert_bias) expert_bias_ = &store.add_buffer(prefix + ".router.expert_bias", {e});
-  fc1_ = &store.add(prefix + ".experts.linear_fc1.weight", {e, swiglu_ ? 2 * f : f, h}, Init::Normal, std, true);
-  fc2_ = &store.add(prefix + ".experts.linear_fc2.weight", {e, h, f}, Init::Normal, out_std, true);
+  // This rank's experts: rows [first, first + L) of the [E, ...] expert weights.
+  const int64_t local = dispatcher_.local_experts(), first = dispatcher_.first_expert();
+  fc1_ = &store.add_expert(prefix + ".experts.linear_fc1.weight", {local, swiglu_ ? 2 * f : f, h}, e, first, std);
+  fc2_ = &store.add_expert(prefix + ".experts.linear_fc2.weight", {local, h, f}, e, first, out_std);
   if (moe_.shared_expert_size > 0) {
     shared_ = Mlp(store, prefix + ".shared_experts", h, moe_.shared_expert_size, swiglu_, false, std, out_std);
     if (moe_.shared_expert_gate) shared_gate_ = Linear(store, prefix + ".shared_experts.gate", h, 1, false, std);
@@ -82,6 +85,9 @@ Tensor MoeLayer::balancing_counts(const Tensor& aux_scores, int64_t batch, bool 
   Tensor counts = Tensor::empty({groups, e}, cdt, aux_scores.device());
   ops::topk_counts(aux_scores, k, groups, counts);
   if (moe_.load_balancing != LoadBalancing::GlobalAuxLoss || !training) return counts;
+  // Megatron sums the counts over TP x DP x CP and divides the loss by the global token count;
+  // averaging the counts over the group and keeping the local count is the same loss.
+  if (par_.aux_group) par_.aux_group->all_reduce(counts, comm::ReduceOp::Avg);
   // global_aux_loss: counts averaged over the micro-batches of this step so far.
   if (!global_counts_.defined() || global_micro_ == 0) {
     global_counts_ = Tensor::zeros({1, e}, cdt, aux_scores.device());
@@ -140,7 +146,6 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
     ops::capacity_mask(ctx.indices, ctx.probs, e, capacity, moe_.drop_policy, kept);
     if (moe_.pad_to_capacity) pad = capacity;
   }
-  ctx.routing = ops::make_moe_routing(ctx.indices, kept, e, pad);
   if (training) {
     // Tokens per expert after capacity dropping (Megatron counts its final routing map): the
     // expert-bias update and the per-layer log use them.
@@ -153,10 +158,9 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   const DType combine = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   ctx.combine_probs = cast_to(ctx.probs, combine);
 
-  const int64_t rows = ctx.routing.num_rows;
-  const std::vector<int64_t>& groups = ctx.routing.host_tokens_per_expert;
-  ctx.permuted = Tensor::empty({rows, hidden_}, x.dtype(), dev);
-  ops::moe_permute_forward(x, ctx.routing, ctx.permuted);
+  ctx.permuted = dispatcher_.dispatch(x, ctx.indices, kept, pad, ctx.dispatch);
+  const int64_t rows = ctx.permuted.size(0);
+  const std::vector<int64_t>& groups = ctx.dispatch.local_groups;
   ctx.fc1_out = Tensor::empty({rows, fc1_->shape[1]}, x.dtype(), dev);
   ops::grouped_gemm_forward(ctx.permuted, fc1_->weight, groups, ctx.fc1_out);
   ctx.act = Tensor::empty({rows, fc2_->shape[2]}, x.dtype(), dev);
@@ -167,8 +171,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   }
   ctx.expert_out = Tensor::empty({rows, hidden_}, x.dtype(), dev);
   ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, ctx.expert_out);
-  Tensor out = Tensor::empty({tokens, hidden_}, x.dtype(), dev);
-  ops::moe_unpermute_forward(ctx.expert_out, ctx.combine_probs, ctx.routing, out);
+  Tensor out = dispatcher_.combine(ctx.expert_out, ctx.combine_probs, ctx.dispatch);
 
   if (moe_.shared_expert_size > 0) {
     ctx.shared_out = shared_.forward(x, ctx.shared);
@@ -209,11 +212,9 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   }
 
   // combine and experts
-  const int64_t rows = ctx.routing.num_rows;
-  const std::vector<int64_t>& groups = ctx.routing.host_tokens_per_expert;
-  Tensor d_expert_out = Tensor::empty({rows, hidden_}, dy.dtype(), dev);
-  Tensor dprobs = Tensor::empty({tokens, k}, ctx.combine_probs.dtype(), dev);
-  ops::moe_unpermute_backward(ctx.expert_out, ctx.combine_probs, ctx.routing, dy, d_expert_out, dprobs);
+  const std::vector<int64_t>& groups = ctx.dispatch.local_groups;
+  Tensor d_expert_out, dprobs;
+  dispatcher_.combine_backward(dy, ctx.dispatch, d_expert_out, dprobs);
   Tensor d_act = Tensor::empty(ctx.act.shape(), dy.dtype(), dev);
   ops::grouped_gemm_dgrad(d_expert_out, fc2_->weight, groups, d_act);
   ops::grouped_gemm_wgrad(d_expert_out, ctx.act, groups, fc2_->grad);
@@ -223,11 +224,10 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   } else {
     ops::gelu_backward(ctx.fc1_out, d_act, d_fc1);
   }
-  Tensor d_perm = Tensor::empty({rows, hidden_}, dy.dtype(), dev);
+  Tensor d_perm = Tensor::empty(ctx.permuted.shape(), dy.dtype(), dev);
   ops::grouped_gemm_dgrad(d_fc1, fc1_->weight, groups, d_perm);
   ops::grouped_gemm_wgrad(d_fc1, ctx.permuted, groups, fc1_->grad);
-  Tensor dx = Tensor::empty({tokens, hidden_}, dy.dtype(), dev);
-  ops::moe_permute_backward(d_perm, ctx.routing, dx);
+  Tensor dx = dispatcher_.dispatch_backward(d_perm, ctx.dispatch);
 
   // router: probabilities, balancing losses, then the gate GEMM
   if (!ctx.forced) {

@@ -8,7 +8,8 @@
 //             ops/moe_loss.h (aux/seq/global aux loss, z-loss), their gradients scaled like the
 //             LM loss; aux-loss-free expert bias (selection only) updated once per step.
 //   dispatch: optional capacity dropping/padding, then a permutation grouping tokens by
-//             expert (ops/permute.h); the routing plan is kept for the backward.
+//             expert (ops/permute.h); with expert parallelism the tokens travel to the ranks
+//             that own their experts (moe/token_dispatcher.h). The plan is kept for the backward.
 //   experts:  fc1 [E, 2F or F, H] -> SwiGLU/GELU -> fc2 [E, H, F] through grouped GEMMs.
 //   combine:  unpermute with the routing probabilities folded in.
 //   shared:   a dense MLP on every token, optionally scaled by sigmoid(x w_gate).
@@ -16,11 +17,20 @@
 
 #include <vector>
 
+#include "moecore/comm/communicator.h"
 #include "moecore/model/config.h"
 #include "moecore/model/layers.h"
+#include "moecore/moe/token_dispatcher.h"
 #include "moecore/ops/permute.h"
 
 namespace moecore {
+
+// The process groups an MoE layer talks over (null: one rank).
+struct MoeParallel {
+  comm::Communicator* ep = nullptr;         // expert-parallel group (this rank holds E / |ep| experts)
+  DispatcherType dispatcher = DispatcherType::AllToAll;
+  comm::Communicator* aux_group = nullptr;  // global_aux_loss: counts averaged over TP x DP x CP
+};
 
 struct MoeStepStats {
   double aux_loss = 0;  // load-balancing loss / coeff, summed over micro-batches
@@ -32,7 +42,7 @@ struct MoeStepStats {
 class MoeLayer {
  public:
   MoeLayer() = default;
-  MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg);
+  MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg, const MoeParallel& par = {});
 
   struct Ctx {
     Tensor x;                 // "moe" input
@@ -40,7 +50,7 @@ class MoeLayer {
     bool forced = false;
     Tensor aux_scores, aux_counts;  // for the balancing-loss backward
     Tensor combine_probs;           // probs in the combine dtype
-    ops::MoeRouting routing;
+    TokenDispatcher::Ctx dispatch;
     Tensor permuted, fc1_out, act, expert_out;  // "expert_fc1" = fc1_out, "moe_act" = act
     Mlp::Ctx shared;
     Linear::Ctx gate;
@@ -71,8 +81,10 @@ class MoeLayer {
   std::string prefix_;
   Param* gate_weight_ = nullptr;  // router.weight [E, H]
   Param* expert_bias_ = nullptr;  // router.expert_bias [E] (buffer)
-  Param* fc1_ = nullptr;          // experts.linear_fc1.weight [E, 2F or F, H]
+  Param* fc1_ = nullptr;          // experts.linear_fc1.weight [E, 2F or F, H] (this rank's experts)
   Param* fc2_ = nullptr;          // experts.linear_fc2.weight [E, H, F]
+  MoeParallel par_;
+  TokenDispatcher dispatcher_;
   Mlp shared_;
   Linear shared_gate_;
   MoeStepStats stats_;

@@ -30,6 +30,7 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_double("rotary-base", &m.rotary_base, "RoPE base");
   f.add_bool("swiglu", &a.swiglu_flag_, "SwiGLU MLPs and experts (default GELU)");
   f.add_bool("disable-bias-linear", &a.disable_bias_flag_, "no biases in linear layers");
+  f.add_bool("add-qkv-bias", &m.add_qkv_bias, "biases on the query/key/value projections only, even with --disable-bias-linear (Qwen2)");
   f.add_bool("untie-embeddings-and-output-weights", &m.untie_embeddings, "separate output head");
   f.add_double("init-method-std", &m.init_method_std, "std of the normal weight initialisation");
   f.add_bool("qk-layernorm", &m.qk_layernorm, "normalise queries and keys per head");
@@ -90,9 +91,12 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("tensor-model-parallel-size", &a.tp, "tensor parallelism (only 1 in this version)");
   f.add_int("pipeline-model-parallel-size", &a.pp, "pipeline parallelism (only 1 in this version)");
   f.add_int("context-parallel-size", &a.cp, "context parallelism (only 1 in this version)");
-  f.add_int("expert-model-parallel-size", &a.ep, "expert parallelism (only 1 in this version)");
+  f.add_int("expert-model-parallel-size", &a.ep, "expert parallelism: ranks that split the experts (divides the world)");
   f.add_int("expert-tensor-parallel-size", &a.etp, "expert tensor parallelism (only 1 in this version)");
-  f.add_bool("use-distributed-optimizer", &a.use_distributed_optimizer, "ZeRO-1 optimizer sharding (not in this version)");
+  f.add_bool("use-distributed-optimizer", &a.use_distributed_optimizer,
+             "shard AdamW states over the data-parallel ranks (ZeRO-1; experts over expert-data-parallel)");
+  f.add_string("moe-token-dispatcher-type", &a.token_dispatcher,
+               "expert-parallel token dispatch: allgather (default) or alltoall");
   f.add_bool("mock-data", &a.mock_data, "synthetic learnable data (arithmetic progressions)");
   f.add_list("data-path", &a.data_path, "Megatron dataset prefixes (.bin/.idx), optionally weighted: [w1] p1 [w2 p2 ...]");
   f.add_string("split", &a.split, "train,valid,test weights over documents");
@@ -158,7 +162,7 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
   static const std::vector<std::string> model = {
       "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
       "num-query-groups", "kv-channels", "max-position-embeddings", "vocab-size", "normalization",
-      "position-embedding-type", "rotary-base", "swiglu", "disable-bias-linear",
+      "position-embedding-type", "rotary-base", "swiglu", "disable-bias-linear", "add-qkv-bias",
       "untie-embeddings-and-output-weights", "qk-layernorm", "num-experts", "moe-layer-freq", "moe-ffn-hidden-size",
       "moe-router-topk", "moe-router-score-function", "moe-router-pre-softmax", "moe-router-num-groups",
       "moe-router-group-topk", "moe-router-topk-scaling-factor", "moe-router-enable-expert-bias",
@@ -311,16 +315,28 @@ void finalize_train_args(TrainArgs& a) {
                                    {"--pipeline-model-parallel-size", a.pp}, {"--context-parallel-size", a.cp},
                                    {"--expert-model-parallel-size", a.ep}, {"--expert-tensor-parallel-size", a.etp}}) {
     MC_CHECK(size >= 1, flag, " ", size, " must be >= 1");
-    MC_CHECK(size == 1, flag, " ", size, " is not available in this version: it runs data parallelism only (every "
-                        "launched rank is a data-parallel rank)");
+    MC_CHECK(size == 1 || std::string(flag) == "--expert-model-parallel-size", flag, " ", size,
+             " is not available in this version: it runs data and expert parallelism (every launched rank is a "
+             "data-parallel rank; --expert-model-parallel-size splits the experts)");
   }
-  MC_CHECK(!a.use_distributed_optimizer, "--use-distributed-optimizer is not available in this version");
+  MC_CHECK(a.ep == 1 || e.num_experts > 0, "--expert-model-parallel-size ", a.ep, " needs an MoE model (--num-experts)");
+  MC_CHECK(a.world % a.ep == 0, "--expert-model-parallel-size ", a.ep, " does not divide the ", a.world,
+           " launched ranks; expected a divisor of the world size");
+  MC_CHECK(e.num_experts % a.ep == 0, "--num-experts ", e.num_experts, " is not divisible by --expert-model-parallel-size ",
+           a.ep, "; expected the same number of experts on every rank");
+  if (a.token_dispatcher == "alltoall") {
+    a.dispatcher = DispatcherType::AllToAll;
+  } else if (a.token_dispatcher == "allgather") {
+    a.dispatcher = DispatcherType::AllGather;
+  } else if (a.token_dispatcher == "flex") {
+    MC_FAIL("--moe-token-dispatcher-type flex (DeepEP kernels) is not available in this version; use alltoall or "
+            "allgather");
+  } else {
+    MC_FAIL("--moe-token-dispatcher-type '", a.token_dispatcher, "': expected allgather, alltoall or flex");
+  }
   MC_CHECK(a.global_batch_size % (a.micro_batch_size * a.world) == 0, "--global-batch-size ", a.global_batch_size,
            " is not divisible by --micro-batch-size ", a.micro_batch_size, " x data-parallel size ", a.world,
            " (the launched ranks)");
-  MC_CHECK(a.world == 1 || e.load_balancing != LoadBalancing::GlobalAuxLoss || e.num_experts == 0,
-           "--moe-router-load-balancing-type global_aux_loss with several data-parallel ranks is not available in "
-           "this version");
   const int64_t gpus = cuda_device_count();
   a.device = a.device_text.empty() ? (gpus > 0 ? Device::cuda(static_cast<int>(a.local_rank % gpus)) : Device::cpu())
                                    : parse_device(a.device_text);

@@ -9,6 +9,7 @@
 #include "moecore/cli/flags.h"
 #include "moecore/core/device.h"
 #include "moecore/model/config.h"
+#include "moecore/moe/token_dispatcher.h"
 
 namespace moecore {
 
@@ -39,10 +40,13 @@ struct TrainArgs {
   std::string device_text;  // "" = cuda when present, else cpu
   bool override_opt_param_scheduler = false;  // resume with other learning-rate settings
   // Parallelism (Megatron's flags). This version runs data parallelism over every launched
-  // rank (mpirun/srun): world = DP. The other sizes are validated and refused above 1 until the
-  // distributed-core and 4-D parallelism work implements them.
+  // rank (mpirun/srun): world = DP, with expert parallelism folded over it (EP divides the
+  // world; EDP = world / EP). TP, CP, PP and ETP are validated and refused above 1 until the
+  // 4-D parallelism work implements them.
   int64_t tp = 1, pp = 1, cp = 1, ep = 1, etp = 1;
   bool use_distributed_optimizer = false;
+  std::string token_dispatcher = "allgather";  // --moe-token-dispatcher-type (Megatron's default)
+  DispatcherType dispatcher = DispatcherType::AllGather;
   int64_t world = 1, rank = 0, local_rank = 0;  // from the launcher's environment
   Device device;
   bool mock_data = false;

@@ -93,17 +93,32 @@ std::vector<NamedTensor> read_safetensors(const std::string& path) {
   return out;
 }
 
-static void save_checkpoint_unchecked(const std::string& dir, const ParamStore& params, const TrainingState& state);
+static void save_checkpoint_unchecked(const std::string& dir, const std::vector<NamedTensor>& tensors,
+                                      const TrainingState& state);
 
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state) {
+  std::vector<NamedTensor> tensors;
+  for (const auto& p : params.all()) {
+    MC_CHECK(!p->sharded(), "save_checkpoint: parameter '", p->name, "' is sharded; gather it first");
+    tensors.push_back({p->name, p->master.to(Device::cpu())});
+    if (p->trainable) {
+      tensors.push_back({p->name + ".exp_avg", p->exp_avg.to(Device::cpu())});
+      tensors.push_back({p->name + ".exp_avg_sq", p->exp_avg_sq.to(Device::cpu())});
+    }
+  }
+  save_checkpoint(dir, tensors, state);
+}
+
+void save_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors, const TrainingState& state) {
   try {
-    save_checkpoint_unchecked(dir, params, state);
+    save_checkpoint_unchecked(dir, tensors, state);
   } catch (const fs::filesystem_error& e) {
     MC_FAIL("saving a checkpoint to '", dir, "' failed: ", e.what());
   }
 }
 
-static void save_checkpoint_unchecked(const std::string& dir, const ParamStore& params, const TrainingState& state) {
+static void save_checkpoint_unchecked(const std::string& dir, const std::vector<NamedTensor>& tensors,
+                                      const TrainingState& state) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   MC_CHECK(!ec, "--save '", dir, "': cannot create it: ", ec.message());
@@ -111,14 +126,6 @@ static void save_checkpoint_unchecked(const std::string& dir, const ParamStore& 
   const fs::path tmp_dir = fs::path(dir) / (iter_name(state.iteration) + ".tmp-" + std::to_string(getpid()));
   fs::remove_all(tmp_dir);
   fs::create_directories(tmp_dir);
-  std::vector<NamedTensor> tensors;
-  for (const auto& p : params.all()) {
-    tensors.push_back({p->name, p->master.to(Device::cpu())});
-    if (p->trainable) {
-      tensors.push_back({p->name + ".exp_avg", p->exp_avg.to(Device::cpu())});
-      tensors.push_back({p->name + ".exp_avg_sq", p->exp_avg_sq.to(Device::cpu())});
-    }
-  }
   write_safetensors((tmp_dir / "model_optim.safetensors").string(), tensors);
   const nlohmann::json meta = {{"format", "moecore-checkpoint-v1"},
                                {"iteration", state.iteration},
@@ -217,38 +224,49 @@ bool checkpoint_exists(const std::string& dir) {
 
 TrainingState read_checkpoint_meta(const std::string& dir) { return parse_meta(locate_checkpoint(dir)); }
 
-TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
+TrainingState load_checkpoint(const std::string& dir,
+                              const std::function<void(const TensorFetch& fetch, bool model_only)>& consume) {
   const fs::path ckpt = locate_checkpoint(dir);
   TrainingState s = parse_meta(ckpt);
   const std::vector<NamedTensor> tensors = read_safetensors((ckpt / "model_optim.safetensors").string());
   std::map<std::string, Tensor> by_name;
   for (const NamedTensor& nt : tensors) by_name[nt.name] = nt.tensor;
-  auto take = [&](const std::string& name, Tensor& dst) {
+  const TensorFetch fetch = [&](const std::string& name, const Shape& shape, DType dtype) {
     auto it = by_name.find(name);
     MC_CHECK(it != by_name.end(), "checkpoint '", ckpt.string(), "' has no tensor '", name,
              "': it was saved from a different model configuration");
-    MC_CHECK(it->second.shape() == dst.shape() && it->second.dtype() == dst.dtype(), "checkpoint '", ckpt.string(),
-             "': tensor '", name, "' is ", it->second.describe(), "; this model expects ", dtype_name(dst.dtype()), " ",
-             shape_str(dst.shape()));
-    dst.copy_from(it->second.to(dst.device()));
+    MC_CHECK(it->second.shape() == shape && it->second.dtype() == dtype, "checkpoint '", ckpt.string(),
+             "': tensor '", name, "' is ", it->second.describe(), "; this model expects ", dtype_name(dtype), " ",
+             shape_str(shape));
+    Tensor t = it->second;
     by_name.erase(it);
+    return t;
   };
-  for (const auto& p : params.all()) {
-    take(p->name, p->master);
-    if (p->trainable && s.model_only) {
-      ops::fill(p->exp_avg, 0.0);
-      ops::fill(p->exp_avg_sq, 0.0);
-    } else if (p->trainable) {
-      take(p->name + ".exp_avg", p->exp_avg);
-      take(p->name + ".exp_avg_sq", p->exp_avg_sq);
-    }
-  }
+  consume(fetch, s.model_only);
   MC_CHECK(by_name.empty(), "checkpoint '", ckpt.string(), "' has tensor '", by_name.begin()->first,
            "' that this model does not: it was saved from a different model configuration");
-  params.refresh_compute_weights();
-  params.zero_grad();
   if (s.model_only) s.iteration = s.consumed_samples = s.skipped_iterations = s.nan_iterations = 0;
   return s;
+}
+
+TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
+  return load_checkpoint(dir, [&](const TensorFetch& fetch, bool model_only) {
+    for (const auto& p : params.all()) {
+      MC_CHECK(!p->sharded(), "load_checkpoint: parameter '", p->name, "' is sharded; load through the optimizer");
+      p->master.copy_from(fetch(p->name, p->shape, p->master.dtype()).to(p->master.device()));
+      if (!p->trainable) continue;
+      if (model_only) {
+        ops::fill(p->exp_avg, 0.0);
+        ops::fill(p->exp_avg_sq, 0.0);
+      } else {
+        p->exp_avg.copy_from(fetch(p->name + ".exp_avg", p->shape, p->exp_avg.dtype()).to(p->exp_avg.device()));
+        p->exp_avg_sq.copy_from(
+            fetch(p->name + ".exp_avg_sq", p->shape, p->exp_avg_sq.dtype()).to(p->exp_avg_sq.device()));
+      }
+    }
+    params.refresh_compute_weights();
+    params.zero_grad();
+  });
 }
 
 void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,

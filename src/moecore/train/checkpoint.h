@@ -1,4 +1,4 @@
-// Checkpoints (single rank; the distributed, reshardable format comes with the parallel work).
+// Checkpoints: full (unsharded) tensors in one safetensors file, written by one rank.
 //
 //   <save>/iter_0000100/model_optim.safetensors   every parameter's fp32 master ("<name>"), and
 //                                                 for trainable ones "<name>.exp_avg" and
@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,16 +34,25 @@ bool checkpoint_exists(const std::string& dir);
 // Reads only meta.json of the latest checkpoint under dir (or of dir itself).
 TrainingState read_checkpoint_meta(const std::string& dir);
 
+struct NamedTensor;
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state);
+// The same from a list of full (unsharded) tensors, as a distributed run gathers them: a
+// checkpoint never depends on the layout that wrote it, so any layout can load it.
+void save_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors, const TrainingState& state);
 // Loads the latest checkpoint under dir (or dir itself if it is an iter_* directory). A model-only
 // checkpoint (below) sets the masters, zeroes the AdamW states and starts at iteration 0.
 TrainingState load_checkpoint(const std::string& dir, ParamStore& params);
+// The general form: `consume` takes each tensor it needs through fetch(name, full shape, dtype),
+// which checks presence, shape and dtype (an Error naming the checkpoint and the tensor);
+// tensors left untaken are an Error afterwards. model_only: no optimizer state in the file.
+using TensorFetch = std::function<Tensor(const std::string& name, const Shape& shape, DType dtype)>;
+TrainingState load_checkpoint(const std::string& dir,
+                              const std::function<void(const TensorFetch& fetch, bool model_only)>& consume);
 
 // Model-only checkpoint (written by `moecore convert`): <dir>/iter_0000000/model_optim.safetensors
 // with the fp32 masters only (no "<name>.exp_avg"/".exp_avg_sq"), meta.json "format":
 // "moecore-model-v1", "args" = the train flags, and `source_json` (a JSON object as text, e.g. the
 // HF config and each tensor's original dtype) stored as meta.json "source" for a later export.
-struct NamedTensor;
 void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
                            const std::vector<std::pair<std::string, std::string>>& args,
                            const std::string& source_json = "{}");

@@ -20,6 +20,8 @@
 #include "moecore/ops/reduce.h"
 #include "moecore/train/checkpoint.h"
 #include "moecore/train/lr_schedule.h"
+#include "moecore/train/optimizer.h"
+#include "moecore/parallel/rank_generator.h"
 #include "moecore/train/tensorboard.h"
 
 namespace moecore {
@@ -54,24 +56,6 @@ std::string timestamp() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", std::localtime(&now));
   return buf;
-}
-
-double sum_of_squares(ParamStore& store, bool grads) {
-  if (grads) {  // one reduction over the flat buffer (its padding is zero)
-    const Tensor& g = store.grad_buffer();
-    Tensor out = Tensor::empty({1}, g.dtype(), g.device());
-    ops::sum_squares(g, out);
-    return g.dtype() == DType::F64 ? out.to_vector<double>()[0] : out.to_vector<float>()[0];
-  }
-  double total = 0;
-  for (const auto& p : store.all()) {
-    if (!p->trainable) continue;
-    const Tensor& t = grads ? p->grad : p->master;
-    Tensor out = Tensor::empty({1}, t.dtype(), t.device());
-    ops::sum_squares(t, out);
-    total += t.dtype() == DType::F64 ? out.to_vector<double>()[0] : out.to_vector<float>()[0];
-  }
-  return total;
 }
 
 AllocatorStats memory_stats(Device d) {
@@ -136,15 +120,36 @@ int run_training(const TrainArgs& args) {
   // losses and MoE statistics are averaged (or summed) over the ranks.
   std::unique_ptr<comm::Communicator> world;
   if (args.world > 1) world = dev.is_cuda() ? comm::make_nccl_world(dev) : comm::make_mpi_world();
-  comm::Communicator* dp = world.get();
+  comm::Communicator* dp = world.get();  // TP = CP = PP = 1: every rank is a data-parallel rank
   check_same_flags(dp, args);
+  // Expert parallelism (Parallel Folding): the expert generator's EP and EDP groups of this rank.
+  parallel::ParallelConfig layout_cfg;
+  layout_cfg.world = args.world;
+  layout_cfg.ep = args.ep;
+  const parallel::ProcessGroupLayout layout = parallel::layout_for_rank(layout_cfg, args.rank);
+  auto group = [&](const std::vector<int64_t>& ranks) -> std::unique_ptr<comm::Communicator> {
+    if (ranks.size() <= 1 || static_cast<int64_t>(ranks.size()) == args.world) return nullptr;
+    return world->split(ranks);
+  };
+  std::unique_ptr<comm::Communicator> ep_group = group(layout.ep), edp_group = group(layout.expt_dp);
+  OptimizerGroups groups;
+  groups.dp = dp;
+  groups.ep = layout.ep.size() == 1 ? nullptr : (ep_group ? ep_group.get() : dp);
+  groups.edp = layout.expt_dp.size() == 1 ? nullptr : (edp_group ? edp_group.get() : dp);
+  groups.dp_size = args.data_parallel_size();
   const int64_t dp_size = args.data_parallel_size(), dp_rank = args.rank;
   const bool logger = dp_rank == dp_size - 1;  // Megatron logs from the last rank
   const bool writer = dp_rank == 0;            // and saves from the first
   const DType compute = args.bf16 ? DType::BF16 : DType::F32;
   ParamStore store(dev, DType::F32, compute, static_cast<uint64_t>(args.seed));
-  GPTModel model(cfg, store);
-  store.initialize();
+  MoeParallel moe_par;
+  moe_par.ep = groups.ep;
+  moe_par.dispatcher = args.dispatcher;
+  moe_par.aux_group = dp;
+  GPTModel model(cfg, store, moe_par);
+  const auto [dense_multiple, expert_multiple] = Optimizer::shard_multiples(groups, args.use_distributed_optimizer);
+  store.initialize(dense_multiple, expert_multiple);
+  Optimizer optimizer(store, groups, args.use_distributed_optimizer);
   TrainingState state;
   if (!args.load.empty() && !checkpoint_exists(args.load)) {
     // Megatron's behaviour for the first run of a job that passes --load and --save alike.
@@ -153,7 +158,7 @@ int run_training(const TrainArgs& args) {
     const TrainingState meta = read_checkpoint_meta(args.load);
     // A model-only checkpoint (moecore convert) starts training afresh: only the model must match.
     check_resume_flags(meta.args, args, /*check_schedule=*/!meta.model_only);
-    state = load_checkpoint(args.load, store);
+    state = load_checkpoint(args.load, [&](const TensorFetch& fetch, bool model_only) { optimizer.load(fetch, model_only); });
     if (args.rank == args.world - 1)
       std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
                   static_cast<long long>(state.iteration));
@@ -173,12 +178,21 @@ int run_training(const TrainArgs& args) {
   const int64_t micro = args.num_microbatches() / dp_size;  // micro-batches of this rank per step
   const int64_t tokens_per_step = args.global_batch_size * cfg.seq_length;
   const double flops_per_step = model_flops_per_step(cfg, tokens_per_step);
+  int64_t model_params = 0;  // the whole model's, whichever experts this rank holds
+  for (const auto& p : store.all())
+    if (p->trainable) model_params += p->master.numel() / p->shape[0] * p->full_rows;
   if (logger)
     std::printf("moecore train: %lld parameters (%lld active matmul), %s, %s compute, %lld data-parallel rank(s), "
                 "%lld micro-batches of %lld per rank, %.3g model FLOPs per step\n",
-                static_cast<long long>(store.num_elements()), static_cast<long long>(active_matmul_params(cfg)),
+                static_cast<long long>(model_params), static_cast<long long>(active_matmul_params(cfg)),
                 dev.str().c_str(), dtype_name(compute), static_cast<long long>(dp_size), static_cast<long long>(micro),
                 static_cast<long long>(args.micro_batch_size), flops_per_step);
+  if (logger && (args.ep > 1 || args.use_distributed_optimizer))
+    std::printf("moecore train: expert-parallel size %lld (%lld experts per rank, %s dispatcher), expert-data-parallel "
+                "size %lld, %s optimizer; %lld parameters on this rank\n",
+                static_cast<long long>(args.ep), static_cast<long long>(cfg.moe.num_experts / args.ep),
+                dispatcher_name(args.dispatcher), static_cast<long long>(args.world / args.ep),
+                args.use_distributed_optimizer ? "distributed (ZeRO-1)" : "replicated", static_cast<long long>(store.num_elements()));
 
   std::vector<MoeLayer*> moe_layers = model.moe_layers();
   double interval_loss = 0, interval_ms = 0;
@@ -189,8 +203,9 @@ int run_training(const TrainArgs& args) {
   state.args = args.flag_values;
   auto save = [&] {
     if (args.save.empty()) return;
-    if (writer) {  // data-parallel ranks hold identical parameters
-      save_checkpoint(args.save, store, state);
+    const std::vector<NamedTensor> tensors = optimizer.full_state();  // collective: experts gathered over EP
+    if (writer) {
+      save_checkpoint(args.save, tensors, state);
       std::printf("saved checkpoint to %s at iteration %lld\n", args.save.c_str(),
                   static_cast<long long>(state.iteration));
     }
@@ -212,10 +227,8 @@ int run_training(const TrainArgs& args) {
       model.backward(1.0 / static_cast<double>(micro), ctx);
     }
     const double lm_loss = average_over_ranks(dp, loss_sum / static_cast<double>(micro));
+    optimizer.reduce_gradients();
     if (dp) {
-      // Average gradients over the data-parallel ranks: one all-reduce of the flat gradient
-      // buffer after the backward (overlap with the backward comes with the distributed-core work).
-      dp->all_reduce(store.grad_buffer(), comm::ReduceOp::Avg);
       for (MoeLayer* l : moe_layers) {
         MoeStepStats& s = l->mutable_stats();
         sum_over_ranks(dp, s.tokens_per_expert);  // the expert bias follows the global counts
@@ -223,7 +236,7 @@ int run_training(const TrainArgs& args) {
         s.z_loss = average_over_ranks(dp, s.z_loss);
       }
     }
-    const double grad_sq = sum_of_squares(store, true);
+    const double grad_sq = optimizer.grad_norm_sq();
     double aux = 0, z = 0;
     std::vector<MoeStepStats> layer_stats;
     for (MoeLayer* l : moe_layers) layer_stats.push_back(l->finish_step());
@@ -248,18 +261,11 @@ int run_training(const TrainArgs& args) {
       state.nan_iterations++;
       interval_skipped++;
       interval_nan++;
-      store.zero_grad();
+      optimizer.skip();
     } else {
       const double clip = args.clip_grad > 0 && grad_norm > args.clip_grad ? args.clip_grad / (grad_norm + 1e-6) : 1.0;
-      const int64_t opt_step = it - state.skipped_iterations;
-      for (const auto& p : store.all()) {
-        if (!p->trainable) continue;
-        const ops::AdamWConfig c{lr, args.adam_beta1, args.adam_beta2, args.adam_eps,
-                                 p->weight_decay ? args.weight_decay : 0.0, opt_step};
-        ops::adamw_step(p->master, p->grad, p->exp_avg, p->exp_avg_sq, c, static_cast<float>(clip));
-      }
-      store.refresh_compute_weights();
-      store.zero_grad();
+      const AdamHyper hyper{args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay};
+      optimizer.step(hyper, lr, static_cast<float>(clip), it - state.skipped_iterations);
     }
     synchronize(dev);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -273,7 +279,9 @@ int run_training(const TrainArgs& args) {
     interval_ms += ms;
     interval_steps++;
 
-    if (logger && (it % args.log_interval == 0 || it == args.train_iters)) {
+    const bool log_now = it % args.log_interval == 0 || it == args.train_iters;
+    const double params_norm = log_now ? std::sqrt(optimizer.params_norm_sq()) : 0.0;  // collective
+    if (logger && log_now) {
       const double avg_ms = interval_ms / static_cast<double>(interval_steps);
       const double steps_in = static_cast<double>(interval_loss_steps);
       const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -284,7 +292,6 @@ int run_training(const TrainArgs& args) {
       const double tflops = flops_per_step / (avg_ms * 1e-3) / 1e12 / static_cast<double>(dp_size);  // per GPU
       const double tokens_per_s = static_cast<double>(tokens_per_step) / (avg_ms * 1e-3);
       const AllocatorStats mem = memory_stats(dev);
-      const double params_norm = std::sqrt(sum_of_squares(store, false));
       std::printf(" [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f | "
                   "throughput per GPU (TFLOP/s/GPU): %.1f | learning rate: %.6E | global batch size: %5lld | "
                   "lm loss: %.6E |",

@@ -1,0 +1,177 @@
+#include "moecore/moe/token_dispatcher.h"
+
+#include <numeric>
+
+namespace moecore {
+
+const char* dispatcher_name(DispatcherType t) { return t == DispatcherType::AllGather ? "allgather" : "alltoall"; }
+
+TokenDispatcher::TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts)
+    : ep_(ep), type_(type), num_experts_(num_experts) {
+  ep_size_ = ep ? ep->size() : 1;
+  ep_rank_ = ep ? ep->rank() : 0;
+  MC_CHECK(num_experts % ep_size_ == 0, "--num-experts ", num_experts, " is not divisible by ",
+           "--expert-model-parallel-size ", ep_size_);
+  local_experts_ = num_experts / ep_size_;
+  first_expert_ = ep_rank_ * local_experts_;
+}
+
+namespace {
+Shape with_rows(const Tensor& t, int64_t rows) {
+  Shape s = t.shape();
+  s[0] = rows;
+  return s;
+}
+int64_t total(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
+}  // namespace
+
+Tensor TokenDispatcher::all_to_all_rows(const Tensor& in, const std::vector<int64_t>& send,
+                                        const std::vector<int64_t>& recv) const {
+  Tensor out = Tensor::empty(with_rows(in, total(recv)), in.dtype(), in.device());
+  ep_->all_to_all(in, send, out, recv);
+  return out;
+}
+
+Tensor TokenDispatcher::gather_rows(const Tensor& in) const {
+  Tensor out = Tensor::empty(with_rows(in, in.size(0) * ep_size_), in.dtype(), in.device());
+  ep_->all_gather(in, out);
+  return out;
+}
+
+Tensor TokenDispatcher::reduce_scatter_rows(const Tensor& in) const {
+  Tensor out = Tensor::empty(with_rows(in, in.size(0) / ep_size_), in.dtype(), in.device());
+  ep_->reduce_scatter(in, out, comm::ReduceOp::Sum);
+  return out;
+}
+
+Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const Tensor& kept, int64_t pad,
+                                 Ctx& ctx) const {
+  const Device dev = x.device();
+  const int64_t hidden = x.size(1);
+  ctx.tokens = x.size(0);
+  ctx.topk = indices.size(1);
+  if (ep_ && type_ == DispatcherType::AllGather) {
+    const Tensor xg = gather_rows(x);
+    const std::vector<int32_t> ids = gather_rows(indices).to_vector<int32_t>();
+    std::vector<uint8_t> keep(ids.size(), 1);
+    if (kept.defined()) keep = gather_rows(kept).to_vector<uint8_t>();
+    // Only this rank's experts, renumbered 0..L-1; every other assignment is "dropped" here.
+    std::vector<int32_t> local(ids.size(), 0);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const int64_t l = ids[i] - first_expert_;
+      if (l >= 0 && l < local_experts_) {
+        local[i] = static_cast<int32_t>(l);
+      } else {
+        keep[i] = 0;
+      }
+    }
+    const Shape s = with_rows(indices, indices.size(0) * ep_size_);
+    ctx.routing = ops::make_moe_routing(Tensor::from_vector(local, s).to(dev), Tensor::from_vector(keep, s).to(dev),
+                                        local_experts_, pad * ep_size_);
+    Tensor expert_in = Tensor::empty({ctx.routing.num_rows, hidden}, x.dtype(), dev);
+    ops::moe_permute_forward(xg, ctx.routing, expert_in);
+    ctx.local_groups = ctx.routing.host_tokens_per_expert;
+    return expert_in;
+  }
+
+  ctx.routing = ops::make_moe_routing(indices, kept, num_experts_, pad);
+  Tensor permuted = Tensor::empty({ctx.routing.num_rows, hidden}, x.dtype(), dev);
+  ops::moe_permute_forward(x, ctx.routing, permuted);
+  if (!ep_) {
+    ctx.local_groups = ctx.routing.host_tokens_per_expert;
+    return permuted;
+  }
+
+  // alltoall: every rank learns every rank's per-expert counts ([EP, E], one small all-gather).
+  const std::vector<int64_t>& mine = ctx.routing.host_tokens_per_expert;
+  Tensor counts_in = Tensor::from_vector(mine, {1, num_experts_}).to(ep_->device());
+  Tensor counts_all = Tensor::empty({ep_size_, num_experts_}, DType::I64, ep_->device());
+  ep_->all_gather(counts_in, counts_all);
+  const std::vector<int64_t> all = counts_all.to_vector<int64_t>();
+  auto count = [&](int64_t src, int64_t expert) { return all[static_cast<size_t>(src * num_experts_ + expert)]; };
+  ctx.send_rows.assign(static_cast<size_t>(ep_size_), 0);
+  ctx.recv_rows.assign(static_cast<size_t>(ep_size_), 0);
+  std::vector<int32_t> local_ids;  // the local expert of each received row, in arrival order
+  for (int64_t s = 0; s < ep_size_; ++s)
+    for (int64_t l = 0; l < local_experts_; ++l) {
+      ctx.send_rows[static_cast<size_t>(s)] += mine[static_cast<size_t>(s * local_experts_ + l)];
+      const int64_t c = count(s, first_expert_ + l);
+      ctx.recv_rows[static_cast<size_t>(s)] += c;
+      local_ids.insert(local_ids.end(), static_cast<size_t>(c), static_cast<int32_t>(l));
+    }
+  const Tensor received = all_to_all_rows(permuted, ctx.send_rows, ctx.recv_rows);
+  // (source, local expert) chunks -> (local expert, source): a stable permutation by local expert.
+  const int64_t rows = static_cast<int64_t>(local_ids.size());
+  ctx.sort = ops::make_moe_routing(Tensor::from_vector(local_ids, {rows, 1}).to(dev), Tensor(), local_experts_);
+  Tensor expert_in = Tensor::empty({rows, hidden}, x.dtype(), dev);
+  ops::moe_permute_forward(received, ctx.sort, expert_in);
+  ctx.local_groups = ctx.sort.host_tokens_per_expert;
+  return expert_in;
+}
+
+Tensor TokenDispatcher::combine(const Tensor& expert_out, const Tensor& probs, Ctx& ctx) const {
+  const Device dev = expert_out.device();
+  const int64_t hidden = expert_out.size(1);
+  Tensor out = Tensor::empty({ctx.tokens, hidden}, expert_out.dtype(), dev);
+  if (ep_ && type_ == DispatcherType::AllGather) {
+    ctx.probs = gather_rows(probs);
+    ctx.unpermute_in = expert_out;
+    Tensor partial = Tensor::empty({ctx.tokens * ep_size_, hidden}, expert_out.dtype(), dev);
+    ops::moe_unpermute_forward(expert_out, ctx.probs, ctx.routing, partial);
+    return reduce_scatter_rows(partial);
+  }
+  ctx.probs = probs;
+  if (!ep_) {
+    ctx.unpermute_in = expert_out;
+  } else {
+    Tensor arrival = Tensor::empty({ctx.sort.num_tokens, hidden}, expert_out.dtype(), dev);
+    ops::moe_permute_backward(expert_out, ctx.sort, arrival);  // unsort: a gather by the sort plan
+    ctx.unpermute_in = all_to_all_rows(arrival, ctx.recv_rows, ctx.send_rows);
+  }
+  ops::moe_unpermute_forward(ctx.unpermute_in, ctx.probs, ctx.routing, out);
+  return out;
+}
+
+void TokenDispatcher::combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_expert_out, Tensor& dprobs) const {
+  const Device dev = dout.device();
+  const int64_t hidden = dout.size(1);
+  if (ep_ && type_ == DispatcherType::AllGather) {
+    const Tensor dout_all = gather_rows(dout);
+    d_expert_out = Tensor::empty(ctx.unpermute_in.shape(), dout.dtype(), dev);
+    Tensor dprobs_all = Tensor::empty({ctx.tokens * ep_size_, ctx.topk}, ctx.probs.dtype(), dev);
+    ops::moe_unpermute_backward(ctx.unpermute_in, ctx.probs, ctx.routing, dout_all, d_expert_out, dprobs_all);
+    dprobs = reduce_scatter_rows(dprobs_all);
+    return;
+  }
+  Tensor d_local = Tensor::empty({ctx.routing.num_rows, hidden}, dout.dtype(), dev);
+  dprobs = Tensor::empty({ctx.tokens, ctx.topk}, ctx.probs.dtype(), dev);
+  ops::moe_unpermute_backward(ctx.unpermute_in, ctx.probs, ctx.routing, dout, d_local, dprobs);
+  if (!ep_) {
+    d_expert_out = d_local;
+    return;
+  }
+  const Tensor d_arrival = all_to_all_rows(d_local, ctx.send_rows, ctx.recv_rows);
+  d_expert_out = Tensor::empty({ctx.sort.num_rows, hidden}, dout.dtype(), dev);
+  ops::moe_permute_forward(d_arrival, ctx.sort, d_expert_out);
+}
+
+Tensor TokenDispatcher::dispatch_backward(const Tensor& d_expert_in, Ctx& ctx) const {
+  const Device dev = d_expert_in.device();
+  const int64_t hidden = d_expert_in.size(1);
+  if (ep_ && type_ == DispatcherType::AllGather) {
+    Tensor dx_all = Tensor::empty({ctx.tokens * ep_size_, hidden}, d_expert_in.dtype(), dev);
+    ops::moe_permute_backward(d_expert_in, ctx.routing, dx_all);
+    return reduce_scatter_rows(dx_all);
+  }
+  Tensor d_permuted = d_expert_in;
+  if (ep_) {
+    Tensor d_arrival = Tensor::empty({ctx.sort.num_tokens, hidden}, d_expert_in.dtype(), dev);
+    ops::moe_permute_backward(d_expert_in, ctx.sort, d_arrival);
+    d_permuted = all_to_all_rows(d_arrival, ctx.recv_rows, ctx.send_rows);
+  }
+  Tensor dx = Tensor::empty({ctx.tokens, hidden}, d_expert_in.dtype(), dev);
+  ops::moe_permute_backward(d_permuted, ctx.routing, dx);
+  return dx;
+}
+
+}  // namespace moecore

@@ -1,0 +1,81 @@
+// Token dispatch and combine for the MoE layer, on one rank or over an expert-parallel group.
+//
+// Notation: T local tokens, k = top-k, E experts in all, EP ranks in the expert-parallel group,
+// L = E / EP local experts; rank r owns experts [r*L, (r+1)*L) (MOE-REFERENCE.md). The router
+// runs on every rank for its own T tokens; indices [T, k] hold GLOBAL expert ids.
+//
+//   dispatch(x, indices, kept, pad)   x [T, H] -> expert_in [rows, H], grouped by local expert
+//                                     (local_tokens_per_expert() gives the L group sizes)
+//   combine(expert_out, probs)        expert_out [rows, H] -> out [T, H]: each token's kept
+//                                     assignments weighted by probs [T, k] and summed
+//   combine_backward(dout)            -> d_expert_out [rows, H] and dprobs [T, k]
+//   dispatch_backward(d_expert_in)    -> dx [T, H]
+// Dispatch's backward is a combine and combine's a dispatch: the plan made in dispatch() is kept
+// in the Ctx for the backward (nothing is recomputed, no routing is repeated).
+//
+// Types (Megatron's --moe-token-dispatcher-type):
+//   none (EP = 1)  permute by expert (ops::moe_permute_forward), unpermute with probs.
+//   alltoall       permute locally by global expert -> all-to-all-v over EP (rank r sends the
+//                  rows of rank s's experts to s; per-(source, expert) counts come from an
+//                  all-gather of every rank's [E] counts) -> sort the received chunks from
+//                  (source, local expert) order to (local expert, source) order. Combine is
+//                  the exact reverse: unsort, all-to-all-v back, unpermute with probs.
+//                  The sort is itself a permutation plan (ops::make_moe_routing over the L local
+//                  experts with one assignment per received row), so it runs on either device.
+//   allgather      all-gather x, indices, probs and kept over EP -> permute the EP*T gathered
+//                  tokens for the L local experts only -> experts -> unpermute with probs into
+//                  [EP*T, H] partial sums -> reduce-scatter (sum) back to [T, H]. Backward:
+//                  all-gather dout; dx and dprobs reduce-scatter (each entry is non-zero on the
+//                  rank that owns its expert).
+// Capacity: kept [T, k] is decided on each rank for its own tokens before dispatch. pad > 0
+// (--moe-pad-expert-input-to-capacity) gives every (source rank, expert) chunk exactly pad rows,
+// so a local expert receives EP * pad rows.
+// A rank may send or receive no rows at all; that works (zero-count all-to-all entries).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moecore/comm/communicator.h"
+#include "moecore/ops/permute.h"
+
+namespace moecore {
+
+enum class DispatcherType { AllGather, AllToAll };
+const char* dispatcher_name(DispatcherType t);
+
+class TokenDispatcher {
+ public:
+  TokenDispatcher() = default;
+  // ep: the expert-parallel communicator, or null for one rank (then type is irrelevant).
+  TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts);
+
+  struct Ctx {
+    ops::MoeRouting routing;         // the permutation on this rank (local or gathered tokens)
+    ops::MoeRouting sort;            // alltoall: received rows -> local-expert order
+    std::vector<int64_t> send_rows, recv_rows;  // alltoall: rows per EP rank
+    Tensor probs;                    // allgather: gathered probs [EP*T, k]
+    Tensor unpermute_in;             // what the unpermute read in combine (its backward needs it)
+    std::vector<int64_t> local_groups;  // rows per local expert of expert_in
+    int64_t tokens = 0, topk = 0;
+  };
+
+  Tensor dispatch(const Tensor& x, const Tensor& indices, const Tensor& kept, int64_t pad, Ctx& ctx) const;
+  Tensor combine(const Tensor& expert_out, const Tensor& probs, Ctx& ctx) const;
+  void combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_expert_out, Tensor& dprobs) const;
+  Tensor dispatch_backward(const Tensor& d_expert_in, Ctx& ctx) const;
+
+  int64_t local_experts() const { return local_experts_; }
+  int64_t first_expert() const { return first_expert_; }
+
+ private:
+  Tensor all_to_all_rows(const Tensor& in, const std::vector<int64_t>& send, const std::vector<int64_t>& recv) const;
+  Tensor gather_rows(const Tensor& in) const;          // [T, ...] -> [EP*T, ...]
+  Tensor reduce_scatter_rows(const Tensor& in) const;  // [EP*T, ...] -> [T, ...], summed
+
+  comm::Communicator* ep_ = nullptr;
+  DispatcherType type_ = DispatcherType::AllToAll;
+  int64_t num_experts_ = 0, ep_size_ = 1, ep_rank_ = 0, local_experts_ = 0, first_expert_ = 0;
+};
+
+}  // namespace moecore

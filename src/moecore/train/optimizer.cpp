@@ -1,0 +1,209 @@
+#include "moecore/train/optimizer.h"
+
+#include <algorithm>
+
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/reduce.h"
+
+namespace moecore {
+
+namespace {
+
+double squares(const Tensor& t) {
+  if (t.numel() == 0) return 0.0;
+  Tensor out = Tensor::empty({1}, t.dtype(), t.device());
+  ops::sum_squares(t, out);
+  return t.dtype() == DType::F64 ? out.to_vector<double>()[0] : out.to_vector<float>()[0];
+}
+
+// A host scalar summed over a group (f64 through MPI, f32 through NCCL).
+double sum_over(comm::Communicator* c, double v) {
+  if (!c) return v;
+  if (c->device().is_cpu()) {
+    Tensor t = Tensor::from_vector(std::vector<double>{v}, {1});
+    c->all_reduce(t, comm::ReduceOp::Sum);
+    return t.to_vector<double>()[0];
+  }
+  Tensor t = Tensor::from_vector(std::vector<float>{static_cast<float>(v)}, {1}).to(c->device());
+  c->all_reduce(t, comm::ReduceOp::Sum);
+  return t.to_vector<float>()[0];
+}
+
+void scale(Tensor& t, double factor) {
+  if (t.numel() > 0 && factor != 1.0) ops::axpby(static_cast<float>(factor), t, 0.0f, t, t);
+}
+
+// The element range [lo, hi) of a parameter inside its flat buffer that falls in [begin, end).
+struct Overlap {
+  int64_t lo = 0, hi = 0;
+  bool empty() const { return hi <= lo; }
+};
+Overlap overlap(int64_t offset, int64_t numel, int64_t begin, int64_t end) {
+  return {std::max(offset, begin), std::min(offset + numel, end)};
+}
+
+}  // namespace
+
+std::pair<int64_t, int64_t> Optimizer::shard_multiples(const OptimizerGroups& g, bool distributed) {
+  if (!distributed) return {1, 1};
+  return {g.dp ? g.dp->size() : 1, g.edp ? g.edp->size() : 1};
+}
+
+Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed)
+    : store_(store), groups_(groups), distributed_(distributed) {
+  if (!distributed_) return;
+  for (bool expert : {false, true}) {
+    Shard& s = expert ? expert_ : dense_;
+    s.group = expert ? groups_.edp : groups_.dp;
+    const Tensor& buffer = expert ? store_.expert_grad_buffer() : store_.grad_buffer();
+    const int64_t n = s.group ? s.group->size() : 1, r = s.group ? s.group->rank() : 0;
+    MC_CHECK(buffer.numel() % n == 0, "distributed optimizer: a gradient buffer of ", buffer.numel(),
+             " elements does not split over ", n, " ranks (initialize the ParamStore with shard_multiples)");
+    const int64_t size = buffer.numel() / n;
+    s.begin = r * size;
+    s.end = s.begin + size;
+    s.grad = Tensor::zeros({size}, store_.master_dtype(), store_.device());
+    s.exp_avg = Tensor::zeros({size}, store_.master_dtype(), store_.device());
+    s.exp_avg_sq = Tensor::zeros({size}, store_.master_dtype(), store_.device());
+  }
+  // The shards replace the per-parameter Adam state.
+  for (const auto& p : store_.all())
+    if (p->trainable) p->exp_avg = p->exp_avg_sq = Tensor();
+}
+
+void Optimizer::reduce_gradients() {
+  const double expert_scale = 1.0 / static_cast<double>(groups_.dp_size);
+  if (!distributed_) {
+    if (groups_.dp && store_.grad_buffer().numel() > 0) groups_.dp->all_reduce(store_.grad_buffer(), comm::ReduceOp::Avg);
+    if (store_.expert_grad_buffer().numel() > 0) {
+      if (groups_.edp) groups_.edp->all_reduce(store_.expert_grad_buffer(), comm::ReduceOp::Sum);
+      scale(store_.expert_grad_buffer(), expert_scale);
+    }
+    return;
+  }
+  for (bool expert : {false, true}) {
+    Shard& s = expert ? expert_ : dense_;
+    Tensor& buffer = expert ? store_.expert_grad_buffer() : store_.grad_buffer();
+    if (buffer.numel() == 0) continue;
+    if (s.group) {
+      s.group->reduce_scatter(buffer, s.grad, comm::ReduceOp::Sum);
+    } else {
+      s.grad.copy_from(buffer);
+    }
+    scale(s.grad, expert ? expert_scale : 1.0 / static_cast<double>(s.group ? s.group->size() : 1));
+  }
+}
+
+double Optimizer::grad_norm_sq() {
+  if (!distributed_) return squares(store_.grad_buffer()) + sum_over(groups_.ep, squares(store_.expert_grad_buffer()));
+  const double dense = sum_over(dense_.group, squares(dense_.grad));
+  return dense + sum_over(groups_.ep, sum_over(expert_.group, squares(expert_.grad)));
+}
+
+double Optimizer::params_norm_sq() {
+  return squares(store_.master_buffer()) + sum_over(groups_.ep, squares(store_.expert_master_buffer()));
+}
+
+void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t step) {
+  for (const auto& p : store_.all()) {
+    if (!p->trainable) continue;
+    const ops::AdamWConfig c{lr, h.beta1, h.beta2, h.eps, p->weight_decay ? h.weight_decay : 0.0, step};
+    if (!distributed_) {
+      ops::adamw_step(p->master, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale);
+      continue;
+    }
+    Shard& s = shard_of(*p);
+    const int64_t offset = store_.grad_offset(*p);
+    const Overlap o = overlap(offset, p->master.numel(), s.begin, s.end);
+    if (o.empty()) continue;
+    Tensor master = master_buffer_of(*p).slice(0, o.lo, o.hi);
+    Tensor m = s.exp_avg.slice(0, o.lo - s.begin, o.hi - s.begin);
+    Tensor v = s.exp_avg_sq.slice(0, o.lo - s.begin, o.hi - s.begin);
+    ops::adamw_step(master, s.grad.slice(0, o.lo - s.begin, o.hi - s.begin), m, v, c, clip_scale);
+  }
+  if (distributed_) {
+    for (bool expert : {false, true}) {
+      Shard& s = expert ? expert_ : dense_;
+      Tensor& masters = expert ? store_.expert_master_buffer() : store_.master_buffer();
+      if (!s.group || masters.numel() == 0) continue;
+      const Tensor mine = masters.slice(0, s.begin, s.end).clone();  // MPI forbids overlapping buffers
+      s.group->all_gather(mine, masters);
+    }
+  }
+  store_.refresh_compute_weights();
+  store_.zero_grad();
+}
+
+void Optimizer::skip() { store_.zero_grad(); }
+
+Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
+  if (!is_expert_group_split(p)) return local;
+  Tensor full = Tensor::empty(p.full_shape(), local.dtype(), local.device());
+  groups_.ep->all_gather(local.contiguous(), full);
+  return full;
+}
+
+Tensor Optimizer::full_state_buffer(Shard& s, const Tensor& shard_state) {
+  const int64_t n = s.group ? s.group->size() : 1;
+  Tensor full = Tensor::empty({shard_state.numel() * n}, shard_state.dtype(), shard_state.device());
+  if (s.group) {
+    s.group->all_gather(shard_state, full);
+  } else {
+    full.copy_from(shard_state);
+  }
+  return full;
+}
+
+std::vector<NamedTensor> Optimizer::full_state() {
+  Tensor dense_m, dense_v, expert_m, expert_v;  // distributed: whole flat Adam states
+  if (distributed_) {
+    dense_m = full_state_buffer(dense_, dense_.exp_avg);
+    dense_v = full_state_buffer(dense_, dense_.exp_avg_sq);
+    expert_m = full_state_buffer(expert_, expert_.exp_avg);
+    expert_v = full_state_buffer(expert_, expert_.exp_avg_sq);
+  }
+  std::vector<NamedTensor> out;
+  for (const auto& p : store_.all()) {
+    out.push_back({p->name, full_rows(*p, p->master).to(Device::cpu())});
+    if (!p->trainable) continue;
+    Tensor m = p->exp_avg, v = p->exp_avg_sq;
+    if (distributed_) {
+      const int64_t offset = store_.grad_offset(*p), n = p->master.numel();
+      m = (p->expert ? expert_m : dense_m).slice(0, offset, offset + n).view(p->shape);
+      v = (p->expert ? expert_v : dense_v).slice(0, offset, offset + n).view(p->shape);
+    }
+    out.push_back({p->name + ".exp_avg", full_rows(*p, m).to(Device::cpu())});
+    out.push_back({p->name + ".exp_avg_sq", full_rows(*p, v).to(Device::cpu())});
+  }
+  return out;
+}
+
+void Optimizer::load(const TensorFetch& fetch, bool model_only) {
+  // This rank's rows of a full tensor, on the model's device.
+  auto local_rows = [&](const Param& p, const Tensor& full) {
+    return full.slice(0, p.row_offset, p.row_offset + p.shape[0]).contiguous().to(store_.device());
+  };
+  for (const auto& p : store_.all()) {
+    const DType dt = store_.master_dtype();
+    p->master.copy_from(local_rows(*p, fetch(p->name, p->full_shape(), dt)));
+    if (!p->trainable) continue;
+    for (int which = 0; which < 2; ++which) {
+      const std::string name = p->name + (which == 0 ? ".exp_avg" : ".exp_avg_sq");
+      Tensor state = model_only ? Tensor::zeros(p->shape, dt, store_.device()) : local_rows(*p, fetch(name, p->full_shape(), dt));
+      if (!distributed_) {
+        (which == 0 ? p->exp_avg : p->exp_avg_sq).copy_from(state);
+        continue;
+      }
+      Shard& s = shard_of(*p);
+      const int64_t offset = store_.grad_offset(*p);
+      const Overlap o = overlap(offset, p->master.numel(), s.begin, s.end);
+      if (o.empty()) continue;
+      Tensor dst = (which == 0 ? s.exp_avg : s.exp_avg_sq).slice(0, o.lo - s.begin, o.hi - s.begin);
+      dst.copy_from(state.view({p->master.numel()}).slice(0, o.lo - offset, o.hi - offset));
+    }
+  }
+  store_.refresh_compute_weights();
+  store_.zero_grad();
+}
+
+}  // namespace moecore

@@ -1,0 +1,83 @@
+// The optimizer side of data and expert parallelism: gradient reduction, the global gradient
+// norm, AdamW, and the full (layout-independent) state for checkpoints.
+//
+// Gradients live in two flat buffers of the ParamStore (dense, expert; model/params.h).
+//   dense  gradients: averaged over the data-parallel group (DP; x CP once CP exists)
+//   expert gradients: summed over the expert-data-parallel group (EDP) and scaled by 1 / DP:
+//                     each expert already received the tokens of its whole EP group through
+//                     the dispatcher, so EDP x EP = DP ranks' tokens enter once (Megatron's
+//                     expert_gradient_scaling_factor).
+// Plain (distributed = false): all-reduce each buffer; every rank keeps full AdamW state for
+// the parameters it holds (its experts only, under EP).
+// Distributed (--use-distributed-optimizer, ZeRO-1): each buffer is split into equal shards over
+// its group (dense: DP, expert: EDP); rank i of the group owns elements [i*S, (i+1)*S).
+// reduce_gradients() reduce-scatters (so a rank only receives its shard's sums), step() runs
+// AdamW on the owned shard with exp_avg / exp_avg_sq allocated for that shard only (the
+// ParamStore's per-parameter Adam tensors are released), then all-gathers the updated fp32
+// masters. The fp32 masters themselves stay whole on every rank (they are the CPU's weights).
+//
+// Norms: the squared gradient norm sums each element of the model once: dense from the
+// reduced dense gradients (or shards, summed over DP), experts summed over EP (and EDP shards).
+// full_state() and load() speak the single-rank checkpoint names and full shapes, so a
+// checkpoint written by any layout loads into any other.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moecore/comm/communicator.h"
+#include "moecore/model/params.h"
+#include "moecore/ops/adamw.h"
+#include "moecore/train/checkpoint.h"
+
+namespace moecore {
+
+struct OptimizerGroups {
+  comm::Communicator* dp = nullptr;   // dense parameters' data-parallel group (null: one rank)
+  comm::Communicator* edp = nullptr;  // expert parameters' data-parallel group (null: one rank)
+  comm::Communicator* ep = nullptr;   // the expert-parallel group (null: every expert here)
+  int64_t dp_size = 1;
+};
+
+struct AdamHyper {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+};
+
+class Optimizer {
+ public:
+  // Call after store.initialize(dp shards, edp shards) when distributed (see shard_multiples).
+  Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed);
+  // The buffer length multiples initialize() needs for this layout: {dense, expert}.
+  static std::pair<int64_t, int64_t> shard_multiples(const OptimizerGroups& groups, bool distributed);
+
+  void reduce_gradients();
+  double grad_norm_sq();    // after reduce_gradients(); the same on every rank
+  double params_norm_sq();  // fp32 masters of trainable parameters; the same on every rank
+  // AdamW with gradients scaled by clip_scale, then fresh compute weights and zero gradients.
+  void step(const AdamHyper& h, double lr, float clip_scale, int64_t step);
+  // A skipped step: zero the gradients.
+  void skip();
+
+  // Collective: every rank calls; returns the full tensors (CPU) under the checkpoint names.
+  std::vector<NamedTensor> full_state();
+  void load(const TensorFetch& fetch, bool model_only);
+
+ private:
+  struct Shard {  // one flat buffer's part owned by this rank (distributed)
+    comm::Communicator* group = nullptr;
+    int64_t begin = 0, end = 0;
+    Tensor grad, exp_avg, exp_avg_sq;  // [end - begin]
+  };
+  bool is_expert_group_split(const Param& p) const { return p.expert && groups_.ep != nullptr; }
+  Shard& shard_of(const Param& p) { return p.expert ? expert_ : dense_; }
+  Tensor& master_buffer_of(const Param& p) { return p.expert ? store_.expert_master_buffer() : store_.master_buffer(); }
+  Tensor full_rows(const Param& p, const Tensor& local);  // gathers an expert tensor over EP
+  Tensor full_state_buffer(Shard& s, const Tensor& shard_state);
+
+  ParamStore& store_;
+  OptimizerGroups groups_;
+  bool distributed_ = false;
+  Shard dense_, expert_;
+};
+
+}  // namespace moecore

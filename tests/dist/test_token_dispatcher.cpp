@@ -1,0 +1,122 @@
+// dist tier: the expert-parallel token dispatchers (moe/token_dispatcher.h) over MPI.
+//
+// Every rank routes its own tokens to global experts; the "experts" scale each received row by
+// (global expert id + 1), so every result has a closed form each rank computes locally:
+//   out[t]      = sum_j kept(t,j) p(t,j) (e(t,j)+1) x[t]
+//   dx[t]       = sum_j kept(t,j) p(t,j) (e(t,j)+1) dout[t]
+//   dprobs[t,j] = kept(t,j) (e(t,j)+1) <dout[t], x[t]>
+// Cases: random routing, every token of every rank on expert 0 (the other ranks receive
+// nothing), capacity dropping, padding to capacity; both dispatchers. dispatch_checks:: takes
+// any communicator (test_comm_nccl.cpp runs it on device tensors through NCCL).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "moecore/comm/communicator.h"
+#include "moecore/core/philox.h"
+#include "moecore/moe/token_dispatcher.h"
+
+using namespace moecore;
+
+namespace dispatch_checks {
+
+struct Routing {
+  std::vector<int32_t> idx;
+  std::vector<float> probs;
+  std::vector<uint8_t> kept;  // empty: all kept
+};
+
+// pattern 0: random experts (distinct per token); 1: every assignment to expert 0 and 1.
+Routing make_routing(int rank, int64_t tokens, int64_t k, int64_t experts, int pattern, bool drop) {
+  Routing r;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const uint32_t w = philox_words(7, static_cast<uint64_t>(rank * 1000 + t), static_cast<uint64_t>(j)).w[0];
+      const int64_t e = pattern == 1 ? j % experts : static_cast<int64_t>((w % experts + j * (experts / k)) % experts);
+      r.idx.push_back(static_cast<int32_t>(e));
+      r.probs.push_back(static_cast<float>(1 + w % 7) / 8.0f);
+      if (drop) r.kept.push_back(static_cast<uint8_t>((w >> 8) % 3 != 0));
+    }
+  return r;
+}
+
+float x_value(int rank, int64_t t, int64_t h, uint64_t key) {
+  const uint32_t w = philox_words(key, static_cast<uint64_t>(rank * 1000 + t), static_cast<uint64_t>(h)).w[0];
+  return static_cast<float>(static_cast<int>(w % 65) - 32) / 32.0f;
+}
+
+// Scales each row of the expert input by (global expert + 1) on the host.
+Tensor run_experts(const Tensor& in, const std::vector<int64_t>& groups, int64_t first_expert) {
+  Tensor host = in.to(Device::cpu()).contiguous();
+  float* p = host.data<float>();
+  int64_t row = 0;
+  for (size_t l = 0; l < groups.size(); ++l)
+    for (int64_t i = 0; i < groups[l]; ++i, ++row)
+      for (int64_t h = 0; h < in.size(1); ++h) p[row * in.size(1) + h] *= static_cast<float>(first_expert + l + 1);
+  return host.to(in.device());
+}
+
+void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, bool drop, int64_t pad) {
+  const int rank = c.rank();
+  const int64_t tokens = 6, k = 2, hidden = 5, experts = 2 * c.size();
+  const Device dev = c.device();
+  const Routing r = make_routing(rank, tokens, k, experts, pattern, drop);
+  std::vector<float> xs, douts;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < hidden; ++h) {
+      xs.push_back(x_value(rank, t, h, 11));
+      douts.push_back(x_value(rank, t, h, 12));
+    }
+  const Tensor x = Tensor::from_vector(xs, {tokens, hidden}).to(dev);
+  const Tensor dout = Tensor::from_vector(douts, {tokens, hidden}).to(dev);
+  const Tensor idx = Tensor::from_vector(r.idx, {tokens, k}).to(dev);
+  const Tensor probs = Tensor::from_vector(r.probs, {tokens, k}).to(dev);
+  const Tensor kept = drop ? Tensor::from_vector(r.kept, {tokens, k}).to(dev) : Tensor();
+
+  TokenDispatcher d(&c, type, experts);
+  TokenDispatcher::Ctx ctx;
+  const Tensor expert_in = d.dispatch(x, idx, kept, pad, ctx);
+  int64_t rows = 0;
+  for (int64_t g : ctx.local_groups) rows += g;
+  EXPECT_EQ(rows, expert_in.size(0));
+  const Tensor out = d.combine(run_experts(expert_in, ctx.local_groups, d.first_expert()), probs, ctx);
+  Tensor d_expert_out, dprobs;
+  d.combine_backward(dout, ctx, d_expert_out, dprobs);
+  const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_groups, d.first_expert()), ctx);
+
+  const std::vector<float> o = out.to_vector<float>(), g = dx.to_vector<float>(), dp = dprobs.to_vector<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    double dot = 0;
+    for (int64_t h = 0; h < hidden; ++h) dot += static_cast<double>(xs[t * hidden + h]) * douts[t * hidden + h];
+    double scale = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const size_t a = static_cast<size_t>(t * k + j);
+      const bool on = !drop || r.kept[a];
+      scale += on ? r.probs[a] * (r.idx[a] + 1.0) : 0.0;
+      const double want = on ? (r.idx[a] + 1.0) * dot : 0.0;
+      EXPECT_NEAR(dp[a], want, 1e-4 * (1 + std::fabs(want))) << "dprobs rank " << rank << " t " << t << " j " << j;
+    }
+    for (int64_t h = 0; h < hidden; ++h) {
+      const size_t a = static_cast<size_t>(t * hidden + h);
+      EXPECT_NEAR(o[a], scale * xs[a], 1e-5) << "out rank " << rank << " t " << t << " h " << h;
+      EXPECT_NEAR(g[a], scale * douts[a], 1e-5) << "dx rank " << rank << " t " << t << " h " << h;
+    }
+  }
+}
+
+void check_all(comm::Communicator& c) {
+  for (DispatcherType type : {DispatcherType::AllToAll, DispatcherType::AllGather}) {
+    SCOPED_TRACE(dispatcher_name(type));
+    check_dispatch(c, type, 0, false, 0);
+    check_dispatch(c, type, 1, false, 0);  // only rank 0's experts receive tokens
+    check_dispatch(c, type, 0, true, 0);   // capacity dropping
+    check_dispatch(c, type, 1, true, 12);  // padded: each (rank, expert) chunk has 12 rows
+  }
+}
+
+}  // namespace dispatch_checks
+
+TEST(TokenDispatcherMpi, DispatchCombineAndBackwardsMatchTheClosedForm) {
+  auto world = comm::make_mpi_world();
+  dispatch_checks::check_all(*world);
+}
