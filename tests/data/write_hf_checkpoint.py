@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent writer of tiny random HF MoE checkpoints (stdlib only) for the converter tests.
 
-usage: write_hf_checkpoint.py OUT_DIR --arch mixtral|qwen3 [--dtype bf16|f32] [--shards K]
+usage: write_hf_checkpoint.py OUT_DIR --arch mixtral|qwen2|qwen3 [--dtype bf16|f32] [--shards K]
                               [--seed S] [--drop NAME] [--extra NAME] [--bad-shape NAME]
                               [--architecture NAME]
 Writes OUT_DIR/config.json and OUT_DIR/model.safetensors, or K shards
@@ -22,6 +22,19 @@ def config(arch):
             "num_key_value_heads": 2, "vocab_size": 40, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
             "max_position_embeddings": 64, "tie_word_embeddings": False, "num_local_experts": 4,
             "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "torch_dtype": "bfloat16",
+        }
+    if arch == "qwen2":
+        # Qwen2-MoE: q/k/v biases, a gated shared expert, norm_topk_prob false (pre-softmax
+        # routing), one dense layer through decoder_sparse_step 2 (layers 1 and 3 are MoE).
+        return {
+            "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_act": "silu",
+            "hidden_size": 16, "intermediate_size": 20, "moe_intermediate_size": 6,
+            "shared_expert_intermediate_size": 10, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 40, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "max_position_embeddings": 8192, "tie_word_embeddings": False, "num_experts": 4,
+            "num_experts_per_tok": 2, "norm_topk_prob": False, "decoder_sparse_step": 2,
+            "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "use_sliding_window": False,
+            "torch_dtype": "bfloat16",
         }
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
@@ -48,6 +61,9 @@ def tensors(arch, cfg):
                 (p + ".self_attn.o_proj.weight", [h, heads * d])]
         if arch == "qwen3":
             out += [(p + ".self_attn.q_norm.weight", [d]), (p + ".self_attn.k_norm.weight", [d])]
+        if arch == "qwen2":
+            out += [(p + ".self_attn.q_proj.bias", [heads * d]), (p + ".self_attn.k_proj.bias", [kv * d]),
+                    (p + ".self_attn.v_proj.bias", [kv * d])]
         out.append((p + ".post_attention_layernorm.weight", [h]))
         if arch == "mixtral":
             f = cfg["intermediate_size"]
@@ -55,7 +71,7 @@ def tensors(arch, cfg):
             for e in range(cfg["num_local_experts"]):
                 x = p + ".block_sparse_moe.experts.%d" % e
                 out += [(x + ".w1.weight", [f, h]), (x + ".w2.weight", [h, f]), (x + ".w3.weight", [f, h])]
-        elif i in cfg["mlp_only_layers"]:
+        elif i in cfg["mlp_only_layers"] or (i + 1) % cfg["decoder_sparse_step"] != 0:
             f = cfg["intermediate_size"]
             out += [(p + ".mlp.gate_proj.weight", [f, h]), (p + ".mlp.up_proj.weight", [f, h]),
                     (p + ".mlp.down_proj.weight", [h, f])]
@@ -66,6 +82,10 @@ def tensors(arch, cfg):
                 x = p + ".mlp.experts.%d" % e
                 out += [(x + ".gate_proj.weight", [f, h]), (x + ".up_proj.weight", [f, h]),
                         (x + ".down_proj.weight", [h, f])]
+            if arch == "qwen2":
+                s, x = cfg["shared_expert_intermediate_size"], p + ".mlp.shared_expert"
+                out += [(x + ".gate_proj.weight", [s, h]), (x + ".up_proj.weight", [s, h]),
+                        (x + ".down_proj.weight", [h, s]), (p + ".mlp.shared_expert_gate.weight", [1, h])]
     out.append(("model.norm.weight", [h]))
     if not cfg["tie_word_embeddings"]:
         out.append(("lm_head.weight", [v, h]))
@@ -101,7 +121,7 @@ def write_file(path, items):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--arch", choices=["mixtral", "qwen3"], required=True)
+    ap.add_argument("--arch", choices=["mixtral", "qwen2", "qwen3"], required=True)
     ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)

@@ -1,4 +1,4 @@
-// HF <-> moecore conversion: tiny Mixtral and Qwen3-MoE checkpoints written by an independent
+// HF <-> moecore conversion: tiny Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints written by an independent
 // Python writer (tests/data/write_hf_checkpoint.py) go hf -> moecore -> hf byte-identically; the
 // moecore checkpoint loads into a GPTModel built from its recorded flags with the HF values;
 // missing, unexpected and mis-shaped tensors and unsupported architectures are refused by name.
@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -103,6 +105,14 @@ TEST(HfConvert, Qwen3MoeBf16RoundTripIsByteIdentical) {
   if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
   round_trip("qwen3", "bf16");
 }
+TEST(HfConvert, Qwen2MoeBf16RoundTripIsByteIdentical) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  round_trip("qwen2", "bf16");
+}
+TEST(HfConvert, Qwen2MoeF32RoundTripIsByteIdentical) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  round_trip("qwen2", "f32");
+}
 TEST(HfConvert, Qwen3MoeF32RoundTripIsByteIdentical) {
   if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
   round_trip("qwen3", "f32");
@@ -179,6 +189,110 @@ TEST(HfConvert, Qwen3MoeCheckpointLoadsIntoTheModel) {
   check_loads("qwen3");
 }
 
+// Qwen2-MoE: q/k/v biases, the gated shared expert and pre-softmax routing arrive in the model.
+TEST(HfConvert, Qwen2MoeCheckpointLoadsIntoTheModel) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  const fs::path d = temp_dir("loadqwen2");
+  write_hf(d / "hf", "--arch qwen2 --dtype bf16");
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "ckpt"), 0);
+  const TrainArgs args = train_args_from_saved(read_checkpoint_meta((d / "ckpt").string()).args, "cpu", "test");
+  const ModelConfig& c = args.model;
+  EXPECT_TRUE(c.add_qkv_bias);
+  EXPECT_FALSE(c.add_bias_linear);
+  EXPECT_FALSE(c.qk_layernorm);
+  EXPECT_TRUE(c.moe.router.pre_softmax);  // norm_topk_prob false
+  EXPECT_EQ(c.moe.shared_expert_size, 10);
+  EXPECT_TRUE(c.moe.shared_expert_gate);
+  EXPECT_TRUE(c.untie_embeddings);
+  // decoder_sparse_step 2: layers 1 and 3 are MoE
+  EXPECT_FALSE(c.is_moe(0));
+  EXPECT_TRUE(c.is_moe(1));
+  EXPECT_FALSE(c.is_moe(2));
+  EXPECT_TRUE(c.is_moe(3));
+  ParamStore store(Device::cpu(), DType::F32, DType::F32, 1);
+  GPTModel model(c, store);
+  store.initialize();
+  load_checkpoint((d / "ckpt").string(), store);
+  const SafetensorsReader hf((d / "hf").string());
+  auto same = [&](const std::string& ours, const std::string& theirs) {
+    EXPECT_EQ(store.get(ours).master.to_vector<float>(), hf.read_f32(theirs).to_vector<float>()) << ours;
+  };
+  same("decoder.layers.2.self_attention.linear_q.bias", "model.layers.2.self_attn.q_proj.bias");
+  same("decoder.layers.0.self_attention.linear_v.bias", "model.layers.0.self_attn.v_proj.bias");
+  same("decoder.layers.3.mlp.shared_experts.linear_fc2.weight", "model.layers.3.mlp.shared_expert.down_proj.weight");
+  same("decoder.layers.3.mlp.shared_experts.gate.weight", "model.layers.3.mlp.shared_expert_gate.weight");
+  EXPECT_THROW(store.get("decoder.layers.0.self_attention.linear_proj.bias"), Error);  // o_proj has no bias
+  const auto g = hf.read_f32("model.layers.1.mlp.shared_expert.gate_proj.weight").to_vector<float>();
+  const auto u = hf.read_f32("model.layers.1.mlp.shared_expert.up_proj.weight").to_vector<float>();
+  const auto fc1 = store.get("decoder.layers.1.mlp.shared_experts.linear_fc1.weight").master.to_vector<float>();
+  ASSERT_EQ(fc1.size(), g.size() + u.size());
+  EXPECT_TRUE(std::equal(g.begin(), g.end(), fc1.begin()));
+  EXPECT_TRUE(std::equal(u.begin(), u.end(), fc1.begin() + static_cast<long>(g.size())));
+  fs::remove_all(d);
+}
+
+TEST(HfConvert, Qwen2MoeRefusesMissingSharedExpertGateAndBias) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  const fs::path d = temp_dir("badqwen2");
+  for (const std::string name : {"model.layers.3.mlp.shared_expert_gate.weight", "model.layers.2.self_attn.k_proj.bias",
+                                 "model.layers.1.mlp.experts.2.down_proj.weight"}) {
+    const fs::path in = d / "in", out = d / "out";
+    fs::remove_all(in);
+    write_hf(in, "--arch qwen2 --drop " + name);
+    const std::string msg = error_of([&] { convert("hf", "moecore", in, out); });
+    EXPECT_NE(msg.find("missing tensor '" + name + "'"), std::string::npos) << msg;
+    EXPECT_FALSE(fs::exists(out / "iter_0000000")) << name;
+  }
+  // An unexpected bias (o_proj has none in Qwen2-MoE) is refused by name too.
+  fs::remove_all(d / "in");
+  write_hf(d / "in", "--arch qwen2 --extra model.layers.0.self_attn.o_proj.bias");
+  const std::string msg = error_of([&] { convert("hf", "moecore", d / "in", d / "out"); });
+  EXPECT_NE(msg.find("model.layers.0.self_attn.o_proj.bias"), std::string::npos) << msg;
+  fs::remove_all(d);
+}
+
+// config.json as transformers 5.17 writes it (save_pretrained of tools/hf_check.py's models): RoPE
+// base under rope_parameters, Qwen3-MoE's expert count as num_local_experts, Qwen2-MoE's qkv_bias
+// and layer_types, Mixtral's head_dim null.
+TEST(HfConvert, Transformers5ConfigJson) {
+  auto flags_of = [](const std::string& file) {
+    std::ifstream f(data_dir() / "hf" / file);
+    std::stringstream text;
+    text << f.rdbuf();
+    std::map<std::string, std::string> out;
+    for (const auto& [k, v] : hf_config_to_train_flags(text.str(), file)) out[k] = v;
+    return out;
+  };
+  auto q3 = flags_of("qwen3_moe_transformers5.config.json");
+  EXPECT_EQ(q3["num-experts"], "8");
+  EXPECT_EQ(std::stod(q3["rotary-base"]), 1e6);
+  EXPECT_EQ(q3["kv-channels"], "64");
+  EXPECT_EQ(q3["moe-layer-freq"], "[1,1,0]");
+  EXPECT_EQ(q3["qk-layernorm"], "true");
+  EXPECT_EQ(q3["moe-router-pre-softmax"], "false");  // norm_topk_prob true
+  EXPECT_EQ(q3["untie-embeddings-and-output-weights"], "false");
+  auto q2 = flags_of("qwen2_moe_transformers5.config.json");
+  EXPECT_EQ(q2["num-experts"], "8");
+  EXPECT_EQ(std::stod(q2["rotary-base"]), 1e6);
+  EXPECT_EQ(q2["add-qkv-bias"], "true");
+  EXPECT_EQ(q2["moe-shared-expert-intermediate-size"], "80");
+  EXPECT_EQ(q2["moe-shared-expert-gate"], "true");
+  EXPECT_EQ(q2["moe-router-pre-softmax"], "true");  // norm_topk_prob false
+  EXPECT_EQ(q2["moe-layer-freq"], "[1,0,1]");
+  auto mx = flags_of("mixtral_transformers5.config.json");
+  EXPECT_EQ(mx["num-experts"], "8");
+  EXPECT_EQ(mx["kv-channels"], "32");  // head_dim null: hidden / heads
+  EXPECT_EQ(std::stod(mx["rotary-base"]), 1e6);
+  EXPECT_EQ(mx["moe-layer-freq"], "1");
+  EXPECT_EQ(mx["add-qkv-bias"], "false");
+  EXPECT_EQ(mx["moe-shared-expert-intermediate-size"], "0");
+  // A RoPE scaling type other than default is refused by name.
+  const std::string msg = error_of([] {
+    hf_config_to_train_flags(R"({"architectures": ["Qwen3MoeForCausalLM"], "rope_scaling": {"rope_type": "yarn"}})", "x");
+  });
+  EXPECT_NE(msg.find("yarn"), std::string::npos) << msg;
+}
+
 TEST(HfConvert, RefusesMissingUnexpectedAndMisShapedTensors) {
   if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
   const fs::path d = temp_dir("bad");
@@ -192,7 +306,7 @@ TEST(HfConvert, RefusesMissingUnexpectedAndMisShapedTensors) {
           "model.layers.0.block_sparse_moe.experts.3.w2.weight");
   refused("extra", "--extra model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.bias");
   refused("shape", "--bad-shape model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.v_proj.weight");
-  refused("arch", "--architecture Qwen2MoeForCausalLM", "MixtralForCausalLM, Qwen3MoeForCausalLM");
+  refused("arch", "--architecture DeepseekV3ForCausalLM", "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM");
   const std::string msg = error_of([&] { run_convert({"--from", "hf", "--to", "gguf", "--input", "a", "--output", "b"}); });
   EXPECT_NE(msg.find("gguf"), std::string::npos) << msg;
   fs::remove_all(d);
@@ -229,6 +343,37 @@ TEST(HfConvert, ConvertedCheckpointGeneratesAndTrains) {
   const SafetensorsReader hf2((d / "hf2").string()), hf1((d / "hf").string());
   EXPECT_EQ(hf2.names(), hf1.names());
   EXPECT_EQ(hf2.info("model.layers.0.block_sparse_moe.experts.1.w3.weight").dtype, StDType::F32);
+  ASSERT_EQ(convert("hf", "moecore", d / "hf2", d / "ckpt2"), 0);
+  const SafetensorsFile ta(checkpoint_tensor_file((d / "trained").string())), tb(checkpoint_tensor_file((d / "ckpt2").string()));
+  for (const StTensorInfo& t : tb.tensors()) EXPECT_EQ(ta.raw(t.name), tb.raw(t.name)) << t.name;
+  fs::remove_all(d);
+}
+
+// A trained Qwen2-MoE checkpoint (no recorded HF source) exports as Qwen2-MoE from its flags alone:
+// q/k/v biases and the gated shared expert select the architecture, config.json is derived
+// (norm_topk_prob false from pre-softmax routing, the dense layers as mlp_only_layers) and
+// imports back to the trained values.
+TEST(HfConvert, TrainedQwen2MoeExportsWithDerivedConfig) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  const fs::path d = temp_dir("trainqwen2");
+  write_hf(d / "hf", "--arch qwen2 --dtype bf16");
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "ckpt"), 0);
+  TrainArgs a = train_args_from_saved(read_checkpoint_meta((d / "ckpt").string()).args, "cpu", "test");
+  a.load = (d / "ckpt").string();
+  a.save = (d / "trained").string();
+  a.model.seq_length = 16;
+  ASSERT_EQ(run_training(a), 0);
+  ASSERT_EQ(convert("moecore", "hf", d / "trained", d / "hf2"), 0);
+  std::ifstream cf(d / "hf2" / "config.json");
+  const nlohmann::json cfg = nlohmann::json::parse(cf);
+  EXPECT_EQ(cfg["architectures"][0], "Qwen2MoeForCausalLM");
+  EXPECT_EQ(cfg["model_type"], "qwen2_moe");
+  EXPECT_EQ(cfg["shared_expert_intermediate_size"], 10);
+  EXPECT_EQ(cfg["norm_topk_prob"], false);
+  EXPECT_EQ(cfg["mlp_only_layers"], nlohmann::json::array({0, 2}));
+  EXPECT_EQ(cfg["qkv_bias"], true);
+  const SafetensorsReader hf2((d / "hf2").string()), hf1((d / "hf").string());
+  EXPECT_EQ(hf2.names(), hf1.names());
   ASSERT_EQ(convert("hf", "moecore", d / "hf2", d / "ckpt2"), 0);
   const SafetensorsFile ta(checkpoint_tensor_file((d / "trained").string())), tb(checkpoint_tensor_file((d / "ckpt2").string()));
   for (const StTensorInfo& t : tb.tensors()) EXPECT_EQ(ta.raw(t.name), tb.raw(t.name)) << t.name;

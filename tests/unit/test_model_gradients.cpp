@@ -109,6 +109,31 @@ TEST(ModelGradients, GqaWithQkLayernorm) {
   check_model_gradients(c);
 }
 
+// --add-qkv-bias (Qwen2): biases on linear_q/k/v only, with --disable-bias-linear, GQA, and the
+// Qwen2-MoE layer shape (pre-softmax routing, gated shared expert).
+TEST(ModelGradients, QkvBiasGqaPreSoftmaxGatedSharedExpert) {
+  ModelConfig c = moe_config();
+  c.add_bias_linear = false;
+  c.add_qkv_bias = true;
+  c.num_attention_heads = 4;
+  c.kv_channels = 2;
+  c.num_query_groups = 2;
+  c.moe.router.pre_softmax = true;
+  c.moe.shared_expert_size = 5;
+  c.moe.shared_expert_gate = true;
+  {  // the biases exist on q/k/v and nowhere else
+    ModelConfig f = c;
+    finalize_model_config(f, "[0,1]");
+    ParamStore store(Device::cpu(), DType::F64, DType::F64, 1);
+    GPTModel model(f, store);
+    int biases = 0;
+    for (const auto& p : store.all()) biases += p->name.ends_with(".bias") ? 1 : 0;
+    EXPECT_EQ(biases, 6);  // 2 layers x linear_q/k/v
+    EXPECT_EQ(store.get("decoder.layers.1.self_attention.linear_k.bias").shape, (Shape{4}));
+  }
+  check_model_gradients(c, "[0,1]");
+}
+
 TEST(ModelGradients, MoeSoftmaxAuxLossAndZLoss) {
   ModelConfig c = moe_config();
   c.moe.z_loss_coeff = 0.05;

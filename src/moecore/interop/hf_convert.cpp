@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -25,9 +26,12 @@ namespace moecore::interop {
 
 namespace {
 
-enum class Arch { Mixtral, Qwen3Moe };
+enum class Arch { Mixtral, Qwen2Moe, Qwen3Moe };
 
-const char* arch_name(Arch a) { return a == Arch::Mixtral ? "MixtralForCausalLM" : "Qwen3MoeForCausalLM"; }
+const char* arch_name(Arch a) {
+  return a == Arch::Mixtral ? "MixtralForCausalLM" : a == Arch::Qwen2Moe ? "Qwen2MoeForCausalLM" : "Qwen3MoeForCausalLM";
+}
+const char* model_type(Arch a) { return a == Arch::Mixtral ? "mixtral" : a == Arch::Qwen2Moe ? "qwen2_moe" : "qwen3_moe"; }
 
 // One of our parameters: the concatenation (flat, in order) of its HF parts.
 struct Part {
@@ -52,6 +56,11 @@ std::vector<Mapped> build_mapping(const ModelConfig& c, Arch arch) {
     one(o + ".self_attention.linear_k.weight", p + ".self_attn.k_proj.weight", {c.kv_heads() * d, h});
     one(o + ".self_attention.linear_v.weight", p + ".self_attn.v_proj.weight", {c.kv_heads() * d, h});
     one(o + ".self_attention.linear_proj.weight", p + ".self_attn.o_proj.weight", {h, c.num_attention_heads * d});
+    if (c.add_qkv_bias) {
+      one(o + ".self_attention.linear_q.bias", p + ".self_attn.q_proj.bias", {c.num_attention_heads * d});
+      one(o + ".self_attention.linear_k.bias", p + ".self_attn.k_proj.bias", {c.kv_heads() * d});
+      one(o + ".self_attention.linear_v.bias", p + ".self_attn.v_proj.bias", {c.kv_heads() * d});
+    }
     if (c.qk_layernorm) {
       one(o + ".self_attention.q_layernorm.weight", p + ".self_attn.q_norm.weight", {d});
       one(o + ".self_attention.k_layernorm.weight", p + ".self_attn.k_norm.weight", {d});
@@ -72,6 +81,14 @@ std::vector<Mapped> build_mapping(const ModelConfig& c, Arch arch) {
       }
       m.push_back(fc1);
       m.push_back(fc2);
+      if (c.moe.shared_expert_size > 0) {  // Qwen2-MoE
+        const int64_t s = c.moe.shared_expert_size;
+        const std::string sh = moe + ".shared_expert";
+        m.push_back({o + ".mlp.shared_experts.linear_fc1.weight", {2 * s, h},
+                     {{sh + ".gate_proj.weight", {s, h}}, {sh + ".up_proj.weight", {s, h}}}});
+        one(o + ".mlp.shared_experts.linear_fc2.weight", sh + ".down_proj.weight", {h, s});
+        one(o + ".mlp.shared_experts.gate.weight", moe + ".shared_expert_gate.weight", {1, h});
+      }
     } else {
       const int64_t f = c.ffn_hidden_size;
       m.push_back({o + ".mlp.linear_fc1.weight", {2 * f, h}, {{p + ".mlp.gate_proj.weight", {f, h}}, {p + ".mlp.up_proj.weight", {f, h}}}});
@@ -99,10 +116,10 @@ Arch arch_of(const json& cfg, const std::string& origin) {
     a = cfg["architectures"][0].get<std::string>();
   const std::string mt = cfg.value("model_type", "");
   if (a == "MixtralForCausalLM" || (a.empty() && mt == "mixtral")) return Arch::Mixtral;
+  if (a == "Qwen2MoeForCausalLM" || (a.empty() && mt == "qwen2_moe")) return Arch::Qwen2Moe;
   if (a == "Qwen3MoeForCausalLM" || (a.empty() && mt == "qwen3_moe")) return Arch::Qwen3Moe;
   MC_FAIL(origin, ": architecture '", a.empty() ? mt : a,
-          "' is not supported; supported: MixtralForCausalLM, Qwen3MoeForCausalLM (Qwen2-MoE needs q/k/v biases and a "
-          "shared-expert gate that are not mapped yet)");
+          "' is not supported; supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM");
 }
 
 std::string num_text(double x) {
@@ -116,7 +133,7 @@ int64_t need_int(const json& cfg, const char* key, const std::string& origin) {
   return cfg[key].get<int64_t>();
 }
 
-// Per layer: MoE? (Qwen3: not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.)
+// Per layer: MoE? (Qwen2/Qwen3: not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.)
 std::vector<bool> moe_layers(const json& cfg, Arch arch, int64_t layers) {
   std::vector<bool> out(static_cast<size_t>(layers), true);
   if (arch == Arch::Mixtral) return out;
@@ -141,7 +158,24 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
   const Arch arch = arch_of(cfg, origin);
   const std::string act = cfg.value("hidden_act", "silu");
   MC_CHECK(act == "silu", origin, ": hidden_act '", act, "' is not supported (SwiGLU experts need silu)");
-  MC_CHECK(!cfg.value("attention_bias", false), origin, ": attention_bias true is not supported (no q/k/v biases)");
+  MC_CHECK(!cfg.value("attention_bias", false), origin,
+           ": attention_bias true (biases on q/k/v and o) is not supported; Qwen2-MoE's q/k/v biases are");
+  // Qwen2-MoE always has q/k/v biases (newer transformers: config "qkv_bias", default true).
+  const bool qkv_bias = arch == Arch::Qwen2Moe && cfg.value("qkv_bias", true);
+  // RoPE: plain rotate-half only (rope_scaling / rope_parameters of another type would change it).
+  double rope_theta = cfg.value("rope_theta", 10000.0);
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (!cfg.contains(key) || cfg[key].is_null()) continue;
+    const json& r = cfg[key];
+    MC_CHECK(r.is_object(), origin, ": config.json '", key, "' is not an object");
+    const std::string type = r.value("rope_type", r.value("type", std::string("default")));
+    MC_CHECK(type == "default", origin, ": ", key, " type '", type, "' is not supported (only default RoPE)");
+    if (r.contains("rope_theta") && r["rope_theta"].is_number()) rope_theta = r["rope_theta"].get<double>();
+  }
+  MC_CHECK(!cfg.value("use_sliding_window", false), origin, ": use_sliding_window true is not supported");
+  if (cfg.contains("layer_types") && cfg["layer_types"].is_array())
+    for (const auto& t : cfg["layer_types"])
+      MC_CHECK(t == "full_attention", origin, ": layer_types entry ", t.dump(), " is not supported (full_attention only)");
   const int64_t layers = need_int(cfg, "num_hidden_layers", origin), hidden = need_int(cfg, "hidden_size", origin),
                 heads = need_int(cfg, "num_attention_heads", origin);
   const int64_t kv = cfg.contains("num_key_value_heads") && cfg["num_key_value_heads"].is_number_integer()
@@ -150,12 +184,18 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
                                ? cfg["head_dim"].get<int64_t>() : hidden / heads;
   const int64_t maxpos = need_int(cfg, "max_position_embeddings", origin);
   const bool tied = cfg.value("tie_word_embeddings", false);
-  const int64_t experts = need_int(cfg, arch == Arch::Mixtral ? "num_local_experts" : "num_experts", origin);
+  // Mixtral says num_local_experts, Qwen num_experts; transformers 5 writes Qwen3-MoE's as
+  // num_local_experts too.
+  const char* experts_key = arch == Arch::Mixtral ? "num_local_experts" : "num_experts";
+  if (!cfg.contains(experts_key)) experts_key = arch == Arch::Mixtral ? "num_experts" : "num_local_experts";
+  const int64_t experts = need_int(cfg, experts_key, origin);
   const int64_t ffn = need_int(cfg, "intermediate_size", origin);
   const int64_t moe_ffn = arch == Arch::Mixtral ? ffn : need_int(cfg, "moe_intermediate_size", origin);
-  // Qwen3 with norm_topk_prob false: softmax over all experts, top-k, no renormalisation =
+  const int64_t shared = arch == Arch::Qwen2Moe ? need_int(cfg, "shared_expert_intermediate_size", origin) : 0;
+  MC_CHECK(arch != Arch::Qwen2Moe || shared > 0, origin, ": shared_expert_intermediate_size must be > 0");
+  // Qwen2/Qwen3 with norm_topk_prob false: softmax over all experts, top-k, no renormalisation =
   // Megatron's pre-softmax. Mixtral and norm_topk_prob true: softmax over the chosen k (default).
-  const bool pre_softmax = arch == Arch::Qwen3Moe && !cfg.value("norm_topk_prob", false);
+  const bool pre_softmax = arch != Arch::Mixtral && !cfg.value("norm_topk_prob", false);
   std::string freq = "[";
   const std::vector<bool> moe = moe_layers(cfg, arch, layers);
   for (size_t i = 0; i < moe.size(); ++i) freq += std::string(i ? "," : "") + (moe[i] ? "1" : "0");
@@ -179,11 +219,12 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
       {"normalization", "RMSNorm"},
       {"norm-epsilon", num_text(cfg.value("rms_norm_eps", 1e-6))},
       {"position-embedding-type", "rope"},
-      {"rotary-base", num_text(cfg.value("rope_theta", 10000.0))},
+      {"rotary-base", num_text(rope_theta)},
       {"max-position-embeddings", std::to_string(maxpos)},
       {"seq-length", std::to_string(std::min<int64_t>(maxpos, 4096))},
       {"swiglu", "true"},
       {"disable-bias-linear", "true"},
+      {"add-qkv-bias", qkv_bias ? "true" : "false"},
       {"untie-embeddings-and-output-weights", tied ? "false" : "true"},
       {"qk-layernorm", arch == Arch::Qwen3Moe ? "true" : "false"},
       {"num-experts", std::to_string(experts)},
@@ -192,6 +233,8 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
       {"moe-ffn-hidden-size", std::to_string(moe_ffn)},
       {"moe-aux-loss-coeff", num_text(cfg.value("router_aux_loss_coef", 0.0))},
       {"moe-router-pre-softmax", pre_softmax ? "true" : "false"},
+      {"moe-shared-expert-intermediate-size", std::to_string(shared)},
+      {"moe-shared-expert-gate", shared > 0 ? "true" : "false"},
       {"mock-data", "true"},
       {"micro-batch-size", "1"},
       {"global-batch-size", "1"},
@@ -245,7 +288,7 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
 namespace {
 json config_from_args(const ModelConfig& c, Arch arch) {
   json j = {{"architectures", {arch_name(arch)}},
-            {"model_type", arch == Arch::Mixtral ? "mixtral" : "qwen3_moe"},
+            {"model_type", model_type(arch)},
             {"hidden_act", "silu"},
             {"hidden_size", c.hidden_size},
             {"num_hidden_layers", c.num_layers},
@@ -269,6 +312,11 @@ json config_from_args(const ModelConfig& c, Arch arch) {
     j["intermediate_size"] = c.ffn_hidden_size;
     j["moe_intermediate_size"] = c.moe.ffn_hidden_size;
     j["norm_topk_prob"] = !c.moe.router.pre_softmax;
+    if (arch == Arch::Qwen2Moe) {
+      j["shared_expert_intermediate_size"] = c.moe.shared_expert_size;
+      j["qkv_bias"] = true;
+      j.erase("attention_bias");
+    }
     j["decoder_sparse_step"] = 1;
     json dense = json::array();
     for (int64_t i = 0; i < c.num_layers; ++i)
@@ -277,7 +325,57 @@ json config_from_args(const ModelConfig& c, Arch arch) {
   }
   return j;
 }
+// The HF architecture of a moecore model: the recorded one (a converted checkpoint), else inferred
+// (q/k norms: Qwen3-MoE; q/k/v biases or a gated shared expert: Qwen2-MoE; pre-softmax routing or
+// dense layers: Qwen3-MoE; else Mixtral); then every feature is checked against it.
+Arch export_arch(const ModelConfig& c, const json& source, const std::string& origin) {
+  MC_CHECK(c.moe.num_experts > 0, origin, ": a dense model (no --num-experts) has no HF MoE equivalent");
+  MC_CHECK(c.swiglu && !c.add_bias_linear && c.rmsnorm && c.position_embedding_type == "rope" &&
+               !c.moe.enable_expert_bias && c.moe.router.score == ops::RouterScore::Softmax &&
+               c.moe.router.num_groups == 0 && c.moe.router.scaling_factor == 0,
+           origin, ": only models with SwiGLU, RMSNorm, RoPE, no linear biases (--add-qkv-bias aside) and softmax ",
+           "routing map to Mixtral, Qwen2-MoE or Qwen3-MoE");
+  bool dense = false;
+  for (int64_t i = 0; i < c.num_layers; ++i) dense = dense || !c.is_moe(i);
+  Arch arch = c.qk_layernorm                                  ? Arch::Qwen3Moe
+              : c.add_qkv_bias || c.moe.shared_expert_size > 0 ? Arch::Qwen2Moe
+              : c.moe.router.pre_softmax || dense             ? Arch::Qwen3Moe
+                                                              : Arch::Mixtral;
+  if (source.contains("architecture")) arch = arch_of({{"architectures", {source["architecture"]}}}, origin);
+  const std::string name = arch_name(arch);
+  MC_CHECK(c.qk_layernorm == (arch == Arch::Qwen3Moe), origin, ": ", name,
+           arch == Arch::Qwen3Moe ? " needs --qk-layernorm" : " has no q/k norms (--qk-layernorm)");
+  MC_CHECK(c.add_qkv_bias == (arch == Arch::Qwen2Moe), origin, ": ", name,
+           arch == Arch::Qwen2Moe ? " needs --add-qkv-bias" : " has no q/k/v biases (--add-qkv-bias)");
+  MC_CHECK((c.moe.shared_expert_size > 0) == (arch == Arch::Qwen2Moe), origin, ": ", name,
+           arch == Arch::Qwen2Moe ? " needs a shared expert (--moe-shared-expert-intermediate-size)"
+                                  : " has no shared expert (--moe-shared-expert-intermediate-size)");
+  MC_CHECK(c.moe.shared_expert_size == 0 || c.moe.shared_expert_gate, origin,
+           ": Qwen2-MoE's shared expert is gated (--moe-shared-expert-gate)");
+  MC_CHECK(arch != Arch::Mixtral || (!dense && !c.moe.router.pre_softmax), origin,
+           ": Mixtral has no dense layers and renormalises the top-k probabilities (no --moe-router-pre-softmax)");
+  return arch;
+}
 }  // namespace
+
+std::vector<StWriteTensor> export_hf_f32(const ModelConfig& c, const std::string& architecture,
+                                         const std::function<Tensor(const std::string&)>& get) {
+  const Arch arch = export_arch(c, {{"architecture", architecture}}, "export to " + architecture);
+  std::vector<StWriteTensor> out;
+  for (const Mapped& m : build_mapping(c, arch)) {
+    const Tensor t = get(m.ours);
+    MC_CHECK(t.defined() && t.dtype() == DType::F32 && t.shape() == m.shape && t.is_contiguous() && t.device().is_cpu(),
+             "export to ", architecture, ": tensor '", m.ours, "' must be a contiguous CPU F32 ", shape_str(m.shape),
+             ", got ", t.defined() ? t.describe() : std::string("none"));
+    const float* src = static_cast<const float*>(t.data_ptr());
+    for (const Part& p : m.parts) {
+      const size_t n = static_cast<size_t>(shape_numel(p.shape));
+      out.push_back({p.hf, StDType::F32, p.shape, f32_to_st_bytes(src, n, StDType::F32)});
+      src += n;
+    }
+  }
+  return out;
+}
 
 void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes) {
   const std::string origin = "checkpoint '" + ckpt_dir + "'";
@@ -287,18 +385,7 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
   const ModelConfig& c = args.model;
   const json source = json::parse(read_checkpoint_source(ckpt_dir));
   MC_CHECK(c.moe.num_experts > 0, origin, ": a dense model (no --num-experts) has no HF MoE equivalent");
-  MC_CHECK(c.swiglu && !c.add_bias_linear && c.rmsnorm && c.position_embedding_type == "rope" &&
-               c.moe.shared_expert_size == 0 && !c.moe.enable_expert_bias && c.moe.router.score == ops::RouterScore::Softmax &&
-               c.moe.router.num_groups == 0 && c.moe.router.scaling_factor == 0,
-           origin, ": only models with SwiGLU, RMSNorm, RoPE, no biases, no shared experts and softmax routing map ",
-           "to Mixtral or Qwen3-MoE");
-  Arch arch = c.qk_layernorm || c.moe.router.pre_softmax ? Arch::Qwen3Moe : Arch::Mixtral;
-  for (int64_t i = 0; i < c.num_layers; ++i)
-    if (!c.is_moe(i)) arch = Arch::Qwen3Moe;
-  if (source.contains("architecture")) arch = arch_of({{"architectures", {source["architecture"]}}}, origin);
-  MC_CHECK(arch == Arch::Qwen3Moe || !c.qk_layernorm, origin, ": Mixtral has no q/k norms");
-  MC_CHECK(arch == Arch::Mixtral || c.qk_layernorm, origin, ": Qwen3-MoE needs --qk-layernorm");
-
+  const Arch arch = export_arch(c, source, origin);
   const std::vector<Mapped> mapping = build_mapping(c, arch);
   const SafetensorsFile file(checkpoint_tensor_file(ckpt_dir));
   std::set<std::string> ours;
@@ -338,7 +425,7 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
 
 int run_convert(const std::vector<std::string>& argv) {
   std::string from, to, input, output, shard = "5GB";
-  cli::FlagSet flags("moecore convert", "Convert checkpoints between HuggingFace (Mixtral, Qwen3-MoE) and moecore.");
+  cli::FlagSet flags("moecore convert", "Convert checkpoints between HuggingFace (Mixtral, Qwen2-MoE, Qwen3-MoE) and moecore.");
   flags.add_string("from", &from, "source format: hf or moecore");
   flags.add_string("to", &to, "target format: moecore or hf");
   flags.add_string("input", &input, "source: an HF model directory or a moecore checkpoint directory");

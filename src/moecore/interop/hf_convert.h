@@ -1,5 +1,5 @@
-// HF <-> moecore checkpoint conversion for Mixtral (MixtralForCausalLM) and Qwen3-MoE
-// (Qwen3MoeForCausalLM).
+// HF <-> moecore checkpoint conversion for Mixtral (MixtralForCausalLM), Qwen2-MoE
+// (Qwen2MoeForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM).
 //
 //   moecore convert --from hf --to moecore --input HF_DIR --output CKPT_DIR
 //   moecore convert --from moecore --to hf --input CKPT_DIR --output HF_DIR [--max-shard-size 5GB]
@@ -16,25 +16,38 @@
 //   model.layers.N.input_layernorm.weight     decoder.layers.N.input_layernorm.weight
 //   ...self_attn.{q,k,v,o}_proj.weight        ...self_attention.linear_{q,k,v,proj}.weight
 //   ...self_attn.{q,k}_norm.weight (Qwen3)    ...self_attention.{q,k}_layernorm.weight [D]
+//   ...self_attn.{q,k,v}_proj.bias (Qwen2)    ...self_attention.linear_{q,k,v}.bias (--add-qkv-bias)
 //   ...post_attention_layernorm.weight        ...pre_mlp_layernorm.weight
 //   Mixtral ...block_sparse_moe.gate.weight   ...mlp.router.weight [E,H]
 //           ...block_sparse_moe.experts.M.{w1 (gate), w3 (up)}.weight [F,H]
 //                                             ...mlp.experts.linear_fc1.weight [E,2F,H], [e] = [w1; w3]
 //           ...block_sparse_moe.experts.M.w2.weight [H,F]
 //                                             ...mlp.experts.linear_fc2.weight [E,H,F]
-//   Qwen3   ...mlp.gate.weight, ...mlp.experts.M.{gate_proj, up_proj, down_proj}.weight (as above)
+//   Qwen2/3 ...mlp.gate.weight, ...mlp.experts.M.{gate_proj, up_proj, down_proj}.weight (as above)
+//   Qwen2   ...mlp.shared_expert.{gate_proj, up_proj}.weight [S,H]
+//                                             ...mlp.shared_experts.linear_fc1.weight [2S,H] = [gate; up]
+//           ...mlp.shared_expert.down_proj.weight  ...mlp.shared_experts.linear_fc2.weight [H,S]
+//           ...mlp.shared_expert_gate.weight  ...mlp.shared_experts.gate.weight [1,H] (sigmoid gate)
 //           dense layers: ...mlp.{gate_proj, up_proj}.weight -> ...mlp.linear_fc1.weight [2F,H],
 //                         ...mlp.down_proj.weight -> ...mlp.linear_fc2.weight [H,F]
 //   model.norm.weight                         decoder.final_layernorm.weight
 //   lm_head.weight (untied only)              output_layer.weight [V,H]
-// RoPE: HF Mixtral/Qwen3 and moecore both rotate halves of each head (rotate_half), so q/k rows
+// Routing: Mixtral, and Qwen with norm_topk_prob true, = softmax over the k selected logits (our
+// default); Qwen with norm_topk_prob false (Qwen2-MoE's default) = --moe-router-pre-softmax.
+// HF's router_aux_loss_coef becomes --moe-aux-loss-coeff, but HF's aux loss (one Switch loss over
+// all layers' tokens together, no 1/k) is not Megatron's (a sum of per-layer losses with 1/k).
+// RoPE: HF Mixtral/Qwen2/Qwen3 and moecore all rotate halves of each head (rotate_half), so q/k rows
 // are copied as they are; no interleave permutation is needed.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "moecore/interop/safetensors.h"
+#include "moecore/model/config.h"
 
 namespace moecore::interop {
 
@@ -43,6 +56,12 @@ int run_convert(const std::vector<std::string>& args);
 
 void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir);
 void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes);
+
+// Our named tensors (parameters, or their gradients) -> F32 HF tensors of `architecture`
+// ("MixtralForCausalLM", ...) by the mapping above, in mapping order; get(ours) returns a
+// contiguous CPU F32 tensor of our shape. An Error names a model feature the architecture lacks.
+std::vector<StWriteTensor> export_hf_f32(const ModelConfig& cfg, const std::string& architecture,
+                                         const std::function<Tensor(const std::string&)>& get);
 
 // config.json text -> train flag values (every train flag, as a checkpoint records them).
 std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const std::string& config_json,
