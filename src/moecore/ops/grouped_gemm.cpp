@@ -1,5 +1,9 @@
 #include "moecore/ops/grouped_gemm.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
 #include "moecore/ops/common.h"
 #include "moecore/ops/gemm.h"
 
@@ -40,10 +44,41 @@ void check_dtypes(const char* op, const char* na, const Tensor& a, const char* n
            fp32_out_ok && a.dtype() == DType::BF16 ? " or f32" : "");
 }
 
+// The implementation used when neither set_grouped_gemm_impl nor MOECORE_GROUPED_GEMM says.
+// Measured on an H200 (docs/performance.md, "Grouped GEMM"): cuBLAS 13.1's grouped GEMM reaches
+// 37-50% of dense cuBLAS at the Mixtral and Qwen3 expert shapes, the loop 57-95%, so the loop.
+constexpr GroupedGemmImpl kDefaultImpl = GroupedGemmImpl::Loop;
+
+// -1: not decided yet (read MOECORE_GROUPED_GEMM on first use).
+std::atomic<int> g_impl{-1};
+
+#if MOECORE_WITH_CUDA
+// True when a CUDA call should go to the grouped backend.
+bool use_cuda_grouped(const Tensor& t) { return t.device().is_cuda() && grouped_gemm_impl() == GroupedGemmImpl::Grouped; }
+#endif
+
 // Expert e's [N, K] matrix of a [E, N, K] tensor.
 Tensor expert_matrix(const Tensor& w, int64_t e) { return w.slice(0, e, e + 1).view({w.size(1), w.size(2)}); }
 
 }  // namespace
+
+const char* grouped_gemm_impl_name(GroupedGemmImpl impl) { return impl == GroupedGemmImpl::Loop ? "loop" : "grouped"; }
+
+GroupedGemmImpl grouped_gemm_impl() {
+  int v = g_impl.load();
+  if (v >= 0) return static_cast<GroupedGemmImpl>(v);
+  GroupedGemmImpl impl = kDefaultImpl;
+  if (const char* env = std::getenv("MOECORE_GROUPED_GEMM"); env && *env) {
+    const std::string s = env;
+    MC_CHECK(s == "loop" || s == "grouped", "MOECORE_GROUPED_GEMM='", s, "'; expected 'loop' or 'grouped'");
+    impl = s == "loop" ? GroupedGemmImpl::Loop : GroupedGemmImpl::Grouped;
+  }
+  int expected = -1;
+  g_impl.compare_exchange_strong(expected, static_cast<int>(impl));
+  return static_cast<GroupedGemmImpl>(g_impl.load());
+}
+
+void set_grouped_gemm_impl(GroupedGemmImpl impl) { g_impl.store(static_cast<int>(impl)); }
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out) {
   constexpr const char* op = "grouped_gemm_forward";
@@ -56,6 +91,9 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<in
   MC_CHECK(x.size(1) == w.size(2), op, ": 'x' has ", x.size(1), " columns but 'w' is [E, N, K] with K = ", w.size(2));
   check_shape(op, "out", out, {x.size(0), w.size(1)});
   check_dtypes(op, "x", x, "w", w, "out", out, false);
+#if MOECORE_WITH_CUDA
+  if (use_cuda_grouped(x) && cuda::grouped_gemm_forward(x, w, rows_per_group, out)) return;
+#endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
     const int64_t end = begin + rows_per_group[e];
@@ -79,6 +117,9 @@ void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<i
            w.size(1));
   check_shape(op, "dx", dx, {dout.size(0), w.size(2)});
   check_dtypes(op, "dout", dout, "w", w, "dx", dx, false);
+#if MOECORE_WITH_CUDA
+  if (use_cuda_grouped(dout) && cuda::grouped_gemm_dgrad(dout, w, rows_per_group, dx)) return;
+#endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
     const int64_t end = begin + rows_per_group[e];
@@ -101,6 +142,9 @@ void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<i
   MC_CHECK(x.size(0) == dout.size(0), op, ": 'x' has ", x.size(0), " rows but 'dout' has ", dout.size(0));
   check_shape(op, "dw", dw, {dw.size(0), dout.size(1), x.size(1)});
   check_dtypes(op, "dout", dout, "x", x, "dw", dw, true);
+#if MOECORE_WITH_CUDA
+  if (use_cuda_grouped(dout) && cuda::grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
+#endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
     const int64_t end = begin + rows_per_group[e];

@@ -5,11 +5,24 @@
 //   dgrad    dx_e  [M_e, K] = dout_e [M_e, N] @ w_e           dout [M, N], w [E, N, K], dx [M, K]
 //   wgrad    dw_e  [N, K]  += dout_e^T @ x_e                  dout [M, N], x [M, K], dw [E, N, K]
 // with M = sum_e M_e. forward and dgrad overwrite their outputs; wgrad accumulates (beta = 1).
-// Each expert's GEMM is ops::gemm on row slices (src/moecore/ops/gemm.h), which picks the
-// backend by device: dtypes as there (f32, f64 CPU-only, bf16 with fp32 accumulation; out and
-// dx have the input dtype; dw has the input dtype, or f32 for bf16 inputs (fp32 accumulation).
-// Experts with zero rows are skipped: their wgrad slice is left unchanged.
+// dtypes as ops::gemm (src/moecore/ops/gemm.h): f32, f64 CPU-only, bf16 with fp32 accumulation;
+// out and dx have the input dtype; dw has the input dtype, or f32 for bf16 inputs (fp32
+// accumulation). Experts with zero rows are skipped: their wgrad slice is left unchanged.
 // All tensors contiguous, on one device.
+//
+// Implementations (GroupedGemmImpl):
+//   Loop     one ops::gemm (cuBLASLt on CUDA) per non-empty expert on row slices; always
+//            used on the CPU.
+//   Grouped  CUDA only: one cublasGemmGroupedBatchedEx call over the non-empty experts
+//            (grouped_gemm_cuda.cpp), one group of size 1 per expert; per-expert pointers are
+//            built on the host from rows_per_group and copied to the device asynchronously.
+//            cuBLAS's grouped GEMM takes bf16 -> bf16 and f32 -> f32 (fp32 compute); a
+//            combination it refuses (bf16 inputs with an f32 wgrad output, see the .cpp) and
+//            a zero reduction dimension fall back to the loop.
+// The choice: set_grouped_gemm_impl(), else the environment MOECORE_GROUPED_GEMM=loop|grouped,
+// else the default, Loop: on an H200 with cuBLAS 13.1 the single grouped call ran at 35-50% of a
+// dense GEMM of the same FLOPs, the loop at 57-95% (bench/bench_grouped_gemm.cpp,
+// docs/performance.md "Grouped GEMM").
 #pragma once
 
 #include <cstdint>
@@ -22,5 +35,22 @@ namespace moecore::ops {
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out);
 void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
 void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
+
+enum class GroupedGemmImpl { Loop, Grouped };
+GroupedGemmImpl grouped_gemm_impl();
+// For tests and benchmarks (process-wide; overrides MOECORE_GROUPED_GEMM).
+void set_grouped_gemm_impl(GroupedGemmImpl impl);
+const char* grouped_gemm_impl_name(GroupedGemmImpl impl);
+
+namespace cuda {
+// One cublasGemmGroupedBatchedEx call on the current stream, arguments already checked.
+// Returns false, having computed nothing, where the grouped API cannot do the case (the
+// caller then loops over ops::gemm).
+bool grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out);
+bool grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
+bool grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
+// True once cuBLAS has refused bf16 inputs with an f32 output (such wgrads then loop).
+bool grouped_gemm_bf16_f32_refused();
+}  // namespace cuda
 
 }  // namespace moecore::ops

@@ -1,0 +1,241 @@
+// Grouped GEMM benchmark: the expert GEMMs of a MoE layer (ops/grouped_gemm.h) at the issue's
+// two shapes, each through
+//   grouped  one cublasGemmGroupedBatchedEx call (GroupedGemmImpl::Grouped; the bf16 -> f32
+//            wgrad falls back to the loop where cuBLAS refuses that type combination)
+//   loop     one cuBLASLt ops::gemm per expert (GroupedGemmImpl::Loop, the old path)
+//   dense    the ceiling: one ops::gemm over all rows (same FLOPs: M = sum of the expert rows,
+//            expert 0's weight; for wgrad the reduction runs over all rows into one dw slice)
+// for balanced and skewed token counts per expert.
+//
+// Shapes (T tokens, top-k, E experts, hidden h, expert FFN f, SwiGLU so fc1 is [E, 2f, h]):
+//   mixtral  h4096 f14336 E8   k2  T8192    (Mixtral-8x7B experts)
+//   qwen3    h2048 f768   E128 k8  T16384   (Qwen3-30B-A3B experts)
+// GEMMs (M = T k rows in expert order): fc1 fwd [M,h]x[E,2f,h]^T, fc2 fwd [M,f]x[E,h,f]^T,
+// fc1/fc2 dgrad (bf16 out) and wgrad (fp32 dw, beta = 1: the training path's accumulation).
+// Skewed: expert e gets a share proportional to exp(-3 r_e / (E-1)) for a fixed permutation r of
+// the experts (hottest/coldest = e^3 = 20x), and the coldest expert gets no tokens.
+//
+// bf16 in, fp32 accumulate. Timing: CUDA events around `iters` back-to-back calls after warm-up,
+// the median of `repeats` runs. Without a CUDA device it prints one line saying so.
+// Flags: --repeats N, --quick (qwen3 balanced only).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "moecore/cli/flags.h"
+#include "moecore/core/philox.h"
+#include "moecore/core/system_info.h"
+#include "moecore/core/tensor.h"
+#include "moecore/ops/gemm.h"
+#include "moecore/ops/grouped_gemm.h"
+#include "moecore/ops/random.h"
+
+using namespace moecore;
+
+namespace {
+
+struct Shape5 {
+  std::string name;
+  int64_t h, f, experts, topk, tokens;
+  double target_pct;  // the target: grouped >= this % of dense
+};
+
+enum class Gemm { Fc1Fwd, Fc2Fwd, Fc1Dgrad, Fc1Wgrad, Fc2Dgrad, Fc2Wgrad };
+const char* gemm_name(Gemm g) {
+  switch (g) {
+    case Gemm::Fc1Fwd: return "fc1 fwd";
+    case Gemm::Fc2Fwd: return "fc2 fwd";
+    case Gemm::Fc1Dgrad: return "fc1 dgrad";
+    case Gemm::Fc1Wgrad: return "fc1 wgrad";
+    case Gemm::Fc2Dgrad: return "fc2 dgrad";
+    case Gemm::Fc2Wgrad: return "fc2 wgrad";
+  }
+  return "?";
+}
+
+std::vector<int64_t> distribute(int64_t total, const std::vector<double>& weights) {
+  const double sum = std::accumulate(weights.begin(), weights.end(), 0.0);
+  std::vector<int64_t> rows(weights.size());
+  int64_t given = 0;
+  for (size_t e = 0; e < weights.size(); ++e) given += rows[e] = static_cast<int64_t>(total * weights[e] / sum);
+  for (size_t e = 0; given < total; e = (e + 1) % weights.size())
+    if (weights[e] > 0) ++rows[e], ++given;
+  return rows;
+}
+
+std::vector<int64_t> rows_per_expert(const Shape5& s, bool skewed) {
+  const int64_t total = s.tokens * s.topk, e = s.experts;
+  std::vector<double> w(static_cast<size_t>(e), 1.0);
+  if (skewed) {
+    // A fixed permutation (multiplication by an odd number mod a power of two, or a stride).
+    for (int64_t i = 0; i < e; ++i) {
+      const int64_t r = (i * 5 + 3) % e;
+      w[static_cast<size_t>(i)] = r == e - 1 ? 0.0 : std::exp(-3.0 * r / std::max<int64_t>(1, e - 1));
+    }
+  }
+  return distribute(total, w);
+}
+
+// Median milliseconds per call of fn() over `repeats` runs of `iters` back-to-back calls.
+template <typename F>
+double time_ms(Device dev, int iters, int repeats, F&& fn) {
+  for (int w = 0; w < 2; ++w) fn();
+  synchronize(dev);
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    Event start(dev), stop(dev);
+    start.record();
+    for (int i = 0; i < iters; ++i) fn();
+    stop.record();
+    stop.synchronize();
+    times.push_back(stop.elapsed_ms_since(start) / iters);
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+Tensor randn(const Shape& shape, DType t, Device dev, const char* name) {
+  Tensor x = Tensor::empty(shape, t, dev);
+  ops::fill_normal(x, 1234, rng_key(name), 0.0, 1.0);
+  return x;
+}
+
+struct Row {
+  std::string shape, dist, gemm;
+  int64_t m, n, k;  // row-major dense equivalent: [m, k] x [k, n]
+  double flops;
+  double ms[3];     // grouped, loop, dense
+  double tflops(int i) const { return flops / (ms[i] * 1e-3) / 1e12; }
+};
+
+Row run_gemm(const Shape5& s, const std::string& dist, const std::vector<int64_t>& rows, Gemm g, Device dev,
+             int repeats) {
+  const DType bf = DType::BF16;
+  const int64_t m = s.tokens * s.topk, e = s.experts;
+  const bool fc1 = g == Gemm::Fc1Fwd || g == Gemm::Fc1Dgrad || g == Gemm::Fc1Wgrad;
+  // The layer's weight is [E, wn, wk]: fc1 [E, 2f, h], fc2 [E, h, f].
+  const int64_t wn = fc1 ? 2 * s.f : s.h, wk = fc1 ? s.h : s.f;
+  Row r{s.name, dist, gemm_name(g), 0, 0, 0, 0, {0, 0, 0}};
+  std::function<void()> grouped, dense;
+  Tensor a, b, c, w, dw;
+  if (g == Gemm::Fc1Fwd || g == Gemm::Fc2Fwd) {
+    a = randn({m, wk}, bf, dev, "x"), w = randn({e, wn, wk}, bf, dev, "w"), c = Tensor::empty({m, wn}, bf, dev);
+    Tensor w0 = w.slice(0, 0, 1).view({wn, wk});
+    grouped = [&] { ops::grouped_gemm_forward(a, w, rows, c); };
+    dense = [&, w0] { ops::gemm(a, w0, c, false, true); };
+    r.m = m, r.n = wn, r.k = wk;
+  } else if (g == Gemm::Fc1Dgrad || g == Gemm::Fc2Dgrad) {
+    a = randn({m, wn}, bf, dev, "dout"), w = randn({e, wn, wk}, bf, dev, "w"), c = Tensor::empty({m, wk}, bf, dev);
+    Tensor w0 = w.slice(0, 0, 1).view({wn, wk});
+    grouped = [&] { ops::grouped_gemm_dgrad(a, w, rows, c); };
+    dense = [&, w0] { ops::gemm(a, w0, c, false, false); };
+    r.m = m, r.n = wk, r.k = wn;
+  } else {
+    a = randn({m, wn}, bf, dev, "dout"), b = randn({m, wk}, bf, dev, "x");
+    dw = Tensor::zeros({e, wn, wk}, DType::F32, dev);
+    Tensor dw0 = dw.slice(0, 0, 1).view({wn, wk});
+    grouped = [&] { ops::grouped_gemm_wgrad(a, b, rows, dw); };
+    dense = [&, dw0]() mutable { ops::gemm(a, b, dw0, true, false, 1.0f, 1.0f); };
+    r.m = wn, r.n = wk, r.k = m;
+  }
+  r.flops = 2.0 * static_cast<double>(r.m) * r.n * r.k;
+  const int iters = std::max(2, std::min(50, static_cast<int>(2e13 / r.flops)));
+  ops::set_grouped_gemm_impl(ops::GroupedGemmImpl::Grouped);
+  r.ms[0] = time_ms(dev, iters, repeats, grouped);
+  ops::set_grouped_gemm_impl(ops::GroupedGemmImpl::Loop);
+  r.ms[1] = time_ms(dev, iters, repeats, grouped);
+  r.ms[2] = time_ms(dev, iters, repeats, dense);
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    int64_t repeats = 5;
+    bool quick = false;
+    cli::FlagSet flags("bench_grouped_gemm", "Grouped expert GEMMs: cuBLAS grouped vs per-expert loop vs dense.");
+    flags.add_int("repeats", &repeats, "timed repetitions (median reported)");
+    flags.add_bool("quick", &quick, "only the qwen3 shape, balanced");
+    flags.parse(std::vector<std::string>(argv + 1, argv + argc));
+    if (flags.help_requested()) {
+      std::printf("%s", flags.help().c_str());
+      return 0;
+    }
+    if (cuda_device_count() == 0) {
+      std::printf("%s\n", nlohmann::json{{"bench", "grouped_gemm"}, {"skipped", "no CUDA device"}}.dump().c_str());
+      return 0;
+    }
+    const Device dev = Device::cuda(0);
+    const ops::GroupedGemmImpl default_impl = ops::grouped_gemm_impl();
+    const nlohmann::json info = system_info();
+    const std::string card = info["cuda_devices"][dev.index]["name"].get<std::string>();
+    std::vector<Shape5> shapes = {{"mixtral h4096 f14336 E8 k2 T8192", 4096, 14336, 8, 2, 8192, 85.0},
+                                  {"qwen3 h2048 f768 E128 k8 T16384", 2048, 768, 128, 8, 16384, 60.0}};
+    std::vector<bool> skews = {false, true};
+    if (quick) shapes.erase(shapes.begin()), skews = {false};
+    const std::vector<Gemm> gemms = {Gemm::Fc1Fwd, Gemm::Fc2Fwd, Gemm::Fc1Dgrad, Gemm::Fc1Wgrad, Gemm::Fc2Dgrad, Gemm::Fc2Wgrad};
+    std::vector<Row> rows;
+    for (const Shape5& s : shapes)
+      for (bool skewed : skews) {
+        const std::vector<int64_t> groups = rows_per_expert(s, skewed);
+        const std::string dist = skewed ? "skewed" : "balanced";
+        Row total{s.name, dist, "all six", 0, 0, 0, 0, {0, 0, 0}};
+        for (Gemm g : gemms) {
+          Row r = run_gemm(s, dist, groups, g, dev, static_cast<int>(repeats));
+          total.flops += r.flops;
+          for (int i = 0; i < 3; ++i) total.ms[i] += r.ms[i];
+          rows.push_back(r);
+          const nlohmann::json j = {{"bench", "grouped_gemm"}, {"shape", s.name}, {"dist", dist},
+                                    {"gemm", r.gemm}, {"device", card}, {"m", r.m}, {"n", r.n}, {"k", r.k},
+                                    {"max_rows", *std::max_element(groups.begin(), groups.end())},
+                                    {"min_rows", *std::min_element(groups.begin(), groups.end())},
+                                    {"grouped_ms", r.ms[0]}, {"loop_ms", r.ms[1]}, {"dense_ms", r.ms[2]},
+                                    {"grouped_tflops", r.tflops(0)}, {"loop_tflops", r.tflops(1)},
+                                    {"dense_tflops", r.tflops(2)}};
+          std::printf("%s\n", j.dump().c_str());
+          std::fflush(stdout);
+        }
+        rows.push_back(total);
+        const nlohmann::json j = {{"bench", "grouped_gemm"}, {"shape", s.name}, {"dist", dist}, {"gemm", "all six"},
+                                  {"device", card}, {"grouped_ms", total.ms[0]}, {"loop_ms", total.ms[1]},
+                                  {"dense_ms", total.ms[2]}, {"grouped_pct_of_dense", 100 * total.ms[2] / total.ms[0]},
+                                  {"loop_pct_of_dense", 100 * total.ms[2] / total.ms[1]}, {"target_pct", s.target_pct}};
+        std::printf("%s\n", j.dump().c_str());
+        std::fflush(stdout);
+      }
+    ops::set_grouped_gemm_impl(default_impl);
+#if MOECORE_WITH_CUDA
+    const bool refused = ops::cuda::grouped_gemm_bf16_f32_refused();
+    const size_t lt_version = ops::cuda::cublaslt_version();
+#else  // unreachable: no CUDA device was found above
+    const bool refused = false;
+    const size_t lt_version = 0;
+#endif
+    std::printf("%s\n", nlohmann::json{{"bench", "grouped_gemm"}, {"bf16_f32_grouped_refused", refused}}.dump().c_str());
+    std::printf("\nGrouped GEMM on %s (bf16 in, fp32 accumulate; wgrad into fp32 dw; cuBLASLt %zu)\n", card.c_str(),
+                lt_version);
+    std::printf("%-34s %-8s %-9s %8s %7s %8s %7s %8s %7s %8s %8s\n", "shape", "dist", "gemm", "grp ms", "TF/s",
+                "loop ms", "TF/s", "dense ms", "TF/s", "grp/dns", "loop/dns");
+    for (const Row& r : rows)
+      std::printf("%-34s %-8s %-9s %8.3f %7.1f %8.3f %7.1f %8.3f %7.1f %7.1f%% %7.1f%%\n", r.shape.c_str(),
+                  r.dist.c_str(), r.gemm.c_str(), r.ms[0], r.tflops(0), r.ms[1], r.tflops(1), r.ms[2], r.tflops(2),
+                  100 * r.ms[2] / r.ms[0], 100 * r.ms[2] / r.ms[1]);
+    std::printf("targets: grouped >= 85%% of dense (mixtral shape), >= 60%% (qwen3 shape); default impl: %s\n",
+                ops::grouped_gemm_impl_name(default_impl));
+    std::printf("bf16 -> f32 wgrad in cuBLAS's grouped GEMM: %s\n",
+                refused ? "refused (grouped wgrad rows ran the per-expert loop)" : "accepted");
+
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_grouped_gemm: error: %s\n", e.what());
+    return 1;
+  }
+}
