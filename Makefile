@@ -3,13 +3,14 @@
 #   make test       build, then the CPU test tiers (ctest labels unit and dist)
 #   make demo       build, then the default demo
 #   make gpu-test   CUDA build, then the gpu tier; one summary line last
+#   make gpu-dist   2+ GPUs: NCCL tests, DP/EP equivalence on GPUs, multi-GPU throughput table
 #   make bench      build, then the benchmarks (JSON lines and a table each)
 # BUILD_DIR (default build), JOBS (default: cores), CMAKE_ARGS pass through.
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: build deps configure test demo gpu-test bench clean
+.PHONY: build deps configure test demo gpu-test gpu-dist bench clean
 
 deps:
 	@scripts/install-deps.sh
@@ -28,6 +29,9 @@ demo: build
 
 gpu-test:
 	@scripts/gpu-test.sh $(BUILD_DIR)
+
+gpu-dist:
+	@scripts/gpu-dist.sh $(BUILD_DIR)
 
 bench: build
 	@scripts/bench.sh $(BUILD_DIR)

@@ -1,10 +1,51 @@
 #include "moecore/moe/token_dispatcher.h"
 
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <numeric>
 
 namespace moecore {
 
 const char* dispatcher_name(DispatcherType t) { return t == DispatcherType::AllGather ? "allgather" : "alltoall"; }
+
+namespace {
+double g_comm_seconds = 0;
+
+// Accumulates the wall time of one collective when MOECORE_COMM_TIMERS=1 (device-synchronised).
+class CommTimer {
+ public:
+  explicit CommTimer(Device dev) : dev_(dev), on_(dispatch_timers_enabled()) {
+    if (!on_) return;
+    synchronize(dev_);
+    t0_ = std::chrono::steady_clock::now();
+  }
+  ~CommTimer() {
+    if (!on_) return;
+    synchronize(dev_);
+    g_comm_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+
+ private:
+  Device dev_;
+  bool on_;
+  std::chrono::steady_clock::time_point t0_;
+};
+}  // namespace
+
+bool dispatch_timers_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOECORE_COMM_TIMERS");
+    return v && std::strcmp(v, "0") != 0 && *v;
+  }();
+  return on;
+}
+
+double take_dispatch_comm_seconds() {
+  const double s = g_comm_seconds;
+  g_comm_seconds = 0;
+  return s;
+}
 
 TokenDispatcher::TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts)
     : ep_(ep), type_(type), num_experts_(num_experts) {
@@ -28,18 +69,21 @@ int64_t total(const std::vector<int64_t>& v) { return std::accumulate(v.begin(),
 Tensor TokenDispatcher::all_to_all_rows(const Tensor& in, const std::vector<int64_t>& send,
                                         const std::vector<int64_t>& recv) const {
   Tensor out = Tensor::empty(with_rows(in, total(recv)), in.dtype(), in.device());
+  CommTimer timer(in.device());
   ep_->all_to_all(in, send, out, recv);
   return out;
 }
 
 Tensor TokenDispatcher::gather_rows(const Tensor& in) const {
   Tensor out = Tensor::empty(with_rows(in, in.size(0) * ep_size_), in.dtype(), in.device());
+  CommTimer timer(in.device());
   ep_->all_gather(in, out);
   return out;
 }
 
 Tensor TokenDispatcher::reduce_scatter_rows(const Tensor& in) const {
   Tensor out = Tensor::empty(with_rows(in, in.size(0) / ep_size_), in.dtype(), in.device());
+  CommTimer timer(in.device());
   ep_->reduce_scatter(in, out, comm::ReduceOp::Sum);
   return out;
 }
@@ -86,7 +130,10 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   const std::vector<int64_t>& mine = ctx.routing.host_tokens_per_expert;
   Tensor counts_in = Tensor::from_vector(mine, {1, num_experts_}).to(ep_->device());
   Tensor counts_all = Tensor::empty({ep_size_, num_experts_}, DType::I64, ep_->device());
-  ep_->all_gather(counts_in, counts_all);
+  {
+    CommTimer timer(ep_->device());
+    ep_->all_gather(counts_in, counts_all);
+  }
   const std::vector<int64_t> all = counts_all.to_vector<int64_t>();
   auto count = [&](int64_t src, int64_t expert) { return all[static_cast<size_t>(src * num_experts_ + expert)]; };
   ctx.send_rows.assign(static_cast<size_t>(ep_size_), 0);

@@ -44,6 +44,13 @@ namespace moecore {
 enum class DispatcherType { AllGather, AllToAll };
 const char* dispatcher_name(DispatcherType t);
 
+// Timers for the share of a step spent in dispatch communication (issue: scaling runs). With
+// MOECORE_COMM_TIMERS=1 in the environment every dispatcher collective is bracketed by device
+// synchronisations and its wall time accumulated (which serialises the step: for measurement
+// runs only). Returns the seconds since the last call and resets; 0 when timers are off.
+bool dispatch_timers_enabled();
+double take_dispatch_comm_seconds();
+
 class TokenDispatcher {
  public:
   TokenDispatcher() = default;

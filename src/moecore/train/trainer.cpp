@@ -269,6 +269,7 @@ int run_training(const TrainArgs& args) {
     }
     synchronize(dev);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double dispatch_ms = take_dispatch_comm_seconds() * 1e3;  // MOECORE_COMM_TIMERS=1 only
     const bool skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
     if (!skipped) {
       interval_loss += lm_loss;
@@ -304,7 +305,10 @@ int run_training(const TrainArgs& args) {
                   grad_norm, params_norm, static_cast<long long>(interval_skipped),
                   static_cast<long long>(interval_nan), tokens_per_s);
       if (dev.is_cuda()) std::printf(" MFU: %.1f%% |", 100.0 * tflops / 989.0);
-      std::printf(" mem allocated/peak (GB): %.2f/%.2f |\n", mem.allocated_bytes / 1e9, mem.peak_allocated_bytes / 1e9);
+      std::printf(" mem allocated/peak (GB): %.2f/%.2f |", mem.allocated_bytes / 1e9, mem.peak_allocated_bytes / 1e9);
+      if (dispatch_timers_enabled())
+        std::printf(" dispatch communication (ms, last step): %.1f (%.0f%%) |", dispatch_ms, 100.0 * dispatch_ms / ms);
+      std::printf("\n");
       if (cfg.moe.per_layer_logging) {
         for (size_t l = 0; l < layer_stats.size(); ++l) {
           std::printf("   layer %lld (MoE): load_balancing_loss %.6E z_loss %.6E tokens per expert [",

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# make gpu-dist: on a machine with 2+ GPUs, the NCCL tier, multi-GPU training checks and a
+# throughput table. Usage: scripts/gpu-dist.sh [build-dir] [all|check|perf]
+#   check: the dist test binary under mpirun -np 2 (CommNccl.* incl. the token dispatchers on
+#          device tensors); tests/gpu/train_parallel_gpu.sh (fp32 tiny MoE: DP=2 and EP=2 layouts
+#          print the one-GPU losses)
+#   perf:  bench_comm (NCCL all-to-all / all-reduce / all-gather bus bandwidth at dispatch sizes)
+#          on 2 and, with 4+ GPUs, 4 ranks; mixtral-small (bf16, global batch 16) on one GPU,
+#          DP=2, EP=2 (alltoall, allgather) and with 4+ GPUs DP=4, EP=4 (+ distributed
+#          optimizer, + dispatch timers); finegrained-small one GPU vs EP=4 / EP=2.
+# The last line: gpu-dist: N passed, N failed on <cards>
+set -uo pipefail
+build=${1:-build}; what=${2:-all}
+export PATH=$PATH:/usr/local/cuda/bin NCCL_NVLS_ENABLE=0
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$gpus" -ge 2 ] || { echo "gpu-dist: needs 2 GPUs, found $gpus"; exit 1; }
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOECORE_CUDA=ON >/dev/null || exit 1
+cmake --build "$build" -j "$(nproc)" --target moecore_app moecore_dist_tests bench_comm >"$build/build-dist.log" 2>&1 ||
+  { grep -E "error" -A3 "$build/build-dist.log" | head -40; echo "gpu-dist: build failed"; exit 1; }
+mpi() { local np=$1; shift; mpirun --allow-run-as-root -np "$np" -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 -x MOECORE_COMM_TIMERS "$@"; }
+export MOECORE_COMM_TIMERS=${MOECORE_COMM_TIMERS:-0}
+passed=0; failed=0
+step() {  # name command...
+  local name=$1; shift
+  if "$@" > "$build/$name.log" 2>&1; then passed=$((passed + 1)); echo "PASS $name"; else
+    failed=$((failed + 1)); echo "FAIL $name"; tail -40 "$build/$name.log"; fi
+}
+if [ "$what" != perf ]; then
+  step nccl_dist_tests env CUDA_VISIBLE_DEVICES=0,1 mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES \
+    "$build/tests/moecore_dist_tests" --gtest_filter='CommNccl*'
+  grep -E "^\[  (PASSED|FAILED) " "$build/nccl_dist_tests.log" || true
+  step train_parallel_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_parallel_gpu.sh "$build/moecore" . \
+    "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
+  grep -E "same|differ" "$build/train_parallel_gpu.log" || true
+fi
+if [ "$what" != check ]; then
+  for np in 2 4; do
+    [ "$gpus" -ge "$np" ] || continue
+    echo "== bench_comm, $np GPUs"; mpi "$np" "$build/bench/bench_comm" | sed -n '/^$/,$p'
+  done
+  # the log line of the last 5 of 10 steps
+  line() { grep "iteration       10/" "$1" | grep -o "elapsed time per iteration (ms): [0-9.]*\|lm loss: [^|]*\|tokens/s: [0-9]*\|mem allocated/peak (GB): [0-9./]*\|dispatch communication[^|]*" | sed 's/elapsed time per iteration (ms)/ms/' | tr '\n' ' '; }
+  perf() {  # label np config extra flags...
+    local label=$1 np=$2 config=$3; shift 3
+    local args=(train --config "configs/$config.yaml" --global-batch-size 16 --train-iters 10 --log-interval 5 --eval-interval 0 --lr-warmup-iters 1 "$@")
+    if [ "$np" -eq 1 ]; then CUDA_VISIBLE_DEVICES=0 "$build/moecore" "${args[@]}" > "$build/perf.log" 2>&1
+    else mpi "$np" "$build/moecore" "${args[@]}" > "$build/perf.log" 2>&1; fi || { tail -5 "$build/perf.log"; }
+    echo "| $config | $label | $(line "$build/perf.log") |"
+  }
+  printf "\n| model | layout | log line (average of steps 6-10) |\n|---|---|---|\n"
+  perf "one GPU" 1 mixtral-small
+  perf "DP=2" 2 mixtral-small
+  perf "EP=2 alltoall" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+  perf "EP=2 allgather" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather
+  if [ "$gpus" -ge 4 ]; then
+    perf "DP=4" 4 mixtral-small
+    perf "EP=4 alltoall" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
+    perf "EP=4 alltoall + distributed optimizer" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall --use-distributed-optimizer
+    perf "EP=2 DP=2 (EDP=2) alltoall" 4 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+    MOECORE_COMM_TIMERS=1 perf "EP=4 alltoall, dispatch timers on" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
+    perf "one GPU" 1 finegrained-small --micro-batch-size 4
+    perf "EP=4 alltoall" 4 finegrained-small --micro-batch-size 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
+    MOECORE_COMM_TIMERS=1 perf "EP=4 alltoall, dispatch timers on" 4 finegrained-small --micro-batch-size 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
+  else
+    perf "one GPU" 1 finegrained-small --micro-batch-size 4
+    perf "EP=2 alltoall" 2 finegrained-small --micro-batch-size 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+  fi
+fi
+cards=$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | sed 's/^ *//' | tr '\n' ' ')
+echo "gpu-dist: $passed passed, $failed failed on $cards"
+[ "$failed" -eq 0 ]
