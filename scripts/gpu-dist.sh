@@ -51,11 +51,15 @@ if [ "$what" != check ]; then
   printf "\n| model | layout | log line (average of steps 6-10) |\n|---|---|---|\n"
   perf "one GPU" 1 mixtral-small
   perf "DP=2" 2 mixtral-small
+  perf "DP=2 --overlap-grad-reduce" 2 mixtral-small --overlap-grad-reduce
   perf "EP=2 alltoall" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+  perf "EP=2 alltoall --overlap-grad-reduce" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce
   perf "EP=2 allgather" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather
   if [ "$gpus" -ge 4 ]; then
     perf "DP=4" 4 mixtral-small
+    perf "DP=4 --overlap-grad-reduce" 4 mixtral-small --overlap-grad-reduce
     perf "EP=4 alltoall" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
+    perf "EP=4 alltoall --overlap-grad-reduce" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall --overlap-grad-reduce
     perf "EP=4 alltoall + distributed optimizer" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall --use-distributed-optimizer
     perf "EP=2 DP=2 (EDP=2) alltoall" 4 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
     MOECORE_COMM_TIMERS=1 perf "EP=4 alltoall, dispatch timers on" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall

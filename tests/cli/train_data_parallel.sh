@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Data and expert parallelism under mpirun (CPU ranks): DP=2 and DP=4 (dense and MoE), EP=4,
-# EP=2 with the distributed optimizer, EP=2 with the allgather dispatcher and EP=4 with
-# global_aux_loss print the single-rank run's lm loss, load_balancing_loss and grad norm (within
+# EP=2 with the distributed optimizer, EP=2 with the allgather dispatcher, EP=4 with
+# global_aux_loss and --overlap-grad-reduce (DP=4, EP=2) print the single-rank run's lm loss, load_balancing_loss and grad norm (within
 # 2e-5 relative) for 3 iterations; a checkpoint saved by EP=2 + distributed optimizer resumes
 # under other layouts to the single-rank losses; ranks started with different flags are refused;
-# a rank that fails stops every rank with its message.
+# a rank that fails stops every rank with its message; a killed rank stops every rank.
 set -euo pipefail
 bin=$1; src=$2; mpiexec=$3
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -63,10 +63,12 @@ for case in "4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoa
             "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer" \
             "2 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather" \
             "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --use-distributed-optimizer" \
-            "4 --use-distributed-optimizer"; do
+            "4 --use-distributed-optimizer" \
+            "4 --overlap-grad-reduce" \
+            "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce"; do
   read -r -a c <<<"$case"
   run_ranks "${c[@]}"
-  grep -q "expert-parallel size ${c[2]:-1}" "$dir/dp.log" || [ "${c[1]}" = --use-distributed-optimizer ] || { cat "$dir/dp.log"; echo "FAIL: EP not in use"; exit 1; }
+  grep -q "expert-parallel size ${c[2]:-1}" "$dir/dp.log" || [ "${c[1]}" != --expert-model-parallel-size ] || { cat "$dir/dp.log"; echo "FAIL: EP not in use"; exit 1; }
   compare "$dir/dp.jsonl" "$dir/single.jsonl" || { echo "FAIL: np=$case differs from one rank"; exit 1; }
   echo "np=$case: same losses and grad norm as one rank"
 done
@@ -93,6 +95,19 @@ for layout in "2 --expert-model-parallel-size 2 --use-distributed-optimizer" "1"
     { echo "FAIL: resumed (np ${c[*]}) differs from the uninterrupted run"; exit 1; }
   echo "checkpoint of EP=2 + distributed optimizer resumed on np ${c[*]}: same losses as one rank"
 done
+# a rank killed mid-training (SIGKILL: no message of its own): every rank stops, non-zero, quickly
+"$mpiexec" -np 2 "$bin" "${base[@]}" --train-iters 100000 --lr-decay-iters 100000 --metrics-file "$dir/kill.jsonl" > "$dir/kill.log" 2>&1 &
+launcher=$!
+for _ in $(seq 1 150); do [ -s "$dir/kill.jsonl" ] && break; sleep 0.2; done
+[ -s "$dir/kill.jsonl" ] || { cat "$dir/kill.log"; echo "FAIL: the run to kill did not start"; kill "$launcher"; exit 1; }
+victim=$(pgrep -f -- "--metrics-file $dir/kill.jsonl" | grep -vx "$launcher" | sort -n | tail -1)
+kill -9 "$victim"
+start=$(date +%s)
+if wait "$launcher"; then echo "FAIL: the job succeeded after a rank was killed"; exit 1; fi
+[ $(( $(date +%s) - start )) -lt 30 ] || { echo "FAIL: the other rank took too long to stop"; exit 1; }
+sleep 1
+if pgrep -f -- "--metrics-file $dir/kill.jsonl" > /dev/null; then echo "FAIL: a rank outlived the job"; exit 1; fi
+echo "a killed rank stops the job in $(( $(date +%s) - start )) s"
 # not yet: other parallel sizes are refused clearly
 if out=$("$bin" "${base[@]}" --tensor-model-parallel-size 2 2>&1); then echo "FAIL: TP accepted"; exit 1; fi
 grep -q "tensor-model-parallel-size 2 is not available in this version" <<<"$out" || { echo "$out"; exit 1; }

@@ -18,7 +18,8 @@ grep -q "cuda" "$dir/one.log" || { cat "$dir/one.log"; echo "FAIL: not on a GPU"
 [ "$(values "$dir/one.jsonl" | wc -l)" -eq 9 ] || { echo "FAIL: no losses"; exit 1; }
 for flags in "" "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
              "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --use-distributed-optimizer" \
-             "--use-distributed-optimizer"; do
+             "--use-distributed-optimizer" "--overlap-grad-reduce" \
+             "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce"; do
   # shellcheck disable=SC2086
   ranks $flags
   compare "$dir/two.jsonl" "$dir/one.jsonl" || { echo "FAIL: 2 GPUs [$flags] differ from one GPU"; exit 1; }

@@ -106,7 +106,7 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
   return ctx.num_labels > 0 ? sum / static_cast<double>(ctx.num_labels) : 0.0;
 }
 
-void GPTModel::backward(double grad_scale, Ctx& ctx) {
+void GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done) {
   MC_CHECK(ctx.logits.defined(), "GPTModel::backward without a forward");
   const int64_t n = ctx.logits.size(0);
   Tensor dloss = Tensor::empty({n}, ctx.lse.dtype(), ctx.logits.device());
@@ -120,6 +120,7 @@ void GPTModel::backward(double grad_scale, Ctx& ctx) {
     Tensor d_normed = cfg_.is_moe(i) ? moe_[li].backward(dh, grad_scale, lc.moe) : mlp_[li].backward(dh, lc.mlp);
     add_into(dh, mlp_norm_[li].backward(d_normed, lc.mlp_norm));
     add_into(dh, attn_norm_[li].backward(attention_[li].backward(dh, ctx.batch, lc.attn), lc.attn_norm));
+    if (layer_done) layer_done(i);
   }
   ops::embedding_backward(ctx.token_ids, dh, word_embeddings_->grad);
   if (position_embeddings_) ops::embedding_backward(ctx.position_ids, dh, position_embeddings_->grad);

@@ -6,6 +6,7 @@
 // decoder.final_layernorm.weight, output_layer.weight).
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "moecore/model/attention_block.h"
@@ -38,7 +39,9 @@ class GPTModel {
   // loss over labelled tokens. Keeps what backward needs in ctx.
   double forward(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed, Ctx& ctx);
   // grad_scale = d(objective) / d(this micro-batch's mean loss), e.g. 1 / num_microbatches.
-  void backward(double grad_scale, Ctx& ctx);
+  // layer_done(i), when given, is called once decoder layer i's parameter gradients are final
+  // (its whole backward is issued): the trainer starts their reduction while the backward goes on.
+  void backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done = {});
   // Logits [B*S, V] in the compute dtype, no loss (generation).
   Tensor logits(const Tensor& tokens);
 

@@ -95,6 +95,8 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("expert-tensor-parallel-size", &a.etp, "expert tensor parallelism (only 1 in this version)");
   f.add_bool("use-distributed-optimizer", &a.use_distributed_optimizer,
              "shard AdamW states over the data-parallel ranks (ZeRO-1; experts over expert-data-parallel)");
+  f.add_bool("overlap-grad-reduce", &a.overlap_grad_reduce,
+             "all-reduce each layer's gradients during the last micro-batch's backward (not with the distributed optimizer)");
   f.add_string("moe-token-dispatcher-type", &a.token_dispatcher,
                "expert-parallel token dispatch: allgather (default) or alltoall");
   f.add_bool("mock-data", &a.mock_data, "synthetic learnable data (arithmetic progressions)");
@@ -319,6 +321,8 @@ void finalize_train_args(TrainArgs& a) {
              " is not available in this version: it runs data and expert parallelism (every launched rank is a "
              "data-parallel rank; --expert-model-parallel-size splits the experts)");
   }
+  MC_CHECK(!(a.overlap_grad_reduce && a.use_distributed_optimizer), "--overlap-grad-reduce with "
+           "--use-distributed-optimizer is not available in this version; pass one of them");
   MC_CHECK(a.ep == 1 || e.num_experts > 0, "--expert-model-parallel-size ", a.ep, " needs an MoE model (--num-experts)");
   MC_CHECK(a.world % a.ep == 0, "--expert-model-parallel-size ", a.ep, " does not divide the ", a.world,
            " launched ranks; expected a divisor of the world size");

@@ -45,6 +45,7 @@ struct TrainArgs {
   // 4-D parallelism work implements them.
   int64_t tp = 1, pp = 1, cp = 1, ep = 1, etp = 1;
   bool use_distributed_optimizer = false;
+  bool overlap_grad_reduce = false;  // --overlap-grad-reduce: reduce layer gradients during the backward
   std::string token_dispatcher = "allgather";  // --moe-token-dispatcher-type (Megatron's default)
   DispatcherType dispatcher = DispatcherType::AllGather;
   int64_t world = 1, rank = 0, local_rank = 0;  // from the launcher's environment

@@ -49,8 +49,31 @@ std::pair<int64_t, int64_t> Optimizer::shard_multiples(const OptimizerGroups& g,
   return {g.dp ? g.dp->size() : 1, g.edp ? g.edp->size() : 1};
 }
 
-Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed)
-    : store_(store), groups_(groups), distributed_(distributed) {
+Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed, bool overlap)
+    : store_(store), groups_(groups), distributed_(distributed), overlap_(overlap) {
+  MC_CHECK(!(overlap && distributed), "--overlap-grad-reduce with --use-distributed-optimizer is not available in this "
+                                      "version; use one of them");
+  if (overlap_) {
+    // Each decoder layer's slice of both buffers: "decoder.layers.<i>." parameters are registered together.
+    const std::string prefix = "decoder.layers.";
+    for (const auto& p : store_.all()) {
+      if (!p->trainable || p->name.rfind(prefix, 0) != 0) continue;
+      const size_t layer = std::stoul(p->name.substr(prefix.size()));
+      std::vector<Range>& ranges = p->expert ? layer_expert_ : layer_dense_;
+      if (ranges.size() <= layer) ranges.resize(layer + 1, Range{-1, -1});
+      const int64_t begin = store_.grad_offset(*p), end = begin + (p->master.numel() + 63) / 64 * 64;
+      Range& r = ranges[layer];
+      if (r.begin < 0) r = {begin, end};
+      MC_CHECK(r.end == begin || r.begin == end || (begin >= r.begin && end <= r.end),
+               "--overlap-grad-reduce: the gradients of decoder layer ", layer, " are not contiguous (parameter '",
+               p->name, "')");
+      r = {std::min(r.begin, begin), std::max(r.end, end)};
+    }
+    if (store_.device().is_cuda()) {
+      comm_stream_ = Stream::create(store_.device());
+      has_comm_stream_ = true;
+    }
+  }
   if (!distributed_) return;
   for (bool expert : {false, true}) {
     Shard& s = expert ? expert_ : dense_;
@@ -71,8 +94,80 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     if (p->trainable) p->exp_avg = p->exp_avg_sq = Tensor();
 }
 
+Optimizer::~Optimizer() {
+  if (has_comm_stream_) comm_stream_.destroy();
+}
+
+void Optimizer::reduce_range(bool expert, Range r) {
+  if (r.end <= r.begin) return;
+  std::vector<Range>& done = expert ? done_expert_ : done_dense_;
+  for (const Range& d : done)
+    MC_CHECK(r.end <= d.begin || r.begin >= d.end, "gradient range [", r.begin, ", ", r.end, ") reduced twice");
+  done.push_back(r);
+  Tensor slice = (expert ? store_.expert_grad_buffer() : store_.grad_buffer()).slice(0, r.begin, r.end);
+  if (expert) {
+    if (groups_.edp) groups_.edp->all_reduce(slice, comm::ReduceOp::Sum);
+  } else if (groups_.dp) {
+    groups_.dp->all_reduce(slice, comm::ReduceOp::Avg);
+  }
+}
+
+void Optimizer::layer_ready(int64_t layer) {
+  if (!overlap_) return;
+  const size_t l = static_cast<size_t>(layer);
+  const Range dense = l < layer_dense_.size() ? layer_dense_[l] : Range{};
+  const Range expert = l < layer_expert_.size() ? layer_expert_[l] : Range{};
+  if (!has_comm_stream_) {  // CPU: MPI reduces at once
+    reduce_range(false, dense);
+    reduce_range(true, expert);
+    return;
+  }
+  // The layer's gradients were produced on the compute stream: the communication stream waits for them.
+  Event ready(store_.device());
+  ready.record(current_stream(store_.device()));
+  ready.wait(comm_stream_);
+  StreamGuard on_comm(comm_stream_);
+  reduce_range(false, dense);
+  reduce_range(true, expert);
+}
+
 void Optimizer::reduce_gradients() {
   const double expert_scale = 1.0 / static_cast<double>(groups_.dp_size);
+  if (overlap_) {
+    // Everything not reduced during the backward: the complement of the done ranges.
+    for (bool expert : {false, true}) {
+      std::vector<Range> done = expert ? done_expert_ : done_dense_;
+      std::sort(done.begin(), done.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+      const int64_t n = (expert ? store_.expert_grad_buffer() : store_.grad_buffer()).numel();
+      std::vector<Range> rest;
+      int64_t at = 0;
+      for (const Range& d : done) {
+        if (d.begin > at) rest.push_back({at, d.begin});
+        at = std::max(at, d.end);
+      }
+      if (at < n) rest.push_back({at, n});
+      if (!has_comm_stream_) {
+        for (const Range& r : rest) reduce_range(expert, r);
+        continue;
+      }
+      // One communicator is never used on two streams at once: the rest goes on the
+      // communication stream too, after the end of the backward.
+      Event ready(store_.device());
+      ready.record(current_stream(store_.device()));
+      ready.wait(comm_stream_);
+      StreamGuard on_comm(comm_stream_);
+      for (const Range& r : rest) reduce_range(expert, r);
+    }
+    if (has_comm_stream_) {
+      Event reduced(store_.device());
+      reduced.record(comm_stream_);
+      reduced.wait(current_stream(store_.device()));
+    }
+    done_dense_.clear();
+    done_expert_.clear();
+    scale(store_.expert_grad_buffer(), expert_scale);
+    return;
+  }
   if (!distributed_) {
     if (groups_.dp && store_.grad_buffer().numel() > 0) groups_.dp->all_reduce(store_.grad_buffer(), comm::ReduceOp::Avg);
     if (store_.expert_grad_buffer().numel() > 0) {

@@ -16,6 +16,15 @@
 // ParamStore's per-parameter Adam tensors are released), then all-gathers the updated fp32
 // masters. The fp32 masters themselves stay whole on every rank (they are the CPU's weights).
 //
+// Overlap (--overlap-grad-reduce, plain optimizer only): during the last micro-batch's backward
+// the trainer calls layer_ready(i) as soon as decoder layer i's gradients are final; that
+// layer's slices of both buffers (contiguous: a layer's parameters are registered together) are
+// all-reduced at once, on a communication stream ordered after the compute stream by an event
+// (GPU), so the reduction runs while the backward of the layers below goes on.
+// reduce_gradients() then reduces every range not yet reduced (embedding, final norm, output
+// layer), makes the compute stream wait for the communication stream and applies the expert
+// scale. Each element is reduced exactly once (checked).
+//
 // Norms: the squared gradient norm sums each element of the model once: dense from the
 // reduced dense gradients (or shards, summed over DP), experts summed over EP (and EDP shards).
 // full_state() and load() speak the single-rank checkpoint names and full shapes, so a
@@ -46,10 +55,15 @@ struct AdamHyper {
 class Optimizer {
  public:
   // Call after store.initialize(dp shards, edp shards) when distributed (see shard_multiples).
-  Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed);
+  Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed, bool overlap = false);
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
   // The buffer length multiples initialize() needs for this layout: {dense, expert}.
   static std::pair<int64_t, int64_t> shard_multiples(const OptimizerGroups& groups, bool distributed);
 
+  bool overlapping() const { return overlap_; }
+  void layer_ready(int64_t layer);  // overlap: layer's gradients are final
   void reduce_gradients();
   double grad_norm_sq();    // after reduce_gradients(); the same on every rank
   double params_norm_sq();  // fp32 masters of trainable parameters; the same on every rank
@@ -73,11 +87,21 @@ class Optimizer {
   Tensor& master_buffer_of(const Param& p) { return p.expert ? store_.expert_master_buffer() : store_.master_buffer(); }
   Tensor full_rows(const Param& p, const Tensor& local);  // gathers an expert tensor over EP
   Tensor full_state_buffer(Shard& s, const Tensor& shard_state);
+  struct Range {
+    int64_t begin = 0, end = 0;  // elements of one flat buffer
+  };
+  // Reduces [begin, end) of the dense (expert = false) or expert buffer; records it as done.
+  void reduce_range(bool expert, Range r);
 
   ParamStore& store_;
   OptimizerGroups groups_;
   bool distributed_ = false;
   Shard dense_, expert_;
+  bool overlap_ = false;
+  std::vector<Range> layer_dense_, layer_expert_;  // per decoder layer (empty range: none)
+  std::vector<Range> done_dense_, done_expert_;    // reduced so far this step
+  Stream comm_stream_;
+  bool has_comm_stream_ = false;
 };
 
 }  // namespace moecore

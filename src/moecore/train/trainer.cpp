@@ -6,6 +6,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 
@@ -127,11 +128,13 @@ int run_training(const TrainArgs& args) {
   layout_cfg.world = args.world;
   layout_cfg.ep = args.ep;
   const parallel::ProcessGroupLayout layout = parallel::layout_for_rank(layout_cfg, args.rank);
-  auto group = [&](const std::vector<int64_t>& ranks) -> std::unique_ptr<comm::Communicator> {
-    if (ranks.size() <= 1 || static_cast<int64_t>(ranks.size()) == args.world) return nullptr;
+  auto group = [&](const std::vector<int64_t>& ranks, bool own) -> std::unique_ptr<comm::Communicator> {
+    if (ranks.size() <= 1 || (!own && static_cast<int64_t>(ranks.size()) == args.world)) return nullptr;
     return world->split(ranks);
   };
-  std::unique_ptr<comm::Communicator> ep_group = group(layout.ep), edp_group = group(layout.expt_dp);
+  // The EP group always has its own communicator: its all-to-alls run on the compute stream
+  // while --overlap-grad-reduce all-reduces over DP on the communication stream.
+  std::unique_ptr<comm::Communicator> ep_group = group(layout.ep, true), edp_group = group(layout.expt_dp, false);
   OptimizerGroups groups;
   groups.dp = dp;
   groups.ep = layout.ep.size() == 1 ? nullptr : (ep_group ? ep_group.get() : dp);
@@ -149,7 +152,7 @@ int run_training(const TrainArgs& args) {
   GPTModel model(cfg, store, moe_par);
   const auto [dense_multiple, expert_multiple] = Optimizer::shard_multiples(groups, args.use_distributed_optimizer);
   store.initialize(dense_multiple, expert_multiple);
-  Optimizer optimizer(store, groups, args.use_distributed_optimizer);
+  Optimizer optimizer(store, groups, args.use_distributed_optimizer, args.overlap_grad_reduce && dp != nullptr);
   TrainingState state;
   if (!args.load.empty() && !checkpoint_exists(args.load)) {
     // Megatron's behaviour for the first run of a job that passes --load and --save alike.
@@ -224,7 +227,11 @@ int run_training(const TrainArgs& args) {
       const uint64_t rng = static_cast<uint64_t>(args.seed) * 0x100000001B3ull +
                            static_cast<uint64_t>((it * micro + m) * dp_size + dp_rank);
       loss_sum += model.forward(b.tokens, b.labels, true, rng, ctx);
-      model.backward(1.0 / static_cast<double>(micro), ctx);
+      // The last micro-batch's backward finalises each layer's gradients: reduce them as it goes.
+      const bool overlap = optimizer.overlapping() && m == micro - 1;
+      model.backward(1.0 / static_cast<double>(micro), ctx,
+                     overlap ? std::function<void(int64_t)>([&](int64_t l) { optimizer.layer_ready(l); })
+                             : std::function<void(int64_t)>());
     }
     const double lm_loss = average_over_ranks(dp, loss_sum / static_cast<double>(micro));
     optimizer.reduce_gradients();
