@@ -2,8 +2,9 @@
 # make gpu-dist: on a machine with 2+ GPUs, the NCCL tier, multi-GPU training checks and a
 # throughput table. Usage: scripts/gpu-dist.sh [build-dir] [all|check|perf]
 #   check: the dist test binary under mpirun -np 2 (CommNccl.* incl. the token dispatchers on
-#          device tensors); tests/gpu/train_parallel_gpu.sh (fp32 tiny MoE: DP=2 and EP=2 layouts
-#          print the one-GPU losses)
+#          device tensors); tests/gpu/train_parallel_gpu.sh (fp32 tiny MoE: DP=2, EP=2 and PP=2
+#          layouts print the one-GPU losses); tests/gpu/train_torchrun_gpu.sh (the same under
+#          torchrun, NCCL bootstrapped over TCP)
 #   perf:  bench_comm (NCCL all-to-all / all-reduce / all-gather bus bandwidth at dispatch sizes)
 #          on 2 and, with 4+ GPUs, 4 ranks; mixtral-small (bf16, global batch 16) on one GPU,
 #          DP=2, EP=2 (alltoall, allgather) and with 4+ GPUs DP=4, EP=4 (+ distributed
@@ -33,6 +34,8 @@ if [ "$what" != perf ]; then
   step train_parallel_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_parallel_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "same|differ" "$build/train_parallel_gpu.log" || true
+  step train_torchrun_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_torchrun_gpu.sh "$build/moecore" .
+  grep -E "same|differ|torchrun" "$build/train_torchrun_gpu.log" | tail -8 || true
 fi
 if [ "$what" != check ]; then
   for np in 2 4; do
@@ -55,6 +58,7 @@ if [ "$what" != check ]; then
   perf "EP=2 alltoall" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
   perf "EP=2 alltoall --overlap-grad-reduce" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce
   perf "EP=2 allgather" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather
+  perf "PP=2 (1F1B)" 2 mixtral-small --pipeline-model-parallel-size 2
   if [ "$gpus" -ge 4 ]; then
     perf "DP=4" 4 mixtral-small
     perf "DP=4 --overlap-grad-reduce" 4 mixtral-small --overlap-grad-reduce
@@ -62,6 +66,8 @@ if [ "$what" != check ]; then
     perf "EP=4 alltoall --overlap-grad-reduce" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall --overlap-grad-reduce
     perf "EP=4 alltoall + distributed optimizer" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall --use-distributed-optimizer
     perf "EP=2 DP=2 (EDP=2) alltoall" 4 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+    perf "PP=2 x EP=2 alltoall" 4 mixtral-small --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+    perf "PP=4 (1F1B)" 4 mixtral-small --pipeline-model-parallel-size 4
     MOECORE_COMM_TIMERS=1 perf "EP=4 alltoall, dispatch timers on" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
     perf "one GPU" 1 finegrained-small --micro-batch-size 4
     perf "EP=4 alltoall" 4 finegrained-small --micro-batch-size 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall

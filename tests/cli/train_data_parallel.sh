@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Data and expert parallelism under mpirun (CPU ranks): DP=2 and DP=4 (dense and MoE), EP=4,
+# Data, expert and pipeline parallelism under mpirun (CPU ranks): DP=2 and DP=4 (dense and MoE), EP=4,
 # EP=2 with the distributed optimizer, EP=2 with the allgather dispatcher, EP=4 with
 # global_aux_loss and --overlap-grad-reduce (DP=4, EP=2) print the single-rank run's lm loss, load_balancing_loss and grad norm (within
 # 2e-5 relative) for 3 iterations; a checkpoint saved by EP=2 + distributed optimizer resumes
 # under other layouts to the single-rank losses; ranks started with different flags are refused;
-# a rank that fails stops every rank with its message; a killed rank stops every rank.
+# a rank that fails stops every rank with its message; a killed rank stops every rank;
+# PP=2, PP=4, virtual stages, PP x EP and PP x DP print the single-rank values (validation too)
+# and PP checkpoints resume under other layouts.
 set -euo pipefail
 bin=$1; src=$2; mpiexec=$3
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -95,6 +97,40 @@ for layout in "2 --expert-model-parallel-size 2 --use-distributed-optimizer" "1"
     { echo "FAIL: resumed (np ${c[*]}) differs from the uninterrupted run"; exit 1; }
   echo "checkpoint of EP=2 + distributed optimizer resumed on np ${c[*]}: same losses as one rank"
 done
+# pipeline parallelism (4 layers): PP=2, PP=4, PP=2 with virtual stages, PP=2 x EP=2 with the
+# distributed optimizer, PP=2 x DP=2 with virtual stages and overlap, against one rank;
+# validation losses too
+pipe=(--num-layers 4 --micro-batch-size 2 --eval-interval 2 --eval-iters 2)
+values_all() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*\|"valid_lm_loss":[^,}]*' "$1" | cut -d: -f2; }
+run_single "${pipe[@]}"
+[ "$(values_all "$dir/single.jsonl" | wc -l)" -eq 11 ] || { cat "$dir/single.jsonl"; echo "FAIL: expected 9 training and 2 validation values"; exit 1; }
+for case in "2 --pipeline-model-parallel-size 2" "4 --pipeline-model-parallel-size 4" \
+            "2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1" \
+            "4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer" \
+            "4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --overlap-grad-reduce"; do
+  read -r -a c <<<"$case"
+  run_ranks "${c[@]}" "${pipe[@]}"
+  grep -q "pipeline stages" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: no pipeline"; exit 1; }
+  paste <(values_all "$dir/dp.jsonl") <(values_all "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }' ||
+    { echo "FAIL: np=$case differs from one rank"; exit 1; }
+  echo "np=$case: same losses, grad norm and validation loss as one rank"
+done
+# a checkpoint saved by PP=2 x EP=2 resumes on one rank and on PP=4
+rm -f "$dir/single.jsonl"
+"$bin" "${base[@]}" "${pipe[@]}" "${sched[@]}" --train-iters 4 --metrics-file "$dir/single.jsonl" > "$dir/single.log" 2>&1 || { cat "$dir/single.log"; exit 1; }
+"$mpiexec" -np 4 "$bin" "${base[@]}" "${pipe[@]}" "${sched[@]}" --train-iters 2 --pipeline-model-parallel-size 2 \
+  --expert-model-parallel-size 2 --save "$dir/ckpt-pp" > "$dir/save.log" 2>&1 || { cat "$dir/save.log"; exit 1; }
+for layout in "1" "4 --pipeline-model-parallel-size 4"; do
+  read -r -a c <<<"$layout"
+  rm -f "$dir/resumed.jsonl"
+  "$mpiexec" -np "${c[0]}" "$bin" "${base[@]}" "${pipe[@]}" "${sched[@]}" "${c[@]:1}" --train-iters 4 --load "$dir/ckpt-pp" \
+    --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; exit 1; }
+  paste <(values_all "$dir/resumed.jsonl" | tail -n 7) <(values_all "$dir/single.jsonl" | tail -n 7) | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+    { echo "FAIL: PP checkpoint resumed on np ${c[*]} differs"; exit 1; }
+  echo "checkpoint of PP=2 x EP=2 resumed on np ${c[*]}: same losses as one rank"
+done
+if out=$("$mpiexec" -np 2 "$bin" "${base[@]}" --pipeline-model-parallel-size 2 --num-layers 3 2>&1); then echo "FAIL: uneven PP accepted"; exit 1; fi
+grep -q "num-layers 3 is not divisible by --pipeline-model-parallel-size 2" <<<"$out" || { echo "$out"; exit 1; }
 # a rank killed mid-training (SIGKILL: no message of its own): every rank stops, non-zero, quickly
 "$mpiexec" -np 2 "$bin" "${base[@]}" --train-iters 100000 --lr-decay-iters 100000 --metrics-file "$dir/kill.jsonl" > "$dir/kill.log" 2>&1 &
 launcher=$!
@@ -112,7 +148,7 @@ echo "a killed rank stops the job in $(( $(date +%s) - start )) s"
 if out=$("$bin" "${base[@]}" --tensor-model-parallel-size 2 2>&1); then echo "FAIL: TP accepted"; exit 1; fi
 grep -q "tensor-model-parallel-size 2 is not available in this version" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$mpiexec" -np 2 "$bin" "${base[@]}" --expert-model-parallel-size 4 2>&1); then echo "FAIL: EP 4 on 2 ranks accepted"; exit 1; fi
-grep -q "expert-model-parallel-size 4 does not divide the 2 launched ranks" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "expert-model-parallel-size 4 does not divide the 2 data-parallel ranks" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$bin" "${base[@]}" --moe-token-dispatcher-type flex 2>&1); then echo "FAIL: flex accepted"; exit 1; fi
 grep -q "flex (DeepEP kernels) is not available" <<<"$out" || { echo "$out"; exit 1; }
 echo PASS

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two GPUs (NCCL): the fp32 tiny MoE trained by DP=2 and EP=2 layouts prints the one-GPU run's
+# Two GPUs (NCCL): the fp32 tiny MoE trained by DP=2, EP=2 and PP=2 layouts prints the one-GPU run's
 # lm loss, load_balancing_loss and grad norm for 3 iterations (within 1e-4 relative: fp32 GPU
 # GEMMs may sum in another order for other row counts). Run by scripts/gpu-dist.sh.
 set -euo pipefail
@@ -29,4 +29,13 @@ single --moe-router-load-balancing-type global_aux_loss --micro-batch-size 16
 ranks --moe-router-load-balancing-type global_aux_loss --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --micro-batch-size 8  # one micro-batch per rank
 compare "$dir/two.jsonl" "$dir/one.jsonl" || { echo "FAIL: EP=2 global_aux_loss differs from one GPU"; exit 1; }
 echo "2 GPUs [EP=2 global_aux_loss]: same losses and grad norm as one GPU"
+# pipeline parallelism on a 4-layer model
+single --num-layers 4
+for flags in "--pipeline-model-parallel-size 2" "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1" \
+             "--pipeline-model-parallel-size 2 --overlap-grad-reduce"; do
+  # shellcheck disable=SC2086
+  ranks --num-layers 4 $flags
+  compare "$dir/two.jsonl" "$dir/one.jsonl" || { echo "FAIL: 2 GPUs [$flags] differ from one GPU"; exit 1; }
+  echo "2 GPUs [$flags]: same losses and grad norm as one GPU"
+done
 echo PASS

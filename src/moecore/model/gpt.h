@@ -15,10 +15,18 @@
 
 namespace moecore {
 
+// A pipeline stage's share of the model: decoder layers [first_layer, end_layer) (global
+// numbers, so parameter names do not depend on the layout), the embedding on the first stage,
+// the final norm, output layer and loss on the last. The default is the whole model.
+struct PipelineStage {
+  int64_t first_layer = 0, end_layer = -1;  // -1: every layer
+  bool has_embedding = true, has_head = true;
+};
+
 class GPTModel {
  public:
   // par: the expert-parallel and balancing groups of the MoE layers (default: one rank).
-  GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par = {});
+  GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par = {}, const PipelineStage& stage = {});
 
   struct LayerCtx {
     Norm::Ctx attn_norm, mlp_norm;
@@ -33,27 +41,38 @@ class GPTModel {
     Norm::Ctx final_norm;
     Linear::Ctx head;
     Tensor logits, lse;  // [T, V], [T]
+    Tensor hidden_out;   // a stage without the head: its output [T, H] for the next stage
   };
 
   // tokens and labels [B, S] i32 on the model's device (labels < 0 are ignored). Returns the mean
   // loss over labelled tokens. Keeps what backward needs in ctx.
-  double forward(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed, Ctx& ctx);
+  // Pipeline stages: without the embedding the input is hidden_in [B*S, H] (the previous stage's
+  // output; tokens still give the batch shape); without the head the output is ctx.hidden_out
+  // and the return value 0.
+  double forward(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed, Ctx& ctx,
+                 const Tensor& hidden_in = Tensor());
   // grad_scale = d(objective) / d(this micro-batch's mean loss), e.g. 1 / num_microbatches.
   // layer_done(i), when given, is called once decoder layer i's parameter gradients are final
   // (its whole backward is issued): the trainer starts their reduction while the backward goes on.
-  void backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done = {});
+  // Pipeline stages: without the head, d_hidden_out is the gradient of ctx.hidden_out (from the
+  // next stage); without the embedding the gradient of hidden_in is returned (else undefined).
+  Tensor backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done = {},
+                  const Tensor& d_hidden_out = Tensor());
   // Logits [B*S, V] in the compute dtype, no loss (generation).
   Tensor logits(const Tensor& tokens);
 
   std::vector<MoeLayer*> moe_layers();
   std::vector<int64_t> moe_layer_numbers() const;  // decoder layer index of each moe_layers() entry
   const ModelConfig& config() const { return cfg_; }
+  const PipelineStage& stage() const { return stage_; }
+  DType compute_dtype() const { return compute_; }
 
  private:
   Tensor embed(const Tensor& tokens, Ctx& ctx);
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
 
   ModelConfig cfg_;
+  PipelineStage stage_;
   Param* word_embeddings_ = nullptr;
   Param* position_embeddings_ = nullptr;
   std::vector<Norm> attn_norm_, mlp_norm_;

@@ -39,11 +39,12 @@ struct TrainArgs {
   int64_t save_interval = 0;
   std::string device_text;  // "" = cuda when present, else cpu
   bool override_opt_param_scheduler = false;  // resume with other learning-rate settings
-  // Parallelism (Megatron's flags). This version runs data parallelism over every launched
-  // rank (mpirun/srun): world = DP, with expert parallelism folded over it (EP divides the
-  // world; EDP = world / EP). TP, CP, PP and ETP are validated and refused above 1 until the
-  // 4-D parallelism work implements them.
+  // Parallelism (Megatron's flags). The launched ranks (mpirun/srun) form world = DP x PP
+  // (pipeline stages of equal layer counts, pp slowest in the order), with expert parallelism
+  // folded over each stage's data-parallel ranks (EP divides DP; EDP = DP / EP). TP, CP and ETP
+  // are validated and refused above 1 until the 4-D parallelism work implements them.
   int64_t tp = 1, pp = 1, cp = 1, ep = 1, etp = 1;
+  int64_t layers_per_virtual_stage = 0, virtual_stages_per_rank = 0;  // 0: no virtual stages
   bool use_distributed_optimizer = false;
   bool overlap_grad_reduce = false;  // --overlap-grad-reduce: reduce layer gradients during the backward
   std::string token_dispatcher = "allgather";  // --moe-token-dispatcher-type (Megatron's default)
@@ -59,7 +60,13 @@ struct TrainArgs {
   int64_t make_vocab_size_divisible_by = 128;
 
   int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }  // over all DP ranks
-  int64_t data_parallel_size() const { return world; }
+  int64_t data_parallel_size() const { return world / pp; }
+  // Model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage or
+  // --num-virtual-stages-per-pipeline-rank; 1 without virtual stages).
+  int64_t virtual_stages() const {
+    if (virtual_stages_per_rank > 0) return virtual_stages_per_rank;
+    return layers_per_virtual_stage > 0 ? model.num_layers / (pp * layers_per_virtual_stage) : 1;
+  }
 
   // Every train flag's value as given or defaulted (saved with checkpoints: generate rebuilds
   // the model from it).

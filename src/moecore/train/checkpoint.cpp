@@ -225,7 +225,8 @@ bool checkpoint_exists(const std::string& dir) {
 TrainingState read_checkpoint_meta(const std::string& dir) { return parse_meta(locate_checkpoint(dir)); }
 
 TrainingState load_checkpoint(const std::string& dir,
-                              const std::function<void(const TensorFetch& fetch, bool model_only)>& consume) {
+                              const std::function<void(const TensorFetch& fetch, bool model_only)>& consume,
+                              const std::function<bool(const std::string& name)>& elsewhere) {
   const fs::path ckpt = locate_checkpoint(dir);
   TrainingState s = parse_meta(ckpt);
   const std::vector<NamedTensor> tensors = read_safetensors((ckpt / "model_optim.safetensors").string());
@@ -243,6 +244,8 @@ TrainingState load_checkpoint(const std::string& dir,
     return t;
   };
   consume(fetch, s.model_only);
+  if (elsewhere)
+    for (auto it = by_name.begin(); it != by_name.end();) it = elsewhere(it->first) ? by_name.erase(it) : std::next(it);
   MC_CHECK(by_name.empty(), "checkpoint '", ckpt.string(), "' has tensor '", by_name.begin()->first,
            "' that this model does not: it was saved from a different model configuration");
   if (s.model_only) s.iteration = s.consumed_samples = s.skipped_iterations = s.nan_iterations = 0;

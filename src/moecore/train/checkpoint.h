@@ -46,8 +46,11 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params);
 // which checks presence, shape and dtype (an Error naming the checkpoint and the tensor);
 // tensors left untaken are an Error afterwards. model_only: no optimizer state in the file.
 using TensorFetch = std::function<Tensor(const std::string& name, const Shape& shape, DType dtype)>;
+// elsewhere(name): a tensor this rank does not hold but another does (pipeline stages); such
+// tensors may stay untaken.
 TrainingState load_checkpoint(const std::string& dir,
-                              const std::function<void(const TensorFetch& fetch, bool model_only)>& consume);
+                              const std::function<void(const TensorFetch& fetch, bool model_only)>& consume,
+                              const std::function<bool(const std::string& name)>& elsewhere = {});
 
 // Model-only checkpoint (written by `moecore convert`): <dir>/iter_0000000/model_optim.safetensors
 // with the fp32 masters only (no "<name>.exp_avg"/".exp_avg_sq"), meta.json "format":

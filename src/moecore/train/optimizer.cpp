@@ -190,13 +190,14 @@ void Optimizer::reduce_gradients() {
 }
 
 double Optimizer::grad_norm_sq() {
-  if (!distributed_) return squares(store_.grad_buffer()) + sum_over(groups_.ep, squares(store_.expert_grad_buffer()));
+  if (!distributed_)
+    return sum_over(groups_.pp, squares(store_.grad_buffer()) + sum_over(groups_.ep, squares(store_.expert_grad_buffer())));
   const double dense = sum_over(dense_.group, squares(dense_.grad));
-  return dense + sum_over(groups_.ep, sum_over(expert_.group, squares(expert_.grad)));
+  return sum_over(groups_.pp, dense + sum_over(groups_.ep, sum_over(expert_.group, squares(expert_.grad))));
 }
 
 double Optimizer::params_norm_sq() {
-  return squares(store_.master_buffer()) + sum_over(groups_.ep, squares(store_.expert_master_buffer()));
+  return sum_over(groups_.pp, squares(store_.master_buffer()) + sum_over(groups_.ep, squares(store_.expert_master_buffer())));
 }
 
 void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t step) {

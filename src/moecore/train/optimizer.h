@@ -45,6 +45,7 @@ struct OptimizerGroups {
   comm::Communicator* dp = nullptr;   // dense parameters' data-parallel group (null: one rank)
   comm::Communicator* edp = nullptr;  // expert parameters' data-parallel group (null: one rank)
   comm::Communicator* ep = nullptr;   // the expert-parallel group (null: every expert here)
+  comm::Communicator* pp = nullptr;   // the pipeline group: norms sum over the stages
   int64_t dp_size = 1;
 };
 

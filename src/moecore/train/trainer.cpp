@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +23,7 @@
 #include "moecore/train/checkpoint.h"
 #include "moecore/train/lr_schedule.h"
 #include "moecore/train/optimizer.h"
+#include "moecore/train/pipeline.h"
 #include "moecore/parallel/rank_generator.h"
 #include "moecore/train/tensorboard.h"
 
@@ -111,6 +113,69 @@ void check_same_flags(comm::Communicator* c, const TrainArgs& args) {
            " differs); start every rank with the same command line");
 }
 
+// Whether a checkpoint tensor ("<param>" or "<param>.exp_avg[_sq]") belongs to this pipeline stage.
+bool owns_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::string& name) {
+  const std::string layers = "decoder.layers.";
+  if (name.rfind(layers, 0) == 0) {
+    const int64_t i = std::stoll(name.substr(layers.size()));
+    return i >= st.first_layer && i < st.end_layer;
+  }
+  if (name.rfind("embedding.", 0) == 0) return st.has_embedding || (!cfg.untie_embeddings && st.has_head);
+  return st.has_head;  // final norm, output layer
+}
+
+// Pipeline stages' checkpoint tensors to stage 0 (pp rank 0 returns all of them, in stage order;
+// the others return nothing). Each stage sends one header (names, dtypes, shapes as JSON) and one
+// byte buffer, as u8 tensors on the communicator's device.
+std::vector<NamedTensor> gather_stages(comm::Communicator& pp, std::vector<NamedTensor> mine) {
+  const Device dev = pp.device();
+  auto send_bytes = [&](const std::string& bytes) {
+    Tensor n = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(bytes.size())}, {1}).to(dev);
+    pp.send(n, 0);
+    if (bytes.empty()) return;
+    Tensor host = Tensor::empty({static_cast<int64_t>(bytes.size())}, DType::U8, Device::cpu());
+    std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+    pp.send(host.to(dev), 0);
+  };
+  auto recv_bytes = [&](int peer) {
+    Tensor n = Tensor::empty({1}, DType::I64, dev);
+    pp.recv(n, peer);
+    const int64_t size = n.to_vector<int64_t>()[0];
+    std::string out(static_cast<size_t>(size), '\0');
+    if (size == 0) return out;
+    Tensor t = Tensor::empty({size}, DType::U8, dev);
+    pp.recv(t, peer);
+    const Tensor host = t.to(Device::cpu());
+    std::memcpy(out.data(), host.data_ptr(), out.size());
+    return out;
+  };
+  if (pp.rank() != 0) {
+    nlohmann::json header = nlohmann::json::array();
+    std::string blob;
+    for (const NamedTensor& t : mine) {
+      const Tensor c = t.tensor.to(Device::cpu()).contiguous();
+      header.push_back({{"name", t.name}, {"dtype", static_cast<int>(c.dtype())}, {"shape", c.shape()}});
+      blob.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+    }
+    send_bytes(header.dump());
+    send_bytes(blob);
+    return {};
+  }
+  for (int peer = 1; peer < pp.size(); ++peer) {
+    const nlohmann::json header = nlohmann::json::parse(recv_bytes(peer));
+    const std::string blob = recv_bytes(peer);
+    size_t at = 0;
+    for (const auto& h : header) {
+      Tensor t = Tensor::empty(h.at("shape").get<Shape>(), static_cast<DType>(h.at("dtype").get<int>()), Device::cpu());
+      MC_CHECK(at + t.nbytes() <= blob.size(), "checkpoint gather: stage ", peer, " sent too few bytes");
+      std::memcpy(t.data_ptr(), blob.data() + at, t.nbytes());
+      at += t.nbytes();
+      mine.push_back({h.at("name").get<std::string>(), t});
+    }
+  }
+  return mine;
+}
+
 }  // namespace
 
 int run_training(const TrainArgs& args) {
@@ -121,35 +186,69 @@ int run_training(const TrainArgs& args) {
   // losses and MoE statistics are averaged (or summed) over the ranks.
   std::unique_ptr<comm::Communicator> world;
   if (args.world > 1) world = dev.is_cuda() ? comm::make_nccl_world(dev) : comm::make_mpi_world();
-  comm::Communicator* dp = world.get();  // TP = CP = PP = 1: every rank is a data-parallel rank
-  check_same_flags(dp, args);
-  // Expert parallelism (Parallel Folding): the expert generator's EP and EDP groups of this rank.
+  check_same_flags(world.get(), args);
+  // Process groups (Parallel Folding): the dense generator gives this rank's data-parallel and
+  // pipeline groups, the expert generator its expert-parallel and expert-data-parallel groups.
   parallel::ParallelConfig layout_cfg;
   layout_cfg.world = args.world;
   layout_cfg.ep = args.ep;
+  layout_cfg.pp = args.pp;
   const parallel::ProcessGroupLayout layout = parallel::layout_for_rank(layout_cfg, args.rank);
-  auto group = [&](const std::vector<int64_t>& ranks, bool own) -> std::unique_ptr<comm::Communicator> {
-    if (ranks.size() <= 1 || (!own && static_cast<int64_t>(ranks.size()) == args.world)) return nullptr;
-    return world->split(ranks);
+  // own: a communicator of its own even when the group is the whole world (EP all-to-alls run on
+  // the compute stream while --overlap-grad-reduce uses the world on the communication stream;
+  // pipeline transfers interleave with both).
+  std::vector<std::unique_ptr<comm::Communicator>> owned;
+  auto group = [&](const std::vector<int64_t>& ranks, bool own) -> comm::Communicator* {
+    if (ranks.size() <= 1) return nullptr;
+    if (!own && static_cast<int64_t>(ranks.size()) == args.world) return world.get();
+    owned.push_back(world->split(ranks));
+    return owned.back().get();
   };
-  // The EP group always has its own communicator: its all-to-alls run on the compute stream
-  // while --overlap-grad-reduce all-reduces over DP on the communication stream.
-  std::unique_ptr<comm::Communicator> ep_group = group(layout.ep, true), edp_group = group(layout.expt_dp, false);
+  // Every rank creates its groups in the same order (NCCL bootstraps them collectively).
+  comm::Communicator* dp = group(layout.dp, false);
+  comm::Communicator* pp = group(layout.pp, true);
   OptimizerGroups groups;
   groups.dp = dp;
-  groups.ep = layout.ep.size() == 1 ? nullptr : (ep_group ? ep_group.get() : dp);
-  groups.edp = layout.expt_dp.size() == 1 ? nullptr : (edp_group ? edp_group.get() : dp);
+  groups.ep = group(layout.ep, true);
+  groups.edp = group(layout.expt_dp, false);
+  groups.pp = pp;
   groups.dp_size = args.data_parallel_size();
-  const int64_t dp_size = args.data_parallel_size(), dp_rank = args.rank;
-  const bool logger = dp_rank == dp_size - 1;  // Megatron logs from the last rank
-  const bool writer = dp_rank == 0;            // and saves from the first
+  const int64_t dp_size = args.data_parallel_size(), dp_rank = layout.dp_rank;
+  const int64_t stage = layout.pp_rank, stages = args.pp;
+  const bool logger = args.rank == args.world - 1;  // Megatron logs from the last rank (last stage)
+  const bool writer = args.rank == 0;               // and saves from the first
+  // This rank's model chunks: virtual stage c * P + s for c < V (V = 1 without virtual stages),
+  // each a contiguous run of layers; the first virtual stage embeds, the last has the head.
+  const int64_t vstages = args.virtual_stages(), layers_per_vstage = cfg.num_layers / (stages * vstages);
+  std::vector<PipelineStage> chunk_stages;
+  for (int64_t c = 0; c < vstages; ++c) {
+    const int64_t vs = c * stages + stage;
+    PipelineStage st;
+    st.first_layer = vs * layers_per_vstage;
+    st.end_layer = st.first_layer + layers_per_vstage;
+    st.has_embedding = vs == 0;
+    st.has_head = vs == stages * vstages - 1;
+    chunk_stages.push_back(st);
+  }
+  auto owns = [&](const std::string& name) {
+    for (const PipelineStage& st : chunk_stages)
+      if (owns_tensor(st, cfg, name)) return true;
+    return false;
+  };
+  const bool has_head = chunk_stages.back().has_head;
   const DType compute = args.bf16 ? DType::BF16 : DType::F32;
   ParamStore store(dev, DType::F32, compute, static_cast<uint64_t>(args.seed));
   MoeParallel moe_par;
   moe_par.ep = groups.ep;
   moe_par.dispatcher = args.dispatcher;
   moe_par.aux_group = dp;
-  GPTModel model(cfg, store, moe_par);
+  std::vector<std::unique_ptr<GPTModel>> chunk_models;
+  std::vector<GPTModel*> chunks;
+  for (const PipelineStage& st : chunk_stages) {
+    chunk_models.push_back(std::make_unique<GPTModel>(cfg, store, moe_par, st));
+    chunks.push_back(chunk_models.back().get());
+  }
+  GPTModel& model = *chunks.front();
   const auto [dense_multiple, expert_multiple] = Optimizer::shard_multiples(groups, args.use_distributed_optimizer);
   store.initialize(dense_multiple, expert_multiple);
   Optimizer optimizer(store, groups, args.use_distributed_optimizer, args.overlap_grad_reduce && dp != nullptr);
@@ -161,7 +260,10 @@ int run_training(const TrainArgs& args) {
     const TrainingState meta = read_checkpoint_meta(args.load);
     // A model-only checkpoint (moecore convert) starts training afresh: only the model must match.
     check_resume_flags(meta.args, args, /*check_schedule=*/!meta.model_only);
-    state = load_checkpoint(args.load, [&](const TensorFetch& fetch, bool model_only) { optimizer.load(fetch, model_only); });
+    // Checkpoints hold the whole model: a pipeline stage leaves the other stages' tensors.
+    auto elsewhere = [&](const std::string& name) { return stages > 1 && !owns(name); };
+    state = load_checkpoint(args.load, [&](const TensorFetch& fetch, bool model_only) { optimizer.load(fetch, model_only); },
+                            elsewhere);
     if (args.rank == args.world - 1)
       std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
                   static_cast<long long>(state.iteration));
@@ -190,50 +292,76 @@ int run_training(const TrainArgs& args) {
                 static_cast<long long>(model_params), static_cast<long long>(active_matmul_params(cfg)),
                 dev.str().c_str(), dtype_name(compute), static_cast<long long>(dp_size), static_cast<long long>(micro),
                 static_cast<long long>(args.micro_batch_size), flops_per_step);
+  if (logger && stages > 1)
+    std::printf("moecore train: %lld pipeline stages x %lld model chunks of %lld layers (%s), %lld data-parallel "
+                "rank(s) per stage\n",
+                static_cast<long long>(stages), static_cast<long long>(vstages), static_cast<long long>(layers_per_vstage),
+                vstages > 1 ? "virtual stages, all-forward-all-backward" : "1F1B", static_cast<long long>(dp_size));
   if (logger && (args.ep > 1 || args.use_distributed_optimizer))
     std::printf("moecore train: expert-parallel size %lld (%lld experts per rank, %s dispatcher), expert-data-parallel "
                 "size %lld, %s optimizer; %lld parameters on this rank\n",
                 static_cast<long long>(args.ep), static_cast<long long>(cfg.moe.num_experts / args.ep),
-                dispatcher_name(args.dispatcher), static_cast<long long>(args.world / args.ep),
+                dispatcher_name(args.dispatcher), static_cast<long long>(dp_size / args.ep),
                 args.use_distributed_optimizer ? "distributed (ZeRO-1)" : "replicated", static_cast<long long>(store.num_elements()));
 
-  std::vector<MoeLayer*> moe_layers = model.moe_layers();
+  std::vector<MoeLayer*> moe_layers;
+  std::vector<int64_t> moe_numbers;
+  for (GPTModel* c : chunks) {
+    for (MoeLayer* l : c->moe_layers()) moe_layers.push_back(l);
+    for (int64_t n : c->moe_layer_numbers()) moe_numbers.push_back(n);
+  }
   double interval_loss = 0, interval_ms = 0;
   int64_t interval_steps = 0, interval_skipped = 0, interval_nan = 0;  // Megatron logs these per interval
   int64_t interval_loss_steps = 0;  // steps whose loss enters the average (not the skipped ones)
   double interval_aux = 0, interval_z = 0;  // balancing losses, averaged over the interval like lm loss
-  const std::vector<int64_t> moe_numbers = model.moe_layer_numbers();
   state.args = args.flag_values;
   auto save = [&] {
     if (args.save.empty()) return;
-    const std::vector<NamedTensor> tensors = optimizer.full_state();  // collective: experts gathered over EP
+    std::vector<NamedTensor> tensors = optimizer.full_state();  // collective: experts gathered over EP
+    // The first data-parallel rank of every stage sends its stage's tensors to the writer.
+    if (pp && dp_rank == 0) tensors = gather_stages(*pp, std::move(tensors));
     if (writer) {
       save_checkpoint(args.save, tensors, state);
       std::printf("saved checkpoint to %s at iteration %lld\n", args.save.c_str(),
                   static_cast<long long>(state.iteration));
     }
-    if (dp) dp->barrier();
+    if (world) world->barrier();
   };
 
   for (int64_t it = state.iteration + 1; it <= args.train_iters; ++it) {
     const auto t0 = std::chrono::steady_clock::now();
     if (dev.is_cuda()) cuda_allocator(dev.index).reset_peak();
+    // Megatron's order: micro-batch m of the step is [dp rank 0's samples | dp rank 1's | ...];
+    // its seed is the same on every pipeline stage and equals the single-rank run's.
+    auto batch_of = [&](int64_t m) {
+      return data.train->batch(state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size,
+                               args.micro_batch_size, dev);
+    };
+    auto rng_of = [&](int64_t m) {
+      return static_cast<uint64_t>(args.seed) * 0x100000001B3ull + static_cast<uint64_t>((it * micro + m) * dp_size + dp_rank);
+    };
+    // The last micro-batch's backward finalises each layer's gradients: reduce them as it goes.
+    const std::function<void(int64_t)> layer_done =
+        optimizer.overlapping() ? std::function<void(int64_t)>([&](int64_t l) { optimizer.layer_ready(l); })
+                                : std::function<void(int64_t)>();
     double loss_sum = 0;
-    for (int64_t m = 0; m < micro; ++m) {
-      // Megatron's order: micro-batch m of the step is [rank 0's samples | rank 1's | ...].
-      const int64_t first = state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size;
-      const Batch b = data.train->batch(first, args.micro_batch_size, dev);
-      GPTModel::Ctx ctx;
-      const uint64_t rng = static_cast<uint64_t>(args.seed) * 0x100000001B3ull +
-                           static_cast<uint64_t>((it * micro + m) * dp_size + dp_rank);
-      loss_sum += model.forward(b.tokens, b.labels, true, rng, ctx);
-      // The last micro-batch's backward finalises each layer's gradients: reduce them as it goes.
-      const bool overlap = optimizer.overlapping() && m == micro - 1;
-      model.backward(1.0 / static_cast<double>(micro), ctx,
-                     overlap ? std::function<void(int64_t)>([&](int64_t l) { optimizer.layer_ready(l); })
-                             : std::function<void(int64_t)>());
+    if (pp) {
+      PipelineStep step;
+      step.pp = pp;
+      step.micro_batches = micro;
+      step.grad_scale = 1.0 / static_cast<double>(micro);
+      step.batch = batch_of;
+      step.rng = rng_of;
+      step.last_layer_done = layer_done;
+      loss_sum = vstages > 1 ? run_pipeline_virtual(chunks, step) : run_pipeline_1f1b(model, step);
+    } else {
+      for (int64_t m = 0; m < micro; ++m) {
+        const Batch b = batch_of(m);
+        GPTModel::Ctx ctx;
+        loss_sum += model.forward(b.tokens, b.labels, true, rng_of(m), ctx);
+        model.backward(1.0 / static_cast<double>(micro), ctx, m == micro - 1 ? layer_done : std::function<void(int64_t)>());
+      }
     }
-    const double lm_loss = average_over_ranks(dp, loss_sum / static_cast<double>(micro));
     optimizer.reduce_gradients();
     if (dp) {
       for (MoeLayer* l : moe_layers) {
@@ -244,17 +372,19 @@ int run_training(const TrainArgs& args) {
       }
     }
     const double grad_sq = optimizer.grad_norm_sq();
-    double aux = 0, z = 0;
     std::vector<MoeStepStats> layer_stats;
     for (MoeLayer* l : moe_layers) layer_stats.push_back(l->finish_step());
+    // The loss lives on the last stage, MoE layers on every stage: sums over the pipeline give
+    // every rank the same values (the skip decision must agree everywhere).
+    std::vector<double> sums = {has_head ? average_over_ranks(dp, loss_sum / static_cast<double>(micro)) : 0.0,
+                                0.0, 0.0, static_cast<double>(layer_stats.size())};
     for (const MoeStepStats& s : layer_stats) {
-      aux += s.aux_loss / static_cast<double>(micro);
-      z += s.z_loss / static_cast<double>(micro);
+      sums[1] += s.aux_loss / static_cast<double>(micro);
+      sums[2] += s.z_loss / static_cast<double>(micro);
     }
-    if (!layer_stats.empty()) {
-      aux /= static_cast<double>(layer_stats.size());
-      z /= static_cast<double>(layer_stats.size());
-    }
+    if (pp) sum_over_ranks(pp, sums);
+    const double lm_loss = sums[0];
+    const double aux = sums[3] > 0 ? sums[1] / sums[3] : 0.0, z = sums[3] > 0 ? sums[2] / sums[3] : 0.0;
     state.consumed_samples += args.global_batch_size;
     state.iteration = it;
     // Megatron's scheduler: the step after n successful steps uses lr(n); skipped steps do not count.
@@ -375,7 +505,12 @@ int run_training(const TrainArgs& args) {
       for (int64_t e = 0; e < args.eval_iters; ++e) {
         const Batch b = data.valid->batch(e * args.micro_batch_size, args.micro_batch_size, dev);
         GPTModel::Ctx ctx;
-        vsum += model.forward(b.tokens, b.labels, false, 0, ctx);
+        if (!pp) {
+          vsum += model.forward(b.tokens, b.labels, false, 0, ctx);
+          continue;
+        }
+        // Forward only, stage to stage; the loss appears on the last stage (where the logger is).
+        vsum += pipeline_forward_only(chunks, *pp, b);
       }
       const double vloss = vsum / static_cast<double>(args.eval_iters);
       if (logger)

@@ -1,0 +1,54 @@
+// Pipeline parallelism: one training step's micro-batches through this rank's stage with the
+// 1F1B schedule (Megatron's forward_backward_pipelining_without_interleaving).
+//
+// Stage s of P, M micro-batches:
+//   warm-up     W = min(P - s - 1, M) forwards (receive the input from s - 1, send the output
+//               to s + 1)
+//   steady      M - W times: forward, then send the output and receive its gradient in one
+//               group (send_forward_recv_backward), backward, then send the input gradient
+//               and receive the next input in one group (send_backward_recv_forward)
+//   cool-down   W backwards (receive the output gradient, send the input gradient)
+// So at most P - s activations are alive on stage s, and backwards run in micro-batch order.
+// Every transfer is [micro_batch * seq, hidden] in the compute dtype, between neighbouring
+// stages of the pipeline group (pp rank = stage). The first stage embeds tokens; the last
+// computes the loss (its micro-batch losses are summed into the return value).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "moecore/comm/communicator.h"
+#include "moecore/model/gpt.h"
+#include "moecore/train/data_source.h"
+
+namespace moecore {
+
+struct PipelineStep {
+  comm::Communicator* pp = nullptr;  // the pipeline group; rank = stage
+  int64_t micro_batches = 1;
+  double grad_scale = 1.0;  // d(objective) / d(micro-batch mean loss)
+  std::function<Batch(int64_t m)> batch;       // micro-batch m of this step
+  std::function<uint64_t(int64_t m)> rng;      // its random seed
+  std::function<void(int64_t)> last_layer_done;  // gradient-overlap hook for the last backward
+};
+
+// Returns the sum of this stage's micro-batch losses (non-zero on the last stage only).
+double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step);
+
+// Virtual stages (--num-layers-per-virtual-pipeline-stage): this rank holds V model chunks;
+// chunk c is virtual stage c * P + s and hands its output to rank s + 1's chunk c, or, from the
+// last rank, to rank 0's chunk c + 1. Schedule: every chunk's forwards for all micro-batches in
+// chunk order, then the backwards in reverse chunk order (all-forward-all-backward over the
+// virtual pipeline: the same arithmetic as Megatron's interleaved 1F1B, with every
+// micro-batch's activations alive at once and a larger bubble). Transfers inside a chunk go
+// down the ranks in micro-batch order; the wrap-around from the last rank to rank 0 (and back
+// for gradients) is sent after the chunk, all micro-batches in one group, so no rank waits on a
+// transfer that a blocked rank would have to receive.
+double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& step);
+
+// Forward only (validation): one micro-batch through every chunk of every rank; the loss is
+// returned on the rank holding the last virtual stage (0 elsewhere).
+double pipeline_forward_only(std::vector<GPTModel*>& chunks, comm::Communicator& pp, const Batch& b);
+
+}  // namespace moecore
