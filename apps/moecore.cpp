@@ -143,9 +143,16 @@ namespace {
 // Several ranks (mpirun / srun): MPI is initialised for the communicators, and an error on one
 // rank aborts them all (MPI_Abort) instead of leaving the others waiting in a collective.
 bool g_mpi = false;
+// Several ranks under torchrun: no MPI. A failing rank prints its message and exits non-zero;
+// torchrun's agent then stops the other ranks (SIGTERM), so none waits forever in a collective.
+int g_torchrun_rank = -1;
 
 int fail(int code, const std::string& message, bool usage) {
   std::fprintf(stderr, usage ? "%s\n" : "moecore: error: %s\n", message.c_str());
+  if (g_torchrun_rank >= 0) {
+    std::fprintf(stderr, "moecore: rank %d failed; torchrun stops the other ranks\n", g_torchrun_rank);
+    std::fflush(stderr);
+  }
   if (g_mpi) {
     int rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -164,6 +171,7 @@ int main(int argc, char** argv) {
       moecore::mpi_init(&argc, &argv);
       g_mpi = true;
     }
+    if (env.world > 1 && env.launcher == "torchrun") g_torchrun_rank = env.rank;
     const int rc = dispatch(argc, argv);
     if (g_mpi) moecore::mpi_finalize();
     return rc;

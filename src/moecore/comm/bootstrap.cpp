@@ -150,6 +150,19 @@ LaunchEnv read_launch_env(const std::map<std::string, std::string>& env) {
   return out;
 }
 
+void check_torchrun_devices(const LaunchEnv& env, int visible_gpus, Device device, bool device_from_flag) {
+  if (env.launcher != "torchrun" || env.world <= 1) return;
+  MC_CHECK(device.is_cuda(), "torchrun with WORLD_SIZE=", env.world, " needs CUDA devices (this rank would run on ",
+           device.str(), visible_gpus == 0 ? ": " + cuda_unavailable_reason() : std::string(" (--device)"),
+           "): torchrun ranks communicate through NCCL; launch CPU ranks with mpirun or srun");
+  if (device_from_flag) return;
+  const bool virtual_local_rank = visible_gpus == 1 && env.local_rank == 0;
+  MC_CHECK(env.local_world <= visible_gpus || virtual_local_rank, "torchrun started LOCAL_WORLD_SIZE=",
+           env.local_world, " ranks on this node but ", visible_gpus, " CUDA device(s) are visible (LOCAL_RANK=",
+           env.local_rank, "); expected one GPU per local rank: --nproc-per-node <= ", visible_gpus,
+           " (or set CUDA_VISIBLE_DEVICES)");
+}
+
 LaunchEnv read_launch_env() {
   std::map<std::string, std::string> env;
   for (char** e = environ; e && *e; ++e) {

@@ -12,7 +12,8 @@
 //                        SLURM_NTASKS_PER_NODE
 //   launcher "none":     none of the above: a single process (rank 0 of 1)
 // MASTER_ADDR / MASTER_PORT are optional for the launchers other than torchrun (read when set;
-// moecore itself bootstraps NCCL over MPI and needs neither).
+// under MPI launchers moecore bootstraps NCCL over MPI and needs neither). Under torchrun no MPI
+// is started: the NCCL id travels over TCP from rank 0 (tcp_rendezvous.h gives the port rule).
 //
 // Every value is checked: integers must parse completely, 0 <= rank < world,
 // 0 <= local_rank < local_world <= world, 1 <= master_port <= 65535. A missing or inconsistent
@@ -22,6 +23,8 @@
 
 #include <map>
 #include <string>
+
+#include "moecore/core/device.h"
 
 namespace moecore::comm {
 
@@ -34,5 +37,13 @@ struct LaunchEnv {
 
 LaunchEnv read_launch_env();                                                // the process environment
 LaunchEnv read_launch_env(const std::map<std::string, std::string>& env);  // testable
+
+// torchrun with WORLD_SIZE > 1: the ranks talk through NCCL only (no MPI), so each needs a CUDA
+// device: `device` must be CUDA (CPU ranks: launch with mpirun or srun), and unless it was chosen
+// with --device (`device_from_flag`) one GPU per local rank must be visible: LOCAL_WORLD_SIZE <=
+// visible_gpus, or exactly one visible GPU with LOCAL_RANK=0 (torchrun --virtual-local-rank gives
+// each worker its own GPU as cuda:0). An Error naming both counts otherwise; nothing for other
+// launchers or a single rank.
+void check_torchrun_devices(const LaunchEnv& env, int visible_gpus, Device device, bool device_from_flag);
 
 }  // namespace moecore::comm

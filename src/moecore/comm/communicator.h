@@ -35,6 +35,10 @@
 // world), new rank = position in `ranks`. Only the members call it (MPI_Comm_create_group
 // underneath; NCCL: a new ncclComm bootstrapped over that MPI communicator), so disjoint groups
 // (even/odd ranks) can be created concurrently; all members must pass the same list.
+// Exception: an NCCL communicator bootstrapped over TCP (torchrun, no MPI) splits with
+// ncclCommSplit, which is collective over ALL ranks of the parent: every rank calls split in
+// the same order, each with the list of its own group (nccl_communicator.h). Code that must
+// run under both launchers calls split on every rank, as the trainer does.
 //
 // Errors: every argument error is an Error "comm <call>: <what was wrong>, expected <what>";
 // MPI failures surface through MC_MPI_CHECK, NCCL failures through MC_NCCL_CHECK.
@@ -80,8 +84,10 @@ class Communicator {
 
 // A duplicate of MPI_COMM_WORLD (errors returned). Needs moecore::mpi_init first.
 std::unique_ptr<Communicator> make_mpi_world();
-// NCCL over all MPI ranks on `device` (cuda:i); rank 0 creates the NCCL id and broadcasts it
-// over MPI. Needs moecore::mpi_init first; an Error on a build without CUDA.
+// NCCL over all ranks on `device` (cuda:i); rank 0 creates the NCCL id and sends it to the
+// others: over MPI when MPI is initialised (moecore::mpi_init; mpirun / srun), else over TCP
+// when the launch environment is torchrun's (tcp_rendezvous.h: MASTER_ADDR and the port rule),
+// else an Error. An Error on a build without CUDA.
 std::unique_ptr<Communicator> make_nccl_world(Device device);
 
 // ---- argument checks shared by the backends -------------------------------------------

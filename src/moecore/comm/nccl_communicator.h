@@ -2,12 +2,25 @@
 // implementation is nccl_communicator_cuda.cpp, and nccl_communicator.cpp makes
 // make_nccl_world an Error on CPU-only builds).
 //
-// Each NcclCommunicator pairs an ncclComm_t with an MPI communicator over the same ranks in the
-// same order: the MPI one carries the NCCL unique id at creation and at split(), and
-// implements barrier() (stream synchronise, then MPI_Barrier). Operations run on the current
-// stream of the communicator's device (current_stream(device())) and return without waiting
-// for the device. all_to_all is a group of ncclSend/ncclRecv, one pair per peer with a
-// non-zero count. Avg uses ncclAvg.
+// Two bootstraps:
+//  * MPI (mpirun / srun): each NcclCommunicator pairs an ncclComm_t with an MPI communicator
+//    over the same ranks in the same order: the MPI one carries the NCCL unique id at creation
+//    and at split(), and implements barrier() (stream synchronise, then MPI_Barrier). split()
+//    is called by the members only (MPI_Comm_create_group).
+//  * TCP (torchrun, MPI not initialised): rank 0's NCCL unique id reaches the other ranks through
+//    tcp_broadcast (tcp_rendezvous.h); mpi_ == MPI_COMM_NULL and no MPI call is made. barrier()
+//    is a 1-element NCCL all-reduce followed by a stream synchronise. split() is ncclCommSplit
+//    (NCCL >= 2.18) with color = the first rank of the list and key = this rank's position in
+//    it, so it is COLLECTIVE OVER ALL RANKS OF THE PARENT: every rank calls it, in the same
+//    order, each with the list of its own group (the groups of one call partition the parent).
+//    The trainer does exactly that (every rank splits for its EP group, then its EDP group).
+//    A rank missing from the call hangs the others; a list inconsistent with the other ranks'
+//    lists is an Error when NCCL builds a group of another size.
+// Operations run on the current stream of the communicator's device (current_stream(device()))
+// and return without waiting for the device. all_to_all is a group of ncclSend/ncclRecv, one
+// pair per peer with a non-zero count. Avg uses ncclAvg. A communicator destroyed while an
+// exception unwinds is aborted (ncclCommAbort) instead of destroyed, so a failing rank does
+// not wait for peers that will never join its last collective.
 #pragma once
 
 #if MOECORE_WITH_CUDA
@@ -26,6 +39,9 @@ class NcclCommunicator final : public Communicator {
   // Collective over `mpi_comm` (taken over and freed in the destructor): rank 0 creates the
   // NCCL id and broadcasts it; every rank joins with its MPI rank on `device`.
   NcclCommunicator(MPI_Comm mpi_comm, Device device);
+  // Without MPI: every rank of the job calls this with the same id (from rank 0's
+  // ncclGetUniqueId, distributed by tcp_broadcast), its rank and the job's size.
+  NcclCommunicator(const ncclUniqueId& id, int rank, int size, Device device);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -49,7 +65,10 @@ class NcclCommunicator final : public Communicator {
   void group_end() override;
 
  private:
+  struct Adopt {};
+  NcclCommunicator(Adopt, ncclComm_t comm, Device device);  // takes over a split's ncclComm_t
   void* stream() const;  // cudaStream_t of the current stream of device_
+  std::unique_ptr<Communicator> split_without_mpi(const std::vector<int64_t>& ranks);
 
   MPI_Comm mpi_ = MPI_COMM_NULL;
   ncclComm_t comm_ = nullptr;

@@ -1,7 +1,12 @@
 #include "moecore/comm/nccl_communicator.h"
 
+#include <algorithm>
+#include <cstring>
+#include <exception>
 #include <numeric>
 
+#include "moecore/comm/bootstrap.h"
+#include "moecore/comm/tcp_rendezvous.h"
 #include "moecore/core/cuda_check.h"
 #include "moecore/core/mpi_check.h"
 #include "moecore/core/nccl_check.h"
@@ -52,11 +57,25 @@ NcclCommunicator::NcclCommunicator(MPI_Comm mpi_comm, Device device) : mpi_(mpi_
   }
 }
 
+NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int rank, int size, Device device)
+    : device_(device), rank_(rank), size_(size) {
+  set_current_device(device_);
+  MC_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+}
+
+NcclCommunicator::NcclCommunicator(Adopt, ncclComm_t comm, Device device) : comm_(comm), device_(device) {
+  MC_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+  MC_NCCL_CHECK(ncclCommCount(comm_, &size_));
+}
+
 NcclCommunicator::~NcclCommunicator() {
-  if (comm_) ncclCommDestroy(comm_);
+  // Unwinding from an error: the peers may never join this rank's last collectives, and
+  // ncclCommDestroy would wait for them; ncclCommAbort does not.
+  if (comm_) std::uncaught_exceptions() > 0 ? ncclCommAbort(comm_) : ncclCommDestroy(comm_);
+  if (mpi_ == MPI_COMM_NULL) return;  // TCP bootstrap: MPI may not even be initialised
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized && mpi_ != MPI_COMM_NULL) MPI_Comm_free(&mpi_);
+  if (!finalized) MPI_Comm_free(&mpi_);
 }
 
 void* NcclCommunicator::stream() const { return current_stream(device_).handle(); }
@@ -136,13 +155,39 @@ void NcclCommunicator::recv(Tensor& t, int peer) {
 
 void NcclCommunicator::barrier() {
   MC_CHECK(group_depth_ == 0, "comm barrier: called inside group_start/group_end, expected it outside a group");
+  if (mpi_ == MPI_COMM_NULL) {  // TCP bootstrap: a 1-element all-reduce stands in for MPI_Barrier
+    Tensor token = Tensor::zeros({1}, DType::I32, device_);
+    MC_NCCL_CHECK(ncclAllReduce(token.data_ptr(), token.data_ptr(), 1, ncclInt32, ncclSum, comm_, MC_NCCL_STREAM));
+    MC_CUDA_CHECK(cudaStreamSynchronize(MC_NCCL_STREAM));
+    return;
+  }
   MC_CUDA_CHECK(cudaStreamSynchronize(MC_NCCL_STREAM));
   MC_MPI_CHECK(MPI_Barrier(mpi_));
+}
+
+// TCP bootstrap: ncclCommSplit, collective over every rank of this communicator (see the header).
+std::unique_ptr<Communicator> NcclCommunicator::split_without_mpi(const std::vector<int64_t>& ranks) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+  const int color = static_cast<int>(ranks.front());
+  const int key = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+  ncclComm_t sub = nullptr;
+  MC_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
+  auto out = std::unique_ptr<NcclCommunicator>(new NcclCommunicator(Adopt{}, sub, device_));
+  MC_CHECK(out->size() == static_cast<int>(ranks.size()) && out->rank() == key, "comm split: NCCL made a group of ",
+           out->size(), " ranks in which this rank (", rank_, ") is rank ", out->rank(), ", expected ", ranks.size(),
+           " ranks with this rank at position ", key, ": without MPI (torchrun) every rank of the parent must call "
+           "split, in the same order, each with the list of its own group");
+  return out;
+#else
+  MC_FAIL("comm split: this NCCL (", NCCL_MAJOR, ".", NCCL_MINOR, ") has no ncclCommSplit, expected NCCL >= 2.18 "
+          "for split() without MPI (torchrun); launch with mpirun or srun instead");
+#endif
 }
 
 std::unique_ptr<Communicator> NcclCommunicator::split(const std::vector<int64_t>& ranks) {
   MC_CHECK(group_depth_ == 0, "comm split: called inside group_start/group_end, expected it outside a group");
   detail::check_split(ranks, rank_, size_);
+  if (mpi_ == MPI_COMM_NULL) return split_without_mpi(ranks);
   std::vector<int> members(ranks.begin(), ranks.end());
   MPI_Group parent = MPI_GROUP_NULL, sub = MPI_GROUP_NULL;
   MC_MPI_CHECK(MPI_Comm_group(mpi_, &parent));
@@ -167,11 +212,35 @@ void NcclCommunicator::group_end() {
 }
 
 std::unique_ptr<Communicator> make_nccl_world(Device device) {
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  MC_CHECK(initialized, "comm make_nccl_world: MPI is not initialised, expected moecore::mpi_init() first");
   MC_CHECK(device.is_cuda() && device.index < cuda_device_count(), "comm make_nccl_world: device ", device.str(),
            ", expected a CUDA device cuda:i with i < ", cuda_device_count(), " (the devices present)");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    // torchrun: no MPI; rank 0's NCCL id goes to the others over TCP (tcp_rendezvous.h).
+    const LaunchEnv env = read_launch_env();
+    MC_CHECK(env.launcher == "torchrun", "comm make_nccl_world: MPI is not initialised and the launcher is '",
+             env.launcher, "', expected moecore::mpi_init() first (mpirun / srun) or a torchrun environment (RANK, ",
+             "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)");
+    const RendezvousEndpoint ep = rendezvous_endpoint(env);
+    set_current_device(device);
+    ncclUniqueId id{};
+    std::vector<uint8_t> bytes;
+    if (env.rank == 0) {
+      MC_NCCL_CHECK(ncclGetUniqueId(&id));
+      bytes.resize(sizeof id);
+      std::memcpy(bytes.data(), &id, sizeof id);
+    }
+    try {
+      bytes = tcp_broadcast(ep.addr, ep.port, env.rank, env.world, bytes, ep.timeout_s);
+    } catch (const Error& e) {
+      throw Error(std::string(e.what()) + " [rendezvous port from " + ep.port_rule + "]", e.file(), e.line());
+    }
+    MC_CHECK(bytes.size() == sizeof id, "comm make_nccl_world: rank 0 sent ", bytes.size(),
+             " bytes, expected an NCCL unique id of ", sizeof id, " bytes (same NCCL version on every rank?)");
+    std::memcpy(&id, bytes.data(), sizeof id);
+    return std::make_unique<NcclCommunicator>(id, env.rank, env.world, device);
+  }
   MPI_Comm comm = MPI_COMM_NULL;
   MC_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
   return std::make_unique<NcclCommunicator>(comm, device);

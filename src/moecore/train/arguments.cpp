@@ -89,7 +89,11 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_string("metrics-file", &a.metrics_file, "JSONL metrics file (default: <save>/metrics.jsonl when --save is set)");
   f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda:<local rank> when present)");
   f.add_int("tensor-model-parallel-size", &a.tp, "tensor parallelism (only 1 in this version)");
-  f.add_int("pipeline-model-parallel-size", &a.pp, "pipeline parallelism (only 1 in this version)");
+  f.add_int("pipeline-model-parallel-size", &a.pp, "pipeline stages (1F1B schedule; divides the ranks and --num-layers)");
+  f.add_int("num-layers-per-virtual-pipeline-stage", &a.layers_per_virtual_stage,
+            "layers per virtual pipeline stage (each rank holds several model chunks; 0: none)");
+  f.add_int("num-virtual-stages-per-pipeline-rank", &a.virtual_stages_per_rank,
+            "model chunks per pipeline rank (alternative to the flag above; 0: none)");
   f.add_int("context-parallel-size", &a.cp, "context parallelism (only 1 in this version)");
   f.add_int("expert-model-parallel-size", &a.ep, "expert parallelism: ranks that split the experts (divides the world)");
   f.add_int("expert-tensor-parallel-size", &a.etp, "expert tensor parallelism (only 1 in this version)");
@@ -310,22 +314,46 @@ void finalize_train_args(TrainArgs& a) {
   a.world = env.world;
   a.rank = env.rank;
   a.local_rank = env.local_rank;
-  MC_CHECK(env.world == 1 || env.launcher != "torchrun",
-           "moecore train under torchrun (RANK/WORLD_SIZE without MPI) is not available in this version: launch with "
-           "mpirun or srun");
   for (const auto& [flag, size] : {std::pair<const char*, int64_t>{"--tensor-model-parallel-size", a.tp},
                                    {"--pipeline-model-parallel-size", a.pp}, {"--context-parallel-size", a.cp},
                                    {"--expert-model-parallel-size", a.ep}, {"--expert-tensor-parallel-size", a.etp}}) {
     MC_CHECK(size >= 1, flag, " ", size, " must be >= 1");
-    MC_CHECK(size == 1 || std::string(flag) == "--expert-model-parallel-size", flag, " ", size,
-             " is not available in this version: it runs data and expert parallelism (every launched rank is a "
-             "data-parallel rank; --expert-model-parallel-size splits the experts)");
+    MC_CHECK(size == 1 || std::string(flag) == "--expert-model-parallel-size" ||
+                 std::string(flag) == "--pipeline-model-parallel-size",
+             flag, " ", size,
+             " is not available in this version: it runs data, pipeline and expert parallelism "
+             "(--pipeline-model-parallel-size, --expert-model-parallel-size)");
   }
+  MC_CHECK(a.world % a.pp == 0, "--pipeline-model-parallel-size ", a.pp, " does not divide the ", a.world,
+           " launched ranks; expected a divisor of the world size");
+  MC_CHECK(a.model.num_layers % a.pp == 0, "--num-layers ", a.model.num_layers,
+           " is not divisible by --pipeline-model-parallel-size ", a.pp,
+           "; expected equal stages (uneven stages are not available in this version)");
+  MC_CHECK(a.layers_per_virtual_stage >= 0 && a.virtual_stages_per_rank >= 0,
+           "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank must be >= 0");
+  MC_CHECK(a.layers_per_virtual_stage == 0 || a.virtual_stages_per_rank == 0,
+           "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are alternatives; pass one");
+  if (a.layers_per_virtual_stage > 0 || a.virtual_stages_per_rank > 0) {
+    MC_CHECK(a.pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1");
+    const int64_t per_rank = a.model.num_layers / a.pp;
+    MC_CHECK(a.layers_per_virtual_stage == 0 || per_rank % a.layers_per_virtual_stage == 0,
+             "--num-layers-per-virtual-pipeline-stage ", a.layers_per_virtual_stage, " does not divide the ", per_rank,
+             " layers of each pipeline rank (--num-layers / --pipeline-model-parallel-size)");
+    MC_CHECK(a.virtual_stages_per_rank == 0 || per_rank % a.virtual_stages_per_rank == 0,
+             "--num-virtual-stages-per-pipeline-rank ", a.virtual_stages_per_rank, " does not divide the ", per_rank,
+             " layers of each pipeline rank (--num-layers / --pipeline-model-parallel-size)");
+  }
+  MC_CHECK(a.pp == 1 || a.model.untie_embeddings, "--pipeline-model-parallel-size ", a.pp,
+           " needs --untie-embeddings-and-output-weights (the tied embedding across the first and last stage is not "
+           "available in this version)");
+  MC_CHECK(a.pp == 1 || !e.per_layer_logging, "--moe-per-layer-logging with --pipeline-model-parallel-size ", a.pp,
+           " is not available in this version");
   MC_CHECK(!(a.overlap_grad_reduce && a.use_distributed_optimizer), "--overlap-grad-reduce with "
            "--use-distributed-optimizer is not available in this version; pass one of them");
   MC_CHECK(a.ep == 1 || e.num_experts > 0, "--expert-model-parallel-size ", a.ep, " needs an MoE model (--num-experts)");
-  MC_CHECK(a.world % a.ep == 0, "--expert-model-parallel-size ", a.ep, " does not divide the ", a.world,
-           " launched ranks; expected a divisor of the world size");
+  MC_CHECK(a.data_parallel_size() % a.ep == 0, "--expert-model-parallel-size ", a.ep, " does not divide the ",
+           a.data_parallel_size(), " data-parallel ranks (", a.world, " launched / ", a.pp,
+           " pipeline stages); expected a divisor");
   MC_CHECK(e.num_experts % a.ep == 0, "--num-experts ", e.num_experts, " is not divisible by --expert-model-parallel-size ",
            a.ep, "; expected the same number of experts on every rank");
   if (a.token_dispatcher == "alltoall") {
@@ -338,12 +366,14 @@ void finalize_train_args(TrainArgs& a) {
   } else {
     MC_FAIL("--moe-token-dispatcher-type '", a.token_dispatcher, "': expected allgather, alltoall or flex");
   }
-  MC_CHECK(a.global_batch_size % (a.micro_batch_size * a.world) == 0, "--global-batch-size ", a.global_batch_size,
-           " is not divisible by --micro-batch-size ", a.micro_batch_size, " x data-parallel size ", a.world,
-           " (the launched ranks)");
+  MC_CHECK(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size()) == 0, "--global-batch-size ",
+           a.global_batch_size, " is not divisible by --micro-batch-size ", a.micro_batch_size, " x data-parallel size ",
+           a.data_parallel_size(), " (the launched ranks / pipeline stages)");
   const int64_t gpus = cuda_device_count();
   a.device = a.device_text.empty() ? (gpus > 0 ? Device::cuda(static_cast<int>(a.local_rank % gpus)) : Device::cpu())
                                    : parse_device(a.device_text);
+  // torchrun starts no MPI: its ranks talk through NCCL only, one GPU per local rank.
+  comm::check_torchrun_devices(env, static_cast<int>(gpus), a.device, !a.device_text.empty());
   MC_CHECK(!(a.bf16 && a.device.is_cpu()), "--bf16 needs a CUDA device (--device cuda); the CPU trains in fp32");
   MC_CHECK(!(e.router_fp64 && a.device.is_cuda()), "--moe-router-dtype fp64 is CPU-only; the GPU router runs in fp32");
   MC_CHECK(!(a.device.is_cuda() && e.num_experts > ops::kRouterCudaMaxExperts), "--num-experts ", e.num_experts,
