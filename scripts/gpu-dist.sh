@@ -68,6 +68,9 @@ if [ "$what" != check ]; then
     perf "EP=2 DP=2 (EDP=2) alltoall" 4 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
     perf "PP=2 x EP=2 alltoall" 4 mixtral-small --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
     perf "PP=4 (1F1B)" 4 mixtral-small --pipeline-model-parallel-size 4
+    perf "EP=2 x ETP=2 alltoall" 4 mixtral-small --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall
+    perf "16 layers, PP=4 (1F1B)" 4 mixtral-small --num-layers 16 --pipeline-model-parallel-size 4
+    perf "16 layers, PP=4 x 2 virtual stages" 4 mixtral-small --num-layers 16 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2
     MOECORE_COMM_TIMERS=1 perf "EP=4 alltoall, dispatch timers on" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
     perf "one GPU" 1 finegrained-small --micro-batch-size 4
     perf "EP=4 alltoall" 4 finegrained-small --micro-batch-size 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Data, expert and pipeline parallelism under mpirun (CPU ranks): DP=2 and DP=4 (dense and MoE), EP=4,
-# EP=2 with the distributed optimizer, EP=2 with the allgather dispatcher, EP=4 with
-# global_aux_loss and --overlap-grad-reduce (DP=4, EP=2) print the single-rank run's lm loss, load_balancing_loss and grad norm (within
-# 2e-5 relative) for 3 iterations; a checkpoint saved by EP=2 + distributed optimizer resumes
-# under other layouts to the single-rank losses; ranks started with different flags are refused;
+# Data, expert, expert-tensor and pipeline parallelism under mpirun (CPU ranks). DP=2 and DP=4
+# (dense and MoE), EP=4, EP=2 with the distributed optimizer, EP=2 with the allgather
+# dispatcher, EP=4 with global_aux_loss, --overlap-grad-reduce (DP=4, EP=2), ETP=2 and
+# EP=2 x ETP=2 (both dispatchers, distributed optimizer) print the single-rank run's lm loss,
+# load_balancing_loss and grad norm (within 2e-5 relative) for 3 iterations; checkpoints saved
+# by EP=2 + distributed optimizer and by EP=2 x ETP=2 resume under other layouts to the
+# single-rank losses; ranks started with different flags are refused;
 # a rank that fails stops every rank with its message; a killed rank stops every rank;
 # PP=2, PP=4, virtual stages, PP x EP and PP x DP print the single-rank values (validation too)
-# and PP checkpoints resume under other layouts.
+# and PP checkpoints resume under other layouts; so do uneven stages (--decoder-first/last-
+# pipeline-num-layers, with virtual stages too) and tied embeddings across the stages (PP=2, PP=4,
+# PP x DP with the distributed optimizer or overlap; a tied PP checkpoint resumes on one rank and PP=4).
 set -euo pipefail
 bin=$1; src=$2; mpiexec=$3
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -67,10 +71,15 @@ for case in "4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoa
             "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --use-distributed-optimizer" \
             "4 --use-distributed-optimizer" \
             "4 --overlap-grad-reduce" \
-            "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce"; do
+            "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce" \
+            "2 --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall" \
+            "4 --expert-tensor-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer" \
+            "4 --expert-tensor-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"; do
   read -r -a c <<<"$case"
   run_ranks "${c[@]}"
-  grep -q "expert-parallel size ${c[2]:-1}" "$dir/dp.log" || [ "${c[1]}" != --expert-model-parallel-size ] || { cat "$dir/dp.log"; echo "FAIL: EP not in use"; exit 1; }
+  grep -q "expert-parallel size ${c[2]:-1}" "$dir/dp.log" || [ "${c[1]}" != --expert-model-parallel-size ] ||
+    { cat "$dir/dp.log"; echo "FAIL: EP not in use"; exit 1; }
+  grep -q "expert-tensor-parallel size ${c[2]:-1}" "$dir/dp.log" || [ "${c[1]}" != --expert-tensor-parallel-size ] || { cat "$dir/dp.log"; echo "FAIL: EP not in use"; exit 1; }
   compare "$dir/dp.jsonl" "$dir/single.jsonl" || { echo "FAIL: np=$case differs from one rank"; exit 1; }
   echo "np=$case: same losses and grad norm as one rank"
 done
@@ -88,7 +97,8 @@ rm -f "$dir/single.jsonl"
 "$mpiexec" -np 4 "$bin" "${base[@]}" "${sched[@]}" --train-iters 2 --expert-model-parallel-size 2 \
   --use-distributed-optimizer --save "$dir/ckpt" > "$dir/save.log" 2>&1 || { cat "$dir/save.log"; exit 1; }
 tail_values() { values "$1" | tail -n 6; }
-for layout in "2 --expert-model-parallel-size 2 --use-distributed-optimizer" "1"; do
+for layout in "2 --expert-model-parallel-size 2 --use-distributed-optimizer" "1" \
+              "4 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2"; do
   read -r -a c <<<"$layout"
   rm -f "$dir/resumed.jsonl"
   "$mpiexec" -np "${c[0]}" "$bin" "${base[@]}" "${sched[@]}" "${c[@]:1}" --train-iters 4 --load "$dir/ckpt" \
@@ -97,6 +107,15 @@ for layout in "2 --expert-model-parallel-size 2 --use-distributed-optimizer" "1"
     { echo "FAIL: resumed (np ${c[*]}) differs from the uninterrupted run"; exit 1; }
   echo "checkpoint of EP=2 + distributed optimizer resumed on np ${c[*]}: same losses as one rank"
 done
+# ... and one saved by EP=2 x ETP=2 resumes on one rank
+"$mpiexec" -np 4 "$bin" "${base[@]}" "${sched[@]}" --train-iters 2 --expert-model-parallel-size 2 \
+  --expert-tensor-parallel-size 2 --save "$dir/ckpt-etp" > "$dir/save.log" 2>&1 || { cat "$dir/save.log"; exit 1; }
+rm -f "$dir/resumed.jsonl"
+"$bin" "${base[@]}" "${sched[@]}" --train-iters 4 --load "$dir/ckpt-etp" --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 ||
+  { cat "$dir/resume.log"; exit 1; }
+paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+  { echo "FAIL: the EP=2 x ETP=2 checkpoint resumed on one rank differs"; exit 1; }
+echo "checkpoint of EP=2 x ETP=2 resumed on one rank: same losses as one rank"
 # pipeline parallelism (4 layers): PP=2, PP=4, PP=2 with virtual stages, PP=2 x EP=2 with the
 # distributed optimizer, PP=2 x DP=2 with virtual stages and overlap, against one rank;
 # validation losses too
@@ -129,8 +148,59 @@ for layout in "1" "4 --pipeline-model-parallel-size 4"; do
     { echo "FAIL: PP checkpoint resumed on np ${c[*]} differs"; exit 1; }
   echo "checkpoint of PP=2 x EP=2 resumed on np ${c[*]}: same losses as one rank"
 done
+# pipeline layouts against one rank of the same model: pipe_cases "reference flags" "np flags"...
+compare_all() {
+  paste <(values_all "$1") <(values_all "$2") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }'
+}
+pipe_cases() {
+  read -r -a ref <<<"$1"; shift
+  run_single "${pipe[@]}" "${ref[@]}"
+  for case in "$@"; do
+    read -r -a c <<<"$case"
+    run_ranks "${c[@]}" "${pipe[@]}" "${ref[@]}"
+    grep -q "pipeline stages" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: no pipeline"; exit 1; }
+    compare_all "$dir/dp.jsonl" "$dir/single.jsonl" || { echo "FAIL: np=$case (${ref[*]}) differs from one rank"; exit 1; }
+    echo "np=$case ${ref[*]}: same losses, grad norm and validation loss as one rank"
+  done
+}
+# uneven stages: 4 layers as 1/3 and 3/1; 6 layers as 1/2/2/1, and 2/4 in two chunks per rank
+pipe_cases "" "2 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1" \
+              "2 --pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 1"
+grep -q "layers per stage 3/1" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: not 3/1 layers"; exit 1; }
+pipe_cases "--num-layers 6" \
+  "4 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 1" \
+  "2 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 --num-virtual-stages-per-pipeline-rank 2"
+grep -q "2 model chunks, layers per stage 2/4" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: not 2/4 layers"; exit 1; }
+# tied embeddings (the tiny preset unties them): the last stage's copy follows the first's
+tied=(--untie-embeddings-and-output-weights=false)
+pipe_cases "${tied[*]}" "2 --pipeline-model-parallel-size 2" "4 --pipeline-model-parallel-size 4" \
+  "4 --pipeline-model-parallel-size 2 --use-distributed-optimizer" \
+  "4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --overlap-grad-reduce" \
+  "4 --pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 1 --decoder-first-pipeline-num-layers 1"
+# a tied checkpoint saved by PP=2 x DP=2 (the word embedding once) resumes on one rank and on PP=4
+rm -f "$dir/single.jsonl"
+"$bin" "${base[@]}" "${pipe[@]}" "${tied[@]}" "${sched[@]}" --train-iters 4 --metrics-file "$dir/single.jsonl" > "$dir/single.log" 2>&1 || { cat "$dir/single.log"; exit 1; }
+"$mpiexec" -np 4 "$bin" "${base[@]}" "${pipe[@]}" "${tied[@]}" "${sched[@]}" --train-iters 2 --pipeline-model-parallel-size 2 \
+  --use-distributed-optimizer --save "$dir/ckpt-tied" > "$dir/save.log" 2>&1 || { cat "$dir/save.log"; exit 1; }
+[ "$(grep -ao '"embedding.word_embeddings.weight"' "$dir"/ckpt-tied/iter_*/model_optim.safetensors | wc -l)" -eq 1 ] ||
+  { echo "FAIL: the tied word embedding is not in the checkpoint exactly once"; exit 1; }
+for layout in "1" "4 --pipeline-model-parallel-size 4"; do
+  read -r -a c <<<"$layout"
+  rm -f "$dir/resumed.jsonl"
+  "$mpiexec" -np "${c[0]}" "$bin" "${base[@]}" "${pipe[@]}" "${tied[@]}" "${sched[@]}" "${c[@]:1}" --train-iters 4 --load "$dir/ckpt-tied" \
+    --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; exit 1; }
+  paste <(values_all "$dir/resumed.jsonl" | tail -n 7) <(values_all "$dir/single.jsonl" | tail -n 7) | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+    { echo "FAIL: tied PP checkpoint resumed on np ${c[*]} differs"; exit 1; }
+  echo "tied checkpoint of PP=2 x DP=2 resumed on np ${c[*]}: same losses as one rank"
+done
 if out=$("$mpiexec" -np 2 "$bin" "${base[@]}" --pipeline-model-parallel-size 2 --num-layers 3 2>&1); then echo "FAIL: uneven PP accepted"; exit 1; fi
 grep -q "num-layers 3 is not divisible by --pipeline-model-parallel-size 2" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$mpiexec" -np 2 "$bin" "${base[@]}" --pipeline-model-parallel-size 2 --num-layers 4 --decoder-first-pipeline-num-layers 1 \
+         --decoder-last-pipeline-num-layers 2 2>&1); then echo "FAIL: 1 + 2 layers of 4 accepted"; exit 1; fi
+grep -q "expected them to sum to --num-layers 4" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$mpiexec" -np 2 "$bin" "${base[@]}" --pipeline-model-parallel-size 2 --num-layers 4 --decoder-first-pipeline-num-layers 2 \
+         --num-layers-per-virtual-pipeline-stage 1 2>&1); then echo "FAIL: uneven + layers per virtual stage accepted"; exit 1; fi
+grep -q "use --num-virtual-stages-per-pipeline-rank" <<<"$out" || { echo "$out"; exit 1; }
 # a rank killed mid-training (SIGKILL: no message of its own): every rank stops, non-zero, quickly
 "$mpiexec" -np 2 "$bin" "${base[@]}" --train-iters 100000 --lr-decay-iters 100000 --metrics-file "$dir/kill.jsonl" > "$dir/kill.log" 2>&1 &
 launcher=$!
@@ -148,7 +218,7 @@ echo "a killed rank stops the job in $(( $(date +%s) - start )) s"
 if out=$("$bin" "${base[@]}" --tensor-model-parallel-size 2 2>&1); then echo "FAIL: TP accepted"; exit 1; fi
 grep -q "tensor-model-parallel-size 2 is not available in this version" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$mpiexec" -np 2 "$bin" "${base[@]}" --expert-model-parallel-size 4 2>&1); then echo "FAIL: EP 4 on 2 ranks accepted"; exit 1; fi
-grep -q "expert-model-parallel-size 4 does not divide the 2 data-parallel ranks" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 does not divide the 2 data-parallel ranks" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$bin" "${base[@]}" --moe-token-dispatcher-type flex 2>&1); then echo "FAIL: flex accepted"; exit 1; fi
 grep -q "flex (DeepEP kernels) is not available" <<<"$out" || { echo "$out"; exit 1; }
 echo PASS

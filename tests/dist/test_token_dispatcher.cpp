@@ -6,7 +6,8 @@
 //   dx[t]       = sum_j kept(t,j) p(t,j) (e(t,j)+1) dout[t]
 //   dprobs[t,j] = kept(t,j) (e(t,j)+1) <dout[t], x[t]>
 // Cases: random routing, every token of every rank on expert 0 (the other ranks receive
-// nothing), capacity dropping, padding to capacity; both dispatchers. dispatch_checks:: takes
+// nothing), capacity dropping, padding to capacity; both dispatchers; with and without expert
+// tensor parallelism (ETP 2: each ETP rank's "experts" scale by (e+1)/2 and combine sums them). dispatch_checks:: takes
 // any communicator (test_comm_nccl.cpp runs it on device tensors through NCCL).
 #include <gtest/gtest.h>
 
@@ -45,20 +46,25 @@ float x_value(int rank, int64_t t, int64_t h, uint64_t key) {
   return static_cast<float>(static_cast<int>(w % 65) - 32) / 32.0f;
 }
 
-// Scales each row of the expert input by (global expert + 1) on the host.
-Tensor run_experts(const Tensor& in, const std::vector<int64_t>& groups, int64_t first_expert) {
+// Scales each row of the expert input by (global expert + 1) / etp on the host: with expert
+// tensor parallelism each of the etp ranks contributes that share and the combine sums them.
+Tensor run_experts(const Tensor& in, const std::vector<int64_t>& groups, int64_t first_expert, int64_t etp = 1) {
   Tensor host = in.to(Device::cpu()).contiguous();
   float* p = host.data<float>();
   int64_t row = 0;
   for (size_t l = 0; l < groups.size(); ++l)
     for (int64_t i = 0; i < groups[l]; ++i, ++row)
-      for (int64_t h = 0; h < in.size(1); ++h) p[row * in.size(1) + h] *= static_cast<float>(first_expert + l + 1);
+      for (int64_t h = 0; h < in.size(1); ++h)
+        p[row * in.size(1) + h] *= static_cast<float>(first_expert + l + 1) / static_cast<float>(etp);
   return host.to(in.device());
 }
 
-void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, bool drop, int64_t pad) {
+// c: the world (token values depend on its rank); ep / etp / tp_ep: the groups (ep = &c without ETP).
+void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, bool drop, int64_t pad,
+                    comm::Communicator* ep, comm::Communicator* etp = nullptr, comm::Communicator* tp_ep = nullptr) {
   const int rank = c.rank();
-  const int64_t tokens = 6, k = 2, hidden = 5, experts = 2 * c.size();
+  const int64_t tokens = 6, k = 2, hidden = 5, experts = 2 * (ep ? ep->size() : 1);
+  const int64_t etp_size = etp ? etp->size() : 1;
   const Device dev = c.device();
   const Routing r = make_routing(rank, tokens, k, experts, pattern, drop);
   std::vector<float> xs, douts;
@@ -73,16 +79,16 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
   const Tensor probs = Tensor::from_vector(r.probs, {tokens, k}).to(dev);
   const Tensor kept = drop ? Tensor::from_vector(r.kept, {tokens, k}).to(dev) : Tensor();
 
-  TokenDispatcher d(&c, type, experts);
+  TokenDispatcher d(ep, type, experts, etp, tp_ep);
   TokenDispatcher::Ctx ctx;
   const Tensor expert_in = d.dispatch(x, idx, kept, pad, ctx);
   int64_t rows = 0;
   for (int64_t g : ctx.local_groups) rows += g;
   EXPECT_EQ(rows, expert_in.size(0));
-  const Tensor out = d.combine(run_experts(expert_in, ctx.local_groups, d.first_expert()), probs, ctx);
+  const Tensor out = d.combine(run_experts(expert_in, ctx.local_groups, d.first_expert(), etp_size), probs, ctx);
   Tensor d_expert_out, dprobs;
   d.combine_backward(dout, ctx, d_expert_out, dprobs);
-  const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_groups, d.first_expert()), ctx);
+  const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_groups, d.first_expert(), etp_size), ctx);
 
   const std::vector<float> o = out.to_vector<float>(), g = dx.to_vector<float>(), dp = dprobs.to_vector<float>();
   for (int64_t t = 0; t < tokens; ++t) {
@@ -104,14 +110,28 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
   }
 }
 
-void check_all(comm::Communicator& c) {
+void check_cases(comm::Communicator& c, comm::Communicator* ep, comm::Communicator* etp, comm::Communicator* tp_ep) {
   for (DispatcherType type : {DispatcherType::AllToAll, DispatcherType::AllGather}) {
     SCOPED_TRACE(dispatcher_name(type));
-    check_dispatch(c, type, 0, false, 0);
-    check_dispatch(c, type, 1, false, 0);  // only rank 0's experts receive tokens
-    check_dispatch(c, type, 0, true, 0);   // capacity dropping
-    check_dispatch(c, type, 1, true, 12);  // padded: each (rank, expert) chunk has 12 rows
+    check_dispatch(c, type, 0, false, 0, ep, etp, tp_ep);
+    check_dispatch(c, type, 1, false, 0, ep, etp, tp_ep);  // only rank 0's experts receive tokens
+    check_dispatch(c, type, 0, true, 0, ep, etp, tp_ep);   // capacity dropping
+    check_dispatch(c, type, 1, true, 12, ep, etp, tp_ep);  // padded: each (rank, expert) chunk has 12 rows
   }
+}
+
+void check_all(comm::Communicator& c) {
+  check_cases(c, &c, nullptr, nullptr);
+  if (c.size() % 2 != 0) return;
+  // Expert tensor parallelism, the expert generator's order (etp fastest): ETP groups {0,1},
+  // {2,3}, ...; EP groups {0,2,...}, {1,3,...}; ETP x EP = the world.
+  const int n = c.size(), r = c.rank();
+  std::vector<int64_t> etp_ranks = {r - r % 2, r - r % 2 + 1}, ep_ranks;
+  for (int i = r % 2; i < n; i += 2) ep_ranks.push_back(i);
+  auto etp = c.split(etp_ranks);
+  auto ep = c.split(ep_ranks);
+  SCOPED_TRACE("ETP 2");
+  check_cases(c, ep_ranks.size() > 1 ? ep.get() : nullptr, etp.get(), &c);
 }
 
 }  // namespace dispatch_checks

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two GPUs (NCCL): the fp32 tiny MoE trained by DP=2, EP=2 and PP=2 layouts prints the one-GPU run's
+# Two GPUs (NCCL): the fp32 tiny MoE trained by DP=2, EP=2, ETP=2 and PP=2 layouts prints the one-GPU run's
 # lm loss, load_balancing_loss and grad norm for 3 iterations (within 1e-4 relative: fp32 GPU
 # GEMMs may sum in another order for other row counts). Run by scripts/gpu-dist.sh.
 set -euo pipefail
@@ -19,7 +19,9 @@ grep -q "cuda" "$dir/one.log" || { cat "$dir/one.log"; echo "FAIL: not on a GPU"
 for flags in "" "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
              "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --use-distributed-optimizer" \
              "--use-distributed-optimizer" "--overlap-grad-reduce" \
-             "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce"; do
+             "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce" \
+             "--expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall" \
+             "--expert-tensor-parallel-size 2 --moe-token-dispatcher-type allgather"; do
   # shellcheck disable=SC2086
   ranks $flags
   compare "$dir/two.jsonl" "$dir/one.jsonl" || { echo "FAIL: 2 GPUs [$flags] differ from one GPU"; exit 1; }

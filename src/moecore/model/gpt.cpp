@@ -14,12 +14,12 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
   if (stage_.end_layer < 0) stage_.end_layer = cfg.num_layers;
   MC_CHECK(stage_.first_layer >= 0 && stage_.first_layer <= stage_.end_layer && stage_.end_layer <= cfg.num_layers,
            "pipeline stage layers [", stage_.first_layer, ", ", stage_.end_layer, ") are outside [0, ", cfg.num_layers, ")");
-  MC_CHECK(stage_.has_embedding == stage_.has_head || cfg.untie_embeddings,
-           "pipeline stages with the embedding and the output layer apart need --untie-embeddings-and-output-weights");
   if (store.master_dtype() == DType::F64) compute_ = DType::F64;
   const int64_t h = cfg.hidden_size;
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
-  if (stage_.has_embedding || !cfg.untie_embeddings)
+  // Tied embeddings: the last pipeline stage keeps its own copy for the output layer (same name,
+  // so the same Philox draw; the trainer sums both copies' gradients over the embedding group).
+  if (stage_.has_embedding || (stage_.has_head && !cfg.untie_embeddings))
     word_embeddings_ = &store.add("embedding.word_embeddings.weight", {cfg.vocab_size, h}, Init::Normal, std, true);
   if (stage_.has_embedding && cfg.position_embedding_type == "learned_absolute")
     position_embeddings_ = &store.add("embedding.position_embeddings.weight", {cfg.max_position_embeddings, h},

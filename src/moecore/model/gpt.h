@@ -17,7 +17,9 @@ namespace moecore {
 
 // A pipeline stage's share of the model: decoder layers [first_layer, end_layer) (global
 // numbers, so parameter names do not depend on the layout), the embedding on the first stage,
-// the final norm, output layer and loss on the last. The default is the whole model.
+// the final norm, output layer and loss on the last. The default is the whole model. With tied
+// embeddings a last stage without the embedding still holds embedding.word_embeddings.weight
+// (the output layer's weight): a copy kept equal to the first stage's by the trainer.
 struct PipelineStage {
   int64_t first_layer = 0, end_layer = -1;  // -1: every layer
   bool has_embedding = true, has_head = true;

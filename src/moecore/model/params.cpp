@@ -1,5 +1,7 @@
 #include "moecore/model/params.h"
 
+#include <cstring>
+
 #include "moecore/core/philox.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/random.h"
@@ -33,17 +35,82 @@ Param& ParamStore::add(const std::string& name, const Shape& shape, Init init, d
 Shape Param::full_shape() const {
   Shape s = shape;
   s[0] = full_rows;
+  if (etp_size > 1) s[static_cast<size_t>(etp_dim)] *= etp_size;
   return s;
 }
 
+namespace {
+// The full index along the split dimension of local index i of part r.
+int64_t etp_full_index(const Param& p, int64_t i, int64_t local_n) {
+  if (!p.etp_glu) return p.etp_rank * local_n + i;
+  const int64_t half = local_n / 2, full_half = half * p.etp_size;
+  return i < half ? p.etp_rank * half + i : full_half + p.etp_rank * half + (i - half);
+}
+
+// Copies between a part [L, N, K] and the full [L, N_full, K_full] on the host; to_full picks
+// the direction. Elements are moved as bytes (any dtype).
+void etp_copy(const Param& p, Tensor& part, Tensor& full, bool to_full) {
+  const int64_t l = part.size(0), n = part.size(1), k = part.size(2), fn = full.size(1), fk = full.size(2);
+  const size_t es = dtype_size(part.dtype());
+  auto* pp = static_cast<uint8_t*>(part.data_ptr());
+  auto* fp = static_cast<uint8_t*>(full.data_ptr());
+  for (int64_t e = 0; e < l; ++e)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t fi = p.etp_dim == 1 ? etp_full_index(p, i, n) : i;
+      const int64_t fc0 = p.etp_dim == 2 ? p.etp_rank * k : 0;
+      uint8_t* a = pp + ((e * n + i) * k) * es;
+      uint8_t* b = fp + ((e * fn + fi) * fk + fc0) * es;
+      if (to_full) {
+        std::memcpy(b, a, static_cast<size_t>(k) * es);
+      } else {
+        std::memcpy(a, b, static_cast<size_t>(k) * es);
+      }
+    }
+}
+}  // namespace
+
+Tensor etp_take(const Param& p, const Tensor& t) {
+  MC_CHECK(t.ndim() == 3 && t.size(0) == p.shape[0], "etp_take: '", p.name, "' expects [", p.shape[0],
+           ", N, K], got ", t.describe());
+  Tensor full = t.to(Device::cpu()).contiguous();
+  Tensor part = Tensor::empty(p.shape, t.dtype(), Device::cpu());
+  etp_copy(p, part, full, false);
+  return part;
+}
+
+Tensor etp_assemble(const Param& p, const Tensor& parts) {
+  MC_CHECK(parts.ndim() == 3 && parts.size(0) == p.shape[0] * p.etp_size, "etp_assemble: '", p.name, "' expects [",
+           p.shape[0] * p.etp_size, ", N, K], got ", parts.describe());
+  const Tensor host = parts.to(Device::cpu()).contiguous();
+  Shape fs = p.shape;
+  fs[static_cast<size_t>(p.etp_dim)] *= p.etp_size;
+  Tensor full = Tensor::empty(fs, parts.dtype(), Device::cpu());
+  Param q = p;  // walk the parts, each with its own rank
+  for (int64_t r = 0; r < p.etp_size; ++r) {
+    q.etp_rank = r;
+    Tensor part = host.slice(0, r * p.shape[0], (r + 1) * p.shape[0]).contiguous();
+    etp_copy(q, part, full, true);
+  }
+  return full;
+}
+
 Param& ParamStore::add_expert(const std::string& name, const Shape& local_shape, int64_t full_rows,
-                              int64_t row_offset, double std) {
+                              int64_t row_offset, double std, int64_t etp_size, int64_t etp_rank, int64_t etp_dim,
+                              bool etp_glu) {
   MC_CHECK(row_offset >= 0 && row_offset + local_shape[0] <= full_rows, "expert parameter '", name, "': rows [",
            row_offset, ", ", row_offset + local_shape[0], ") are outside [0, ", full_rows, ")");
+  MC_CHECK(etp_size == 1 || (local_shape.size() == 3 && (etp_dim == 1 || etp_dim == 2) && etp_rank >= 0 &&
+                             etp_rank < etp_size && (!etp_glu || local_shape[1] % 2 == 0)),
+           "expert parameter '", name, "': bad expert-tensor-parallel part ", etp_rank, " of ", etp_size, " along dim ",
+           etp_dim);
   Param& p = add(name, local_shape, Init::Normal, std, true);
   p.expert = true;
   p.full_rows = full_rows;
   p.row_offset = row_offset;
+  p.etp_size = etp_size;
+  p.etp_rank = etp_rank;
+  p.etp_dim = etp_dim;
+  p.etp_glu = etp_glu;
   return p;
 }
 
@@ -101,6 +168,15 @@ void ParamStore::initialize(int64_t dense_shard_multiple, int64_t expert_shard_m
     switch (p->init) {
       case Init::Normal: {
         // Global element index of this rank's first element: any expert layout draws the same values.
+        if (p->etp_size > 1) {  // draw this rank's experts whole, keep this part
+          Shape local_full = p->full_shape();
+          local_full[0] = p->shape[0];
+          Tensor full = Tensor::empty(local_full, master_, device_);
+          const int64_t per_expert = full.numel() / p->shape[0];
+          ops::fill_normal(full, seed_, rng_key(p->name), 0.0, p->std, p->row_offset * per_expert);
+          p->master.copy_from(etp_take(*p, full).to(device_));
+          break;
+        }
         const int64_t offset = p->shape.empty() ? 0 : p->row_offset * (p->master.numel() / p->shape[0]);
         ops::fill_normal(p->master, seed_, rng_key(p->name), 0.0, p->std, offset);
         break;

@@ -33,11 +33,24 @@ struct Param {
   // Philox draw and its checkpoint slice use those global rows.
   bool expert = false;
   int64_t row_offset = 0, full_rows = 0;  // full_rows = shape[0] unless sharded
+  // Expert tensor parallelism: part etp_rank of etp_size along dimension etp_dim of each expert
+  // matrix [E, N, K]: etp_dim 1 splits rows (fc1; with etp_glu each of the two GLU halves
+  // [gate; up] is split, so the part is [gate rows of part r; up rows of part r]), etp_dim 2
+  // splits columns (fc2).
+  int64_t etp_size = 1, etp_rank = 0, etp_dim = 0;
+  bool etp_glu = false;
   Tensor master, weight, grad, exp_avg, exp_avg_sq;
 
   Shape full_shape() const;
-  bool sharded() const { return full_rows != shape[0]; }
+  bool sharded() const { return full_rows != shape[0] || etp_size > 1; }
 };
+
+// Expert-tensor-parallel parts (host copies; for initialisation and checkpoints):
+//   etp_take(p, t)      t [L, N_full, K_full] (this rank's experts, every part) -> [L, N, K], p's part
+//   etp_assemble(p, t)  t [etp_size * L, N, K] (every rank's part, rank-major, as all_gather
+//                       returns) -> [L, N_full, K_full]
+Tensor etp_take(const Param& p, const Tensor& t);
+Tensor etp_assemble(const Param& p, const Tensor& parts);
 
 class ParamStore {
  public:
@@ -49,7 +62,7 @@ class ParamStore {
   Param& add_buffer(const std::string& name, const Shape& shape);
   // An expert parameter: the rows [row_offset, row_offset + shape[0]) of a [full_rows, ...] tensor.
   Param& add_expert(const std::string& name, const Shape& local_shape, int64_t full_rows, int64_t row_offset,
-                    double std);
+                    double std, int64_t etp_size = 1, int64_t etp_rank = 0, int64_t etp_dim = 0, bool etp_glu = false);
   Param& get(const std::string& name);
   const std::vector<std::unique_ptr<Param>>& all() const { return params_; }
 

@@ -35,7 +35,7 @@ bool uses_aux_loss(const MoeConfig& m) {
 
 MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg, const MoeParallel& par)
     : moe_(cfg.moe), hidden_(cfg.hidden_size), swiglu_(cfg.swiglu), prefix_(prefix), par_(par),
-      dispatcher_(par.ep, par.dispatcher, cfg.moe.num_experts) {
+      dispatcher_(par.ep, par.dispatcher, cfg.moe.num_experts, par.etp, par.tp_ep) {
   MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
   router_dtype_ = (store.master_dtype() == DType::F64 || moe_.router_fp64) ? DType::F64 : DType::F32;
   const int64_t e = moe_.num_experts, h = cfg.hidden_size, f = moe_.ffn_hidden_size;
@@ -43,9 +43,14 @@ MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConf
   gate_weight_ = &store.add(prefix + ".router.weight", {e, h}, Init::Normal, std, true, router_dtype_, false);
   if (moe_.enable_expert_bias) expert_bias_ = &store.add_buffer(prefix + ".router.expert_bias", {e});
   // This rank's experts: rows [first, first + L) of the [E, ...] expert weights.
+  // With ETP, part r of each expert's FFN: fc1 rows (per GLU half), fc2 columns.
   const int64_t local = dispatcher_.local_experts(), first = dispatcher_.first_expert();
-  fc1_ = &store.add_expert(prefix + ".experts.linear_fc1.weight", {local, swiglu_ ? 2 * f : f, h}, e, first, std);
-  fc2_ = &store.add_expert(prefix + ".experts.linear_fc2.weight", {local, h, f}, e, first, out_std);
+  const int64_t etp = par.etp ? par.etp->size() : 1, etp_rank = par.etp ? par.etp->rank() : 0;
+  MC_CHECK(f % etp == 0, "--moe-ffn-hidden-size ", f, " is not divisible by --expert-tensor-parallel-size ", etp);
+  const int64_t fl = f / etp;
+  fc1_ = &store.add_expert(prefix + ".experts.linear_fc1.weight", {local, swiglu_ ? 2 * fl : fl, h}, e, first, std, etp,
+                           etp_rank, 1, swiglu_);
+  fc2_ = &store.add_expert(prefix + ".experts.linear_fc2.weight", {local, h, fl}, e, first, out_std, etp, etp_rank, 2);
   if (moe_.shared_expert_size > 0) {
     shared_ = Mlp(store, prefix + ".shared_experts", h, moe_.shared_expert_size, swiglu_, false, std, out_std);
     if (moe_.shared_expert_gate) shared_gate_ = Linear(store, prefix + ".shared_experts.gate", h, 1, false, std);

@@ -28,6 +28,8 @@ namespace moecore {
 // The process groups an MoE layer talks over (null: one rank).
 struct MoeParallel {
   comm::Communicator* ep = nullptr;         // expert-parallel group (this rank holds E / |ep| experts)
+  comm::Communicator* etp = nullptr;        // expert-tensor-parallel group (a 1 / |etp| slice of each FFN)
+  comm::Communicator* tp_ep = nullptr;      // the ETP x EP group (allgather dispatcher with ETP)
   DispatcherType dispatcher = DispatcherType::AllToAll;
   comm::Communicator* aux_group = nullptr;  // global_aux_loss: counts averaged over TP x DP x CP
 };

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <numeric>
 
+#include "moecore/ops/elementwise.h"
+
 namespace moecore {
 
 const char* dispatcher_name(DispatcherType t) { return t == DispatcherType::AllGather ? "allgather" : "alltoall"; }
@@ -47,10 +49,15 @@ double take_dispatch_comm_seconds() {
   return s;
 }
 
-TokenDispatcher::TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts)
-    : ep_(ep), type_(type), num_experts_(num_experts) {
+TokenDispatcher::TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts,
+                                 comm::Communicator* etp, comm::Communicator* tp_ep)
+    : ep_(ep), etp_(etp), type_(type), num_experts_(num_experts) {
   ep_size_ = ep ? ep->size() : 1;
   ep_rank_ = ep ? ep->rank() : 0;
+  gather_ = etp ? tp_ep : ep;
+  gather_size_ = gather_ ? gather_->size() : 1;
+  MC_CHECK(!etp || (tp_ep && tp_ep->size() == etp->size() * ep_size_), "TokenDispatcher: the ETP x EP group must have ",
+           "|ETP| x |EP| ranks");
   MC_CHECK(num_experts % ep_size_ == 0, "--num-experts ", num_experts, " is not divisible by ",
            "--expert-model-parallel-size ", ep_size_);
   local_experts_ = num_experts / ep_size_;
@@ -75,16 +82,16 @@ Tensor TokenDispatcher::all_to_all_rows(const Tensor& in, const std::vector<int6
 }
 
 Tensor TokenDispatcher::gather_rows(const Tensor& in) const {
-  Tensor out = Tensor::empty(with_rows(in, in.size(0) * ep_size_), in.dtype(), in.device());
+  Tensor out = Tensor::empty(with_rows(in, in.size(0) * gather_size_), in.dtype(), in.device());
   CommTimer timer(in.device());
-  ep_->all_gather(in, out);
+  gather_->all_gather(in, out);
   return out;
 }
 
 Tensor TokenDispatcher::reduce_scatter_rows(const Tensor& in) const {
-  Tensor out = Tensor::empty(with_rows(in, in.size(0) / ep_size_), in.dtype(), in.device());
+  Tensor out = Tensor::empty(with_rows(in, in.size(0) / gather_size_), in.dtype(), in.device());
   CommTimer timer(in.device());
-  ep_->reduce_scatter(in, out, comm::ReduceOp::Sum);
+  gather_->reduce_scatter(in, out, comm::ReduceOp::Sum);
   return out;
 }
 
@@ -94,7 +101,7 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   const int64_t hidden = x.size(1);
   ctx.tokens = x.size(0);
   ctx.topk = indices.size(1);
-  if (ep_ && type_ == DispatcherType::AllGather) {
+  if (allgather_path()) {
     const Tensor xg = gather_rows(x);
     const std::vector<int32_t> ids = gather_rows(indices).to_vector<int32_t>();
     std::vector<uint8_t> keep(ids.size(), 1);
@@ -109,9 +116,9 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
         keep[i] = 0;
       }
     }
-    const Shape s = with_rows(indices, indices.size(0) * ep_size_);
+    const Shape s = with_rows(indices, indices.size(0) * gather_size_);
     ctx.routing = ops::make_moe_routing(Tensor::from_vector(local, s).to(dev), Tensor::from_vector(keep, s).to(dev),
-                                        local_experts_, pad * ep_size_);
+                                        local_experts_, pad * gather_size_);
     Tensor expert_in = Tensor::empty({ctx.routing.num_rows, hidden}, x.dtype(), dev);
     ops::moe_permute_forward(xg, ctx.routing, expert_in);
     ctx.local_groups = ctx.routing.host_tokens_per_expert;
@@ -123,7 +130,7 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   ops::moe_permute_forward(x, ctx.routing, permuted);
   if (!ep_) {
     ctx.local_groups = ctx.routing.host_tokens_per_expert;
-    return permuted;
+    return etp_ ? etp_gather(permuted, ctx, true) : permuted;
   }
 
   // alltoall: every rank learns every rank's per-expert counts ([EP, E], one small all-gather).
@@ -153,26 +160,100 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   Tensor expert_in = Tensor::empty({rows, hidden}, x.dtype(), dev);
   ops::moe_permute_forward(received, ctx.sort, expert_in);
   ctx.local_groups = ctx.sort.host_tokens_per_expert;
-  return expert_in;
+  return etp_ ? etp_gather(expert_in, ctx, true) : expert_in;
+}
+
+Tensor TokenDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) const {
+  const Device dev = rows.device();
+  const int64_t n = etp_->size(), hidden = rows.size(1);
+  if (plan) {
+    // Every ETP rank's rows per local expert ([ETP, L], one small all-gather).
+    Tensor mine = Tensor::from_vector(ctx.local_groups, {1, local_experts_}).to(etp_->device());
+    Tensor all = Tensor::empty({n, local_experts_}, DType::I64, etp_->device());
+    {
+      CommTimer timer(dev);
+      etp_->all_gather(mine, all);
+    }
+    const std::vector<int64_t> counts = all.to_vector<int64_t>();
+    ctx.etp_rows.assign(static_cast<size_t>(n), 0);
+    std::vector<int32_t> ids;  // local expert of each gathered row, ETP rank-major
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t l = 0; l < local_experts_; ++l) {
+        const int64_t c = counts[static_cast<size_t>(r * local_experts_ + l)];
+        ctx.etp_rows[static_cast<size_t>(r)] += c;
+        ids.insert(ids.end(), static_cast<size_t>(c), static_cast<int32_t>(l));
+      }
+    const int64_t total_rows = static_cast<int64_t>(ids.size());
+    ctx.etp_sort = ops::make_moe_routing(Tensor::from_vector(ids, {total_rows, 1}).to(dev), Tensor(), local_experts_);
+    ctx.local_groups = ctx.etp_sort.host_tokens_per_expert;
+  }
+  // all-gather with per-rank row counts: a send to every ETP rank (itself too) and a receive from each.
+  Tensor gathered = Tensor::empty({ctx.etp_sort.num_tokens, hidden}, rows.dtype(), dev);
+  {
+    CommTimer timer(dev);
+    etp_->group_start();
+    int64_t at = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t c = ctx.etp_rows[static_cast<size_t>(r)];
+      if (rows.size(0) > 0) etp_->send(rows, static_cast<int>(r));
+      if (c > 0) {
+        Tensor part = gathered.slice(0, at, at + c);
+        etp_->recv(part, static_cast<int>(r));
+      }
+      at += c;
+    }
+    etp_->group_end();
+  }
+  Tensor sorted = Tensor::empty({ctx.etp_sort.num_rows, hidden}, rows.dtype(), dev);
+  ops::moe_permute_forward(gathered, ctx.etp_sort, sorted);
+  return sorted;
+}
+
+Tensor TokenDispatcher::etp_reduce(const Tensor& sorted, Ctx& ctx) const {
+  const Device dev = sorted.device();
+  const int64_t n = etp_->size(), hidden = sorted.size(1), me = etp_->rank();
+  Tensor rank_major = Tensor::empty({ctx.etp_sort.num_tokens, hidden}, sorted.dtype(), dev);
+  ops::moe_permute_backward(sorted, ctx.etp_sort, rank_major);
+  // reduce-scatter with per-rank row counts: rank r's segment goes to r; this rank's partials
+  // from every ETP rank are summed in rank order.
+  const int64_t mine = ctx.etp_rows[static_cast<size_t>(me)];
+  std::vector<Tensor> parts;
+  {
+    CommTimer timer(dev);
+    etp_->group_start();
+    int64_t at = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t c = ctx.etp_rows[static_cast<size_t>(r)];
+      if (c > 0) etp_->send(rank_major.slice(0, at, at + c), static_cast<int>(r));
+      at += c;
+      parts.push_back(Tensor::empty({mine, hidden}, sorted.dtype(), dev));
+      if (mine > 0) etp_->recv(parts.back(), static_cast<int>(r));
+    }
+    etp_->group_end();
+  }
+  Tensor out = parts[0];
+  for (int64_t r = 1; r < n; ++r) ops::add(out, parts[static_cast<size_t>(r)], out);
+  return out;
 }
 
 Tensor TokenDispatcher::combine(const Tensor& expert_out, const Tensor& probs, Ctx& ctx) const {
   const Device dev = expert_out.device();
   const int64_t hidden = expert_out.size(1);
   Tensor out = Tensor::empty({ctx.tokens, hidden}, expert_out.dtype(), dev);
-  if (ep_ && type_ == DispatcherType::AllGather) {
+  if (allgather_path()) {
     ctx.probs = gather_rows(probs);
     ctx.unpermute_in = expert_out;
-    Tensor partial = Tensor::empty({ctx.tokens * ep_size_, hidden}, expert_out.dtype(), dev);
+    Tensor partial = Tensor::empty({ctx.tokens * gather_size_, hidden}, expert_out.dtype(), dev);
     ops::moe_unpermute_forward(expert_out, ctx.probs, ctx.routing, partial);
     return reduce_scatter_rows(partial);
   }
   ctx.probs = probs;
+  const Tensor local_out = etp_ ? etp_reduce(expert_out, ctx) : expert_out;
   if (!ep_) {
-    ctx.unpermute_in = expert_out;
+    ctx.unpermute_in = local_out;
   } else {
     Tensor arrival = Tensor::empty({ctx.sort.num_tokens, hidden}, expert_out.dtype(), dev);
-    ops::moe_permute_backward(expert_out, ctx.sort, arrival);  // unsort: a gather by the sort plan
+    ops::moe_permute_backward(local_out, ctx.sort, arrival);  // unsort: a gather by the sort plan
     ctx.unpermute_in = all_to_all_rows(arrival, ctx.recv_rows, ctx.send_rows);
   }
   ops::moe_unpermute_forward(ctx.unpermute_in, ctx.probs, ctx.routing, out);
@@ -182,10 +263,10 @@ Tensor TokenDispatcher::combine(const Tensor& expert_out, const Tensor& probs, C
 void TokenDispatcher::combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_expert_out, Tensor& dprobs) const {
   const Device dev = dout.device();
   const int64_t hidden = dout.size(1);
-  if (ep_ && type_ == DispatcherType::AllGather) {
+  if (allgather_path()) {
     const Tensor dout_all = gather_rows(dout);
     d_expert_out = Tensor::empty(ctx.unpermute_in.shape(), dout.dtype(), dev);
-    Tensor dprobs_all = Tensor::empty({ctx.tokens * ep_size_, ctx.topk}, ctx.probs.dtype(), dev);
+    Tensor dprobs_all = Tensor::empty({ctx.tokens * gather_size_, ctx.topk}, ctx.probs.dtype(), dev);
     ops::moe_unpermute_backward(ctx.unpermute_in, ctx.probs, ctx.routing, dout_all, d_expert_out, dprobs_all);
     dprobs = reduce_scatter_rows(dprobs_all);
     return;
@@ -194,26 +275,28 @@ void TokenDispatcher::combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_e
   dprobs = Tensor::empty({ctx.tokens, ctx.topk}, ctx.probs.dtype(), dev);
   ops::moe_unpermute_backward(ctx.unpermute_in, ctx.probs, ctx.routing, dout, d_local, dprobs);
   if (!ep_) {
-    d_expert_out = d_local;
+    d_expert_out = etp_ ? etp_gather(d_local, ctx, false) : d_local;
     return;
   }
   const Tensor d_arrival = all_to_all_rows(d_local, ctx.send_rows, ctx.recv_rows);
   d_expert_out = Tensor::empty({ctx.sort.num_rows, hidden}, dout.dtype(), dev);
   ops::moe_permute_forward(d_arrival, ctx.sort, d_expert_out);
+  if (etp_) d_expert_out = etp_gather(d_expert_out, ctx, false);
 }
 
 Tensor TokenDispatcher::dispatch_backward(const Tensor& d_expert_in, Ctx& ctx) const {
   const Device dev = d_expert_in.device();
   const int64_t hidden = d_expert_in.size(1);
-  if (ep_ && type_ == DispatcherType::AllGather) {
-    Tensor dx_all = Tensor::empty({ctx.tokens * ep_size_, hidden}, d_expert_in.dtype(), dev);
+  if (allgather_path()) {
+    Tensor dx_all = Tensor::empty({ctx.tokens * gather_size_, hidden}, d_expert_in.dtype(), dev);
     ops::moe_permute_backward(d_expert_in, ctx.routing, dx_all);
     return reduce_scatter_rows(dx_all);
   }
-  Tensor d_permuted = d_expert_in;
+  const Tensor d_local_in = etp_ ? etp_reduce(d_expert_in, ctx) : d_expert_in;
+  Tensor d_permuted = d_local_in;
   if (ep_) {
     Tensor d_arrival = Tensor::empty({ctx.sort.num_tokens, hidden}, d_expert_in.dtype(), dev);
-    ops::moe_permute_backward(d_expert_in, ctx.sort, d_arrival);
+    ops::moe_permute_backward(d_local_in, ctx.sort, d_arrival);
     d_permuted = all_to_all_rows(d_arrival, ctx.recv_rows, ctx.send_rows);
   }
   Tensor dx = Tensor::empty({ctx.tokens, hidden}, d_expert_in.dtype(), dev);

@@ -27,6 +27,12 @@
 //                  [EP*T, H] partial sums -> reduce-scatter (sum) back to [T, H]. Backward:
 //                  all-gather dout; dx and dprobs reduce-scatter (each entry is non-zero on the
 //                  rank that owns its expert).
+// Expert tensor parallelism (ETP ranks share the same experts, each holding a slice of every
+// expert's FFN): alltoall runs as above over EP, then all-gathers the received rows over ETP
+// (variable counts: every ETP rank computes its slice for all of them) and sorts them by local
+// expert again; combine reduce-scatters the partial outputs back over ETP (summed in ETP rank
+// order), then continues as above. allgather gathers over the ETP x EP group instead of EP and
+// its reduce-scatter sums the ETP partials with the other experts' outputs.
 // Capacity: kept [T, k] is decided on each rank for its own tokens before dispatch. pad > 0
 // (--moe-pad-expert-input-to-capacity) gives every (source rank, expert) chunk exactly pad rows,
 // so a local expert receives EP * pad rows.
@@ -54,8 +60,10 @@ double take_dispatch_comm_seconds();
 class TokenDispatcher {
  public:
   TokenDispatcher() = default;
-  // ep: the expert-parallel communicator, or null for one rank (then type is irrelevant).
-  TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts);
+  // ep: the expert-parallel communicator, or null for one rank; etp: the expert-tensor-parallel
+  // group and tp_ep the ETP x EP group (both null without ETP).
+  TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts, comm::Communicator* etp = nullptr,
+                  comm::Communicator* tp_ep = nullptr);
 
   struct Ctx {
     ops::MoeRouting routing;         // the permutation on this rank (local or gathered tokens)
@@ -65,6 +73,8 @@ class TokenDispatcher {
     Tensor unpermute_in;             // what the unpermute read in combine (its backward needs it)
     std::vector<int64_t> local_groups;  // rows per local expert of expert_in
     int64_t tokens = 0, topk = 0;
+    ops::MoeRouting etp_sort;           // ETP: gathered rows (ETP rank-major) -> local-expert order
+    std::vector<int64_t> etp_rows;      // ETP: rows each ETP rank contributed
   };
 
   Tensor dispatch(const Tensor& x, const Tensor& indices, const Tensor& kept, int64_t pad, Ctx& ctx) const;
@@ -79,10 +89,17 @@ class TokenDispatcher {
   Tensor all_to_all_rows(const Tensor& in, const std::vector<int64_t>& send, const std::vector<int64_t>& recv) const;
   Tensor gather_rows(const Tensor& in) const;          // [T, ...] -> [EP*T, ...]
   Tensor reduce_scatter_rows(const Tensor& in) const;  // [EP*T, ...] -> [T, ...], summed
+  bool allgather_path() const { return type_ == DispatcherType::AllGather && gather_ != nullptr; }
+  // ETP stage: rows of every ETP rank, sorted by local expert (first call plans, Ctx keeps it).
+  Tensor etp_gather(const Tensor& rows, Ctx& ctx, bool plan) const;
+  // Its reverse: partial results back to the ranks that own the rows, summed over ETP.
+  Tensor etp_reduce(const Tensor& sorted, Ctx& ctx) const;
 
   comm::Communicator* ep_ = nullptr;
+  comm::Communicator* etp_ = nullptr;
+  comm::Communicator* gather_ = nullptr;  // allgather's group: ETP x EP (or EP)
   DispatcherType type_ = DispatcherType::AllToAll;
-  int64_t num_experts_ = 0, ep_size_ = 1, ep_rank_ = 0, local_experts_ = 0, first_expert_ = 0;
+  int64_t num_experts_ = 0, ep_size_ = 1, ep_rank_ = 0, local_experts_ = 0, first_expert_ = 0, gather_size_ = 1;
 };
 
 }  // namespace moecore

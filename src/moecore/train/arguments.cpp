@@ -6,6 +6,7 @@
 
 #include "moecore/comm/bootstrap.h"
 #include "moecore/data/tokenizer.h"
+#include "moecore/train/pipeline.h"
 
 namespace moecore {
 
@@ -94,9 +95,13 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
             "layers per virtual pipeline stage (each rank holds several model chunks; 0: none)");
   f.add_int("num-virtual-stages-per-pipeline-rank", &a.virtual_stages_per_rank,
             "model chunks per pipeline rank (alternative to the flag above; 0: none)");
+  f.add_int("decoder-first-pipeline-num-layers", &a.first_stage_layers,
+            "layers of the first pipeline stage (uneven stages: the other stages share the rest evenly; 0: even)");
+  f.add_int("decoder-last-pipeline-num-layers", &a.last_stage_layers,
+            "layers of the last pipeline stage (uneven stages: the other stages share the rest evenly; 0: even)");
   f.add_int("context-parallel-size", &a.cp, "context parallelism (only 1 in this version)");
   f.add_int("expert-model-parallel-size", &a.ep, "expert parallelism: ranks that split the experts (divides the world)");
-  f.add_int("expert-tensor-parallel-size", &a.etp, "expert tensor parallelism (only 1 in this version)");
+  f.add_int("expert-tensor-parallel-size", &a.etp, "expert tensor parallelism: ranks that split each expert's FFN");
   f.add_bool("use-distributed-optimizer", &a.use_distributed_optimizer,
              "shard AdamW states over the data-parallel ranks (ZeRO-1; experts over expert-data-parallel)");
   f.add_bool("overlap-grad-reduce", &a.overlap_grad_reduce,
@@ -319,16 +324,22 @@ void finalize_train_args(TrainArgs& a) {
                                    {"--expert-model-parallel-size", a.ep}, {"--expert-tensor-parallel-size", a.etp}}) {
     MC_CHECK(size >= 1, flag, " ", size, " must be >= 1");
     MC_CHECK(size == 1 || std::string(flag) == "--expert-model-parallel-size" ||
-                 std::string(flag) == "--pipeline-model-parallel-size",
+                 std::string(flag) == "--pipeline-model-parallel-size" || std::string(flag) == "--expert-tensor-parallel-size",
              flag, " ", size,
-             " is not available in this version: it runs data, pipeline and expert parallelism "
-             "(--pipeline-model-parallel-size, --expert-model-parallel-size)");
+             " is not available in this version: it runs data, pipeline, expert and expert-tensor parallelism "
+             "(--pipeline-model-parallel-size, --expert-model-parallel-size, --expert-tensor-parallel-size)");
   }
   MC_CHECK(a.world % a.pp == 0, "--pipeline-model-parallel-size ", a.pp, " does not divide the ", a.world,
            " launched ranks; expected a divisor of the world size");
-  MC_CHECK(a.model.num_layers % a.pp == 0, "--num-layers ", a.model.num_layers,
+  const bool uneven = a.first_stage_layers != 0 || a.last_stage_layers != 0;
+  MC_CHECK(uneven || a.model.num_layers % a.pp == 0, "--num-layers ", a.model.num_layers,
            " is not divisible by --pipeline-model-parallel-size ", a.pp,
-           "; expected equal stages (uneven stages are not available in this version)");
+           "; expected equal stages, or uneven ones through --decoder-first-pipeline-num-layers / "
+           "--decoder-last-pipeline-num-layers");
+  // Megatron's rule: with uneven stages the virtual pipeline is given per rank.
+  MC_CHECK(!uneven || a.layers_per_virtual_stage == 0, "--num-layers-per-virtual-pipeline-stage with "
+           "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: use "
+           "--num-virtual-stages-per-pipeline-rank to give the virtual pipeline size with uneven stages");
   MC_CHECK(a.layers_per_virtual_stage >= 0 && a.virtual_stages_per_rank >= 0,
            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank must be >= 0");
   MC_CHECK(a.layers_per_virtual_stage == 0 || a.virtual_stages_per_rank == 0,
@@ -336,24 +347,25 @@ void finalize_train_args(TrainArgs& a) {
   if (a.layers_per_virtual_stage > 0 || a.virtual_stages_per_rank > 0) {
     MC_CHECK(a.pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1");
     const int64_t per_rank = a.model.num_layers / a.pp;
-    MC_CHECK(a.layers_per_virtual_stage == 0 || per_rank % a.layers_per_virtual_stage == 0,
+    MC_CHECK(uneven || a.layers_per_virtual_stage == 0 || per_rank % a.layers_per_virtual_stage == 0,
              "--num-layers-per-virtual-pipeline-stage ", a.layers_per_virtual_stage, " does not divide the ", per_rank,
              " layers of each pipeline rank (--num-layers / --pipeline-model-parallel-size)");
-    MC_CHECK(a.virtual_stages_per_rank == 0 || per_rank % a.virtual_stages_per_rank == 0,
+    MC_CHECK(uneven || a.virtual_stages_per_rank == 0 || per_rank % a.virtual_stages_per_rank == 0,
              "--num-virtual-stages-per-pipeline-rank ", a.virtual_stages_per_rank, " does not divide the ", per_rank,
              " layers of each pipeline rank (--num-layers / --pipeline-model-parallel-size)");
   }
-  MC_CHECK(a.pp == 1 || a.model.untie_embeddings, "--pipeline-model-parallel-size ", a.pp,
-           " needs --untie-embeddings-and-output-weights (the tied embedding across the first and last stage is not "
-           "available in this version)");
+  stage_layers(a.model.num_layers, a.pp, a.virtual_stages(), a.first_stage_layers, a.last_stage_layers, 0);  // checks
   MC_CHECK(a.pp == 1 || !e.per_layer_logging, "--moe-per-layer-logging with --pipeline-model-parallel-size ", a.pp,
            " is not available in this version");
   MC_CHECK(!(a.overlap_grad_reduce && a.use_distributed_optimizer), "--overlap-grad-reduce with "
            "--use-distributed-optimizer is not available in this version; pass one of them");
   MC_CHECK(a.ep == 1 || e.num_experts > 0, "--expert-model-parallel-size ", a.ep, " needs an MoE model (--num-experts)");
-  MC_CHECK(a.data_parallel_size() % a.ep == 0, "--expert-model-parallel-size ", a.ep, " does not divide the ",
-           a.data_parallel_size(), " data-parallel ranks (", a.world, " launched / ", a.pp,
-           " pipeline stages); expected a divisor");
+  MC_CHECK(a.etp == 1 || e.num_experts > 0, "--expert-tensor-parallel-size ", a.etp, " needs an MoE model (--num-experts)");
+  MC_CHECK(a.data_parallel_size() % (a.ep * a.etp) == 0, "--expert-model-parallel-size ", a.ep,
+           " x --expert-tensor-parallel-size ", a.etp, " does not divide the ", a.data_parallel_size(),
+           " data-parallel ranks (", a.world, " launched / ", a.pp, " pipeline stages); expected a divisor");
+  MC_CHECK(a.etp == 1 || e.ffn_hidden_size % a.etp == 0, "--moe-ffn-hidden-size ", e.ffn_hidden_size,
+           " is not divisible by --expert-tensor-parallel-size ", a.etp);
   MC_CHECK(e.num_experts % a.ep == 0, "--num-experts ", e.num_experts, " is not divisible by --expert-model-parallel-size ",
            a.ep, "; expected the same number of experts on every rank");
   if (a.token_dispatcher == "alltoall") {

@@ -40,11 +40,13 @@ struct TrainArgs {
   std::string device_text;  // "" = cuda when present, else cpu
   bool override_opt_param_scheduler = false;  // resume with other learning-rate settings
   // Parallelism (Megatron's flags). The launched ranks (mpirun/srun) form world = DP x PP
-  // (pipeline stages of equal layer counts, pp slowest in the order), with expert parallelism
+  // (pipeline stages of equal layer counts unless uneven, pp slowest in the order), with expert parallelism
   // folded over each stage's data-parallel ranks (EP divides DP; EDP = DP / EP). TP, CP and ETP
   // are validated and refused above 1 until the 4-D parallelism work implements them.
   int64_t tp = 1, pp = 1, cp = 1, ep = 1, etp = 1;
   int64_t layers_per_virtual_stage = 0, virtual_stages_per_rank = 0;  // 0: no virtual stages
+  // --decoder-first/last-pipeline-num-layers: uneven stages (0: not given; stage_layers in pipeline.h)
+  int64_t first_stage_layers = 0, last_stage_layers = 0;
   bool use_distributed_optimizer = false;
   bool overlap_grad_reduce = false;  // --overlap-grad-reduce: reduce layer gradients during the backward
   std::string token_dispatcher = "allgather";  // --moe-token-dispatcher-type (Megatron's default)

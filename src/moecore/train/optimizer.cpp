@@ -53,6 +53,15 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     : store_(store), groups_(groups), distributed_(distributed), overlap_(overlap) {
   MC_CHECK(!(overlap && distributed), "--overlap-grad-reduce with --use-distributed-optimizer is not available in this "
                                       "version; use one of them");
+  if (groups_.embedding) {
+    const std::string name = "embedding.word_embeddings.weight";
+    const Param* tied = nullptr;
+    for (const auto& p : store_.all())
+      if (p->name == name) tied = p.get();
+    MC_CHECK(tied && !tied->expert, "tied embeddings: a stage of the embedding group lacks '", name, "'");
+    tied_ = {store_.grad_offset(*tied), store_.grad_offset(*tied) + tied->master.numel()};
+    tied_counted_ = groups_.embedding->rank() == 0;
+  }
   if (overlap_) {
     // Each decoder layer's slice of both buffers: "decoder.layers.<i>." parameters are registered together.
     const std::string prefix = "decoder.layers.";
@@ -112,6 +121,20 @@ void Optimizer::reduce_range(bool expert, Range r) {
   }
 }
 
+void Optimizer::reduce_tied_embedding() {
+  if (!groups_.embedding) return;
+  Tensor slice = store_.grad_buffer().slice(0, tied_.begin, tied_.end);
+  groups_.embedding->all_reduce(slice, comm::ReduceOp::Sum);
+}
+
+double Optimizer::dense_squares(const Tensor& t, int64_t t_begin) {
+  if (tied_counted_ || tied_.end <= tied_.begin) return squares(t);
+  // Leave out the tied copy's elements (the first stage counts them).
+  const int64_t n = t.numel();
+  const int64_t lo = std::clamp<int64_t>(tied_.begin - t_begin, 0, n), hi = std::clamp<int64_t>(tied_.end - t_begin, 0, n);
+  return squares(t.slice(0, 0, lo)) + squares(t.slice(0, hi, n));
+}
+
 void Optimizer::layer_ready(int64_t layer) {
   if (!overlap_) return;
   const size_t l = static_cast<size_t>(layer);
@@ -147,6 +170,7 @@ void Optimizer::reduce_gradients() {
       }
       if (at < n) rest.push_back({at, n});
       if (!has_comm_stream_) {
+        if (!expert) reduce_tied_embedding();
         for (const Range& r : rest) reduce_range(expert, r);
         continue;
       }
@@ -156,6 +180,7 @@ void Optimizer::reduce_gradients() {
       ready.record(current_stream(store_.device()));
       ready.wait(comm_stream_);
       StreamGuard on_comm(comm_stream_);
+      if (!expert) reduce_tied_embedding();  // after the layers' reductions, in the same order on every rank
       for (const Range& r : rest) reduce_range(expert, r);
     }
     if (has_comm_stream_) {
@@ -168,6 +193,7 @@ void Optimizer::reduce_gradients() {
     scale(store_.expert_grad_buffer(), expert_scale);
     return;
   }
+  reduce_tied_embedding();
   if (!distributed_) {
     if (groups_.dp && store_.grad_buffer().numel() > 0) groups_.dp->all_reduce(store_.grad_buffer(), comm::ReduceOp::Avg);
     if (store_.expert_grad_buffer().numel() > 0) {
@@ -191,13 +217,16 @@ void Optimizer::reduce_gradients() {
 
 double Optimizer::grad_norm_sq() {
   if (!distributed_)
-    return sum_over(groups_.pp, squares(store_.grad_buffer()) + sum_over(groups_.ep, squares(store_.expert_grad_buffer())));
-  const double dense = sum_over(dense_.group, squares(dense_.grad));
-  return sum_over(groups_.pp, dense + sum_over(groups_.ep, sum_over(expert_.group, squares(expert_.grad))));
+    return sum_over(groups_.pp, dense_squares(store_.grad_buffer(), 0) +
+                                    sum_over(groups_.ep, sum_over(groups_.etp, squares(store_.expert_grad_buffer()))));
+  const double dense = sum_over(dense_.group, dense_squares(dense_.grad, dense_.begin));
+  return sum_over(groups_.pp,
+                  dense + sum_over(groups_.ep, sum_over(groups_.etp, sum_over(expert_.group, squares(expert_.grad)))));
 }
 
 double Optimizer::params_norm_sq() {
-  return sum_over(groups_.pp, squares(store_.master_buffer()) + sum_over(groups_.ep, squares(store_.expert_master_buffer())));
+  return sum_over(groups_.pp, dense_squares(store_.master_buffer(), 0) +
+                                  sum_over(groups_.ep, sum_over(groups_.etp, squares(store_.expert_master_buffer()))));
 }
 
 void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t step) {
@@ -233,9 +262,17 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
 void Optimizer::skip() { store_.zero_grad(); }
 
 Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
-  if (!is_expert_group_split(p)) return local;
+  Tensor mine = local.contiguous();
+  if (p.etp_size > 1) {  // this rank's experts whole: every ETP part, assembled
+    Shape parts_shape = p.shape;
+    parts_shape[0] *= p.etp_size;
+    Tensor parts = Tensor::empty(parts_shape, local.dtype(), local.device());
+    groups_.etp->all_gather(mine, parts);
+    mine = etp_assemble(p, parts).to(local.device());
+  }
+  if (!is_expert_group_split(p)) return mine;
   Tensor full = Tensor::empty(p.full_shape(), local.dtype(), local.device());
-  groups_.ep->all_gather(local.contiguous(), full);
+  groups_.ep->all_gather(mine, full);
   return full;
 }
 
@@ -277,7 +314,8 @@ std::vector<NamedTensor> Optimizer::full_state() {
 void Optimizer::load(const TensorFetch& fetch, bool model_only) {
   // This rank's rows of a full tensor, on the model's device.
   auto local_rows = [&](const Param& p, const Tensor& full) {
-    return full.slice(0, p.row_offset, p.row_offset + p.shape[0]).contiguous().to(store_.device());
+    const Tensor rows = full.slice(0, p.row_offset, p.row_offset + p.shape[0]).contiguous();
+    return (p.etp_size > 1 ? etp_take(p, rows) : rows).to(store_.device());
   };
   for (const auto& p : store_.all()) {
     const DType dt = store_.master_dtype();

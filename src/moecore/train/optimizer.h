@@ -27,6 +27,10 @@
 //
 // Norms: the squared gradient norm sums each element of the model once: dense from the
 // reduced dense gradients (or shards, summed over DP), experts summed over EP (and EDP shards).
+// Tied embeddings (groups.embedding): reduce_gradients() first sums the word-embedding gradient
+// of the first and last stage over the embedding group (before the data-parallel reduction, on
+// the whole local gradient: the stages' shard layouts differ), so both copies take the same step;
+// the norms count the first stage's copy only.
 // full_state() and load() speak the single-rank checkpoint names and full shapes, so a
 // checkpoint written by any layout loads into any other.
 #pragma once
@@ -46,6 +50,10 @@ struct OptimizerGroups {
   comm::Communicator* edp = nullptr;  // expert parameters' data-parallel group (null: one rank)
   comm::Communicator* ep = nullptr;   // the expert-parallel group (null: every expert here)
   comm::Communicator* pp = nullptr;   // the pipeline group: norms sum over the stages
+  comm::Communicator* etp = nullptr;  // the expert-tensor-parallel group (slices of each expert)
+  // Tied embeddings with pipeline stages: the first (rank 0) and last (rank 1) stage of this
+  // pipeline, both holding embedding.word_embeddings.weight (null: not on such a stage).
+  comm::Communicator* embedding = nullptr;
   int64_t dp_size = 1;
 };
 
@@ -86,7 +94,7 @@ class Optimizer {
   bool is_expert_group_split(const Param& p) const { return p.expert && groups_.ep != nullptr; }
   Shard& shard_of(const Param& p) { return p.expert ? expert_ : dense_; }
   Tensor& master_buffer_of(const Param& p) { return p.expert ? store_.expert_master_buffer() : store_.master_buffer(); }
-  Tensor full_rows(const Param& p, const Tensor& local);  // gathers an expert tensor over EP
+  Tensor full_rows(const Param& p, const Tensor& local);  // gathers an expert tensor over ETP, then EP
   Tensor full_state_buffer(Shard& s, const Tensor& shard_state);
   struct Range {
     int64_t begin = 0, end = 0;  // elements of one flat buffer
@@ -103,6 +111,12 @@ class Optimizer {
   std::vector<Range> done_dense_, done_expert_;    // reduced so far this step
   Stream comm_stream_;
   bool has_comm_stream_ = false;
+  // Tied embeddings: this stage's word-embedding range of the dense buffers, and whether the norms
+  // count it (first stage) or leave it to the first stage (last stage).
+  Range tied_{};
+  bool tied_counted_ = true;
+  void reduce_tied_embedding();
+  double dense_squares(const Tensor& t, int64_t t_begin);  // t = dense elements [t_begin, ...)
 };
 
 }  // namespace moecore

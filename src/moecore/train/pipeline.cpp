@@ -13,6 +13,60 @@ struct InFlight {  // a micro-batch between its forward and its backward
 
 }  // namespace
 
+std::vector<PipelineStage> stage_layers(int64_t num_layers, int64_t pp, int64_t vpp, int64_t first, int64_t last,
+                                        int64_t pp_rank) {
+  const char* kFirst = "--decoder-first-pipeline-num-layers";
+  const char* kLast = "--decoder-last-pipeline-num-layers";
+  MC_CHECK(pp >= 1 && vpp >= 1 && pp_rank >= 0 && pp_rank < pp, "pipeline layout: pipeline size ", pp,
+           ", virtual stages ", vpp, ", rank ", pp_rank, "; expected sizes >= 1 and a rank in [0, ", pp, ")");
+  MC_CHECK(num_layers >= 1, "pipeline layout: --num-layers ", num_layers, " must be >= 1");
+  MC_CHECK(first >= 0 && last >= 0, kFirst, " ", first, " and ", kLast, " ", last,
+           " must be > 0 (0: not given, the stage gets the even share)");
+  const bool uneven = first > 0 || last > 0;
+  MC_CHECK(!uneven || pp > 1, kFirst, " / ", kLast, " need --pipeline-model-parallel-size > 1, got ", pp);
+  const int64_t middle = pp - (first > 0 ? 1 : 0) - (last > 0 ? 1 : 0);
+  const int64_t rest = num_layers - first - last;
+  if (!uneven) {
+    MC_CHECK(num_layers % pp == 0, "--num-layers ", num_layers, " is not divisible by --pipeline-model-parallel-size ",
+             pp, "; expected equal stages, or uneven ones through ", kFirst, " / ", kLast);
+  } else if (middle == 0) {
+    MC_CHECK(rest == 0, kFirst, " ", first, " + ", kLast, " ", last, " = ", first + last, " with ", pp,
+             " pipeline stages: expected them to sum to --num-layers ", num_layers);
+  } else {
+    MC_CHECK(rest >= middle && rest % middle == 0, "--num-layers ", num_layers, " minus ", kFirst, " ", first,
+             " and ", kLast, " ", last, " leaves ", rest, " layers for the ", middle,
+             " other pipeline stage(s); expected a positive multiple of ", middle, " (every stage gets the same number)");
+  }
+  const int64_t per_middle = middle > 0 ? rest / middle : 0;
+  // Layers of each pipeline rank (over all its chunks).
+  auto rank_layers = [&](int64_t r) {
+    if (r == 0 && first > 0) return first;
+    if (r == pp - 1 && last > 0) return last;
+    return per_middle;
+  };
+  for (int64_t r = 0; r < pp; ++r) {
+    const int64_t n = rank_layers(r);
+    const char* which = r == 0 && first > 0 ? kFirst : r == pp - 1 && last > 0 ? kLast
+                        : uneven                  ? "a middle stage"
+                                                  : "--num-layers / --pipeline-model-parallel-size";
+    MC_CHECK(n % vpp == 0, "pipeline stage ", r, " holds ", n, " layers (", which,
+             "), not divisible by the ", vpp,
+             " virtual stages per pipeline rank (--num-virtual-stages-per-pipeline-rank); expected a multiple of ", vpp);
+  }
+  std::vector<PipelineStage> out;
+  for (int64_t c = 0; c < vpp; ++c) {
+    int64_t begin = c * (num_layers / vpp);  // every rank's chunk c: num_layers / vpp layers in all
+    for (int64_t r = 0; r < pp_rank; ++r) begin += rank_layers(r) / vpp;
+    PipelineStage st;
+    st.first_layer = begin;
+    st.end_layer = begin + rank_layers(pp_rank) / vpp;
+    st.has_embedding = c == 0 && pp_rank == 0;
+    st.has_head = c == vpp - 1 && pp_rank == pp - 1;
+    out.push_back(st);
+  }
+  return out;
+}
+
 double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
   comm::Communicator& pp = *step.pp;
   const int64_t stage = pp.rank(), stages = pp.size(), micro = step.micro_batches;

@@ -33,6 +33,23 @@ struct PipelineStep {
   std::function<void(int64_t)> last_layer_done;  // gradient-overlap hook for the last backward
 };
 
+// Layer assignment (Megatron's get_num_layers_to_build / get_transformer_layer_offset): the model
+// chunks of pipeline rank pp_rank, chunk c = virtual stage c * pp + pp_rank (vpp chunks per rank,
+// 1 without virtual stages). first / last: --decoder-first-pipeline-num-layers /
+// --decoder-last-pipeline-num-layers (0: not given). With M = the stages not given a count
+// ("middle" stages, rank 0 and P-1 included when theirs is not given) and
+// R = num_layers - first - last, every chunk holds
+//   first / vpp   on rank 0 when first is given,
+//   last / vpp    on rank P-1 when last is given,
+//   R / (M * vpp) on the other ranks,
+// and the chunks are laid out in virtual-stage order: chunk c of rank r starts at
+// c * num_layers / vpp + (the chunk sizes of ranks < r). Even stages are first = last = 0.
+// Errors (naming the flags): pp < 1 or vpp < 1 or pp_rank outside [0, pp); a count < 0; first or
+// last without pp > 1; R not divisible by M (or R != 0 with M = 0: PP=2 with both counts must sum
+// to num_layers); a stage or middle stage with no layer; a stage's count not divisible by vpp.
+std::vector<PipelineStage> stage_layers(int64_t num_layers, int64_t pp, int64_t vpp, int64_t first, int64_t last,
+                                        int64_t pp_rank);
+
 // Returns the sum of this stage's micro-batch losses (non-zero on the last stage only).
 double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step);
 

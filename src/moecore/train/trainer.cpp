@@ -120,8 +120,15 @@ bool owns_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::str
     const int64_t i = std::stoll(name.substr(layers.size()));
     return i >= st.first_layer && i < st.end_layer;
   }
-  if (name.rfind("embedding.", 0) == 0) return st.has_embedding || (!cfg.untie_embeddings && st.has_head);
+  // Tied embeddings: the last stage holds a copy of the word embedding (loaded, never saved).
+  if (name.rfind("embedding.word_embeddings.", 0) == 0) return st.has_embedding || (!cfg.untie_embeddings && st.has_head);
+  if (name.rfind("embedding.", 0) == 0) return st.has_embedding;
   return st.has_head;  // final norm, output layer
+}
+
+// Whether this stage writes the tensor to a checkpoint: what it owns, less the tied copy.
+bool saves_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::string& name) {
+  return owns_tensor(st, cfg, name) && (st.has_embedding || name.rfind("embedding.", 0) != 0);
 }
 
 // Pipeline stages' checkpoint tensors to stage 0 (pp rank 0 returns all of them, in stage order;
@@ -193,6 +200,7 @@ int run_training(const TrainArgs& args) {
   layout_cfg.world = args.world;
   layout_cfg.ep = args.ep;
   layout_cfg.pp = args.pp;
+  layout_cfg.etp = args.etp;
   const parallel::ProcessGroupLayout layout = parallel::layout_for_rank(layout_cfg, args.rank);
   // own: a communicator of its own even when the group is the whole world (EP all-to-alls run on
   // the compute stream while --overlap-grad-reduce uses the world on the communication stream;
@@ -212,27 +220,45 @@ int run_training(const TrainArgs& args) {
   groups.ep = group(layout.ep, true);
   groups.edp = group(layout.expt_dp, false);
   groups.pp = pp;
+  groups.etp = group(layout.expt_tp, true);
+  comm::Communicator* tp_ep = args.etp > 1 ? group(layout.tp_ep, true) : nullptr;
   groups.dp_size = args.data_parallel_size();
   const int64_t dp_size = args.data_parallel_size(), dp_rank = layout.dp_rank;
   const int64_t stage = layout.pp_rank, stages = args.pp;
   const bool logger = args.rank == args.world - 1;  // Megatron logs from the last rank (last stage)
   const bool writer = args.rank == 0;               // and saves from the first
+  // Tied embeddings across pipeline stages: the first and last stage of each pipeline group sum
+  // their word-embedding gradients (Megatron's embedding group). Every rank splits (NCCL over TCP
+  // splits collectively over the world); a middle stage gets a group of its own, unused.
+  if (args.pp > 1 && !cfg.untie_embeddings) {
+    const int64_t first_rank = layout.pp.front(), last_rank = layout.pp.back();
+    const bool member = args.rank == first_rank || args.rank == last_rank;
+    owned.push_back(world->split(member ? std::vector<int64_t>{first_rank, last_rank} : std::vector<int64_t>{args.rank}));
+    if (member) groups.embedding = owned.back().get();
+  }
   // This rank's model chunks: virtual stage c * P + s for c < V (V = 1 without virtual stages),
   // each a contiguous run of layers; the first virtual stage embeds, the last has the head.
-  const int64_t vstages = args.virtual_stages(), layers_per_vstage = cfg.num_layers / (stages * vstages);
-  std::vector<PipelineStage> chunk_stages;
-  for (int64_t c = 0; c < vstages; ++c) {
-    const int64_t vs = c * stages + stage;
-    PipelineStage st;
-    st.first_layer = vs * layers_per_vstage;
-    st.end_layer = st.first_layer + layers_per_vstage;
-    st.has_embedding = vs == 0;
-    st.has_head = vs == stages * vstages - 1;
-    chunk_stages.push_back(st);
+  // Uneven stages: --decoder-first/last-pipeline-num-layers (stage_layers).
+  const int64_t vstages = args.virtual_stages();
+  const std::vector<PipelineStage> chunk_stages =
+      stage_layers(cfg.num_layers, stages, vstages, args.first_stage_layers, args.last_stage_layers, stage);
+  std::string stage_sizes;  // layers per pipeline rank, for the log
+  for (int64_t r = 0; r < stages; ++r) {
+    int64_t n = 0;
+    for (const PipelineStage& st : stage_layers(cfg.num_layers, stages, vstages, args.first_stage_layers,
+                                                args.last_stage_layers, r))
+      n += st.end_layer - st.first_layer;
+    if (r > 0) stage_sizes += "/";
+    stage_sizes += std::to_string(n);
   }
   auto owns = [&](const std::string& name) {
     for (const PipelineStage& st : chunk_stages)
       if (owns_tensor(st, cfg, name)) return true;
+    return false;
+  };
+  auto saves = [&](const std::string& name) {
+    for (const PipelineStage& st : chunk_stages)
+      if (saves_tensor(st, cfg, name)) return true;
     return false;
   };
   const bool has_head = chunk_stages.back().has_head;
@@ -242,6 +268,8 @@ int run_training(const TrainArgs& args) {
   moe_par.ep = groups.ep;
   moe_par.dispatcher = args.dispatcher;
   moe_par.aux_group = dp;
+  moe_par.etp = groups.etp;
+  moe_par.tp_ep = tp_ep;
   std::vector<std::unique_ptr<GPTModel>> chunk_models;
   std::vector<GPTModel*> chunks;
   for (const PipelineStage& st : chunk_stages) {
@@ -293,15 +321,16 @@ int run_training(const TrainArgs& args) {
                 dev.str().c_str(), dtype_name(compute), static_cast<long long>(dp_size), static_cast<long long>(micro),
                 static_cast<long long>(args.micro_batch_size), flops_per_step);
   if (logger && stages > 1)
-    std::printf("moecore train: %lld pipeline stages x %lld model chunks of %lld layers (%s), %lld data-parallel "
+    std::printf("moecore train: %lld pipeline stages x %lld model chunks, layers per stage %s (%s), %lld data-parallel "
                 "rank(s) per stage\n",
-                static_cast<long long>(stages), static_cast<long long>(vstages), static_cast<long long>(layers_per_vstage),
+                static_cast<long long>(stages), static_cast<long long>(vstages), stage_sizes.c_str(),
                 vstages > 1 ? "virtual stages, all-forward-all-backward" : "1F1B", static_cast<long long>(dp_size));
-  if (logger && (args.ep > 1 || args.use_distributed_optimizer))
-    std::printf("moecore train: expert-parallel size %lld (%lld experts per rank, %s dispatcher), expert-data-parallel "
-                "size %lld, %s optimizer; %lld parameters on this rank\n",
+  if (logger && (args.ep > 1 || args.etp > 1 || args.use_distributed_optimizer))
+    std::printf("moecore train: expert-parallel size %lld (%lld experts per rank, %s dispatcher), expert-tensor-parallel "
+                "size %lld, expert-data-parallel size %lld, %s optimizer; %lld parameters on this rank\n",
                 static_cast<long long>(args.ep), static_cast<long long>(cfg.moe.num_experts / args.ep),
-                dispatcher_name(args.dispatcher), static_cast<long long>(dp_size / args.ep),
+                dispatcher_name(args.dispatcher), static_cast<long long>(args.etp),
+                static_cast<long long>(dp_size / (args.ep * args.etp)),
                 args.use_distributed_optimizer ? "distributed (ZeRO-1)" : "replicated", static_cast<long long>(store.num_elements()));
 
   std::vector<MoeLayer*> moe_layers;
@@ -319,7 +348,10 @@ int run_training(const TrainArgs& args) {
     if (args.save.empty()) return;
     std::vector<NamedTensor> tensors = optimizer.full_state();  // collective: experts gathered over EP
     // The first data-parallel rank of every stage sends its stage's tensors to the writer.
-    if (pp && dp_rank == 0) tensors = gather_stages(*pp, std::move(tensors));
+    if (pp) {  // the tied word-embedding copy of the last stage stays out (the first stage's is written)
+      std::erase_if(tensors, [&](const NamedTensor& t) { return !saves(t.name); });
+      if (dp_rank == 0) tensors = gather_stages(*pp, std::move(tensors));
+    }
     if (writer) {
       save_checkpoint(args.save, tensors, state);
       std::printf("saved checkpoint to %s at iteration %lld\n", args.save.c_str(),
