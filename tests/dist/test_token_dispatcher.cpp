@@ -7,7 +7,7 @@
 //   dprobs[t,j] = kept(t,j) (e(t,j)+1) <dout[t], x[t]>
 // Cases: random routing, every token of every rank on expert 0 (the other ranks receive
 // nothing), capacity dropping, padding to capacity; both dispatchers; with and without expert
-// tensor parallelism (ETP 2: each ETP rank's "experts" scale by (e+1)/2 and combine sums them). dispatch_checks:: takes
+// tensor parallelism (ETP 2: ETP rank r's "experts" scale by (e+1)(r+1)/3 and combine sums them). dispatch_checks:: takes
 // any communicator (test_comm_nccl.cpp runs it on device tensors through NCCL).
 #include <gtest/gtest.h>
 
@@ -46,16 +46,19 @@ float x_value(int rank, int64_t t, int64_t h, uint64_t key) {
   return static_cast<float>(static_cast<int>(w % 65) - 32) / 32.0f;
 }
 
-// Scales each row of the expert input by (global expert + 1) / etp on the host: with expert
-// tensor parallelism each of the etp ranks contributes that share and the combine sums them.
-Tensor run_experts(const Tensor& in, const std::vector<int64_t>& groups, int64_t first_expert, int64_t etp = 1) {
+// Scales each row of the expert input by (global expert + 1) * share on the host. With expert
+// tensor parallelism ETP rank r's share is (r + 1) / (1 + 2 + ... + etp): the combine's sum is
+// right only if every rank's partial arrives exactly once.
+Tensor run_experts(const Tensor& in, const std::vector<int64_t>& groups, int64_t first_expert, int64_t etp = 1,
+                   int64_t etp_rank = 0) {
+  const float share = static_cast<float>(etp_rank + 1) / static_cast<float>(etp * (etp + 1) / 2);
   Tensor host = in.to(Device::cpu()).contiguous();
   float* p = host.data<float>();
   int64_t row = 0;
   for (size_t l = 0; l < groups.size(); ++l)
     for (int64_t i = 0; i < groups[l]; ++i, ++row)
       for (int64_t h = 0; h < in.size(1); ++h)
-        p[row * in.size(1) + h] *= static_cast<float>(first_expert + l + 1) / static_cast<float>(etp);
+        p[row * in.size(1) + h] *= static_cast<float>(first_expert + l + 1) * share;
   return host.to(in.device());
 }
 
@@ -64,7 +67,7 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
                     comm::Communicator* ep, comm::Communicator* etp = nullptr, comm::Communicator* tp_ep = nullptr) {
   const int rank = c.rank();
   const int64_t tokens = 6, k = 2, hidden = 5, experts = 2 * (ep ? ep->size() : 1);
-  const int64_t etp_size = etp ? etp->size() : 1;
+  const int64_t etp_size = etp ? etp->size() : 1, etp_rank = etp ? etp->rank() : 0;
   const Device dev = c.device();
   const Routing r = make_routing(rank, tokens, k, experts, pattern, drop);
   std::vector<float> xs, douts;
@@ -85,10 +88,10 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
   int64_t rows = 0;
   for (int64_t g : ctx.local_groups) rows += g;
   EXPECT_EQ(rows, expert_in.size(0));
-  const Tensor out = d.combine(run_experts(expert_in, ctx.local_groups, d.first_expert(), etp_size), probs, ctx);
+  const Tensor out = d.combine(run_experts(expert_in, ctx.local_groups, d.first_expert(), etp_size, etp_rank), probs, ctx);
   Tensor d_expert_out, dprobs;
   d.combine_backward(dout, ctx, d_expert_out, dprobs);
-  const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_groups, d.first_expert(), etp_size), ctx);
+  const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_groups, d.first_expert(), etp_size, etp_rank), ctx);
 
   const std::vector<float> o = out.to_vector<float>(), g = dx.to_vector<float>(), dp = dprobs.to_vector<float>();
   for (int64_t t = 0; t < tokens; ++t) {

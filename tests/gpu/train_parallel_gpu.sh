@@ -40,4 +40,9 @@ for flags in "--pipeline-model-parallel-size 2" "--pipeline-model-parallel-size 
   compare "$dir/two.jsonl" "$dir/one.jsonl" || { echo "FAIL: 2 GPUs [$flags] differ from one GPU"; exit 1; }
   echo "2 GPUs [$flags]: same losses and grad norm as one GPU"
 done
+# tied embeddings across two stages (the embedding group)
+single --num-layers 4 --untie-embeddings-and-output-weights=false
+ranks --num-layers 4 --untie-embeddings-and-output-weights=false --pipeline-model-parallel-size 2
+compare "$dir/two.jsonl" "$dir/one.jsonl" || { echo "FAIL: 2 GPUs [PP=2 tied embeddings] differ from one GPU"; exit 1; }
+echo "2 GPUs [PP=2, tied embeddings]: same losses and grad norm as one GPU"
 echo PASS

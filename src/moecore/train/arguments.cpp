@@ -382,8 +382,10 @@ void finalize_train_args(TrainArgs& a) {
            a.global_batch_size, " is not divisible by --micro-batch-size ", a.micro_batch_size, " x data-parallel size ",
            a.data_parallel_size(), " (the launched ranks / pipeline stages)");
   const int64_t gpus = cuda_device_count();
+  // Without an index ("cuda"), each local rank takes its own GPU, as with no --device.
   a.device = a.device_text.empty() ? (gpus > 0 ? Device::cuda(static_cast<int>(a.local_rank % gpus)) : Device::cpu())
-                                   : parse_device(a.device_text);
+             : a.device_text == "cuda" && gpus > 0 ? Device::cuda(static_cast<int>(a.local_rank % gpus))
+                                                  : parse_device(a.device_text);
   // torchrun starts no MPI: its ranks talk through NCCL only, one GPU per local rank.
   comm::check_torchrun_devices(env, static_cast<int>(gpus), a.device, !a.device_text.empty());
   MC_CHECK(!(a.bf16 && a.device.is_cpu()), "--bf16 needs a CUDA device (--device cuda); the CPU trains in fp32");

@@ -21,7 +21,7 @@ std::vector<PipelineStage> stage_layers(int64_t num_layers, int64_t pp, int64_t 
            ", virtual stages ", vpp, ", rank ", pp_rank, "; expected sizes >= 1 and a rank in [0, ", pp, ")");
   MC_CHECK(num_layers >= 1, "pipeline layout: --num-layers ", num_layers, " must be >= 1");
   MC_CHECK(first >= 0 && last >= 0, kFirst, " ", first, " and ", kLast, " ", last,
-           " must be > 0 (0: not given, the stage gets the even share)");
+           " must be >= 0 (0: not given, the stage gets the even share)");
   const bool uneven = first > 0 || last > 0;
   MC_CHECK(!uneven || pp > 1, kFirst, " / ", kLast, " need --pipeline-model-parallel-size > 1, got ", pp);
   const int64_t middle = pp - (first > 0 ? 1 : 0) - (last > 0 ? 1 : 0);

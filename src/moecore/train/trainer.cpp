@@ -311,9 +311,17 @@ int run_training(const TrainArgs& args) {
   const int64_t micro = args.num_microbatches() / dp_size;  // micro-batches of this rank per step
   const int64_t tokens_per_step = args.global_batch_size * cfg.seq_length;
   const double flops_per_step = model_flops_per_step(cfg, tokens_per_step);
-  int64_t model_params = 0;  // the whole model's, whichever experts this rank holds
-  for (const auto& p : store.all())
-    if (p->trainable) model_params += p->master.numel() / p->shape[0] * p->full_rows;
+  // The whole model's parameter count, whichever experts, expert slices and stage this rank holds
+  // (the tied output copy of the last stage not counted twice).
+  std::vector<double> counted = {0.0};
+  for (const auto& p : store.all()) {
+    if (!p->trainable || !saves(p->name)) continue;
+    double n = 1;
+    for (int64_t d : p->full_shape()) n *= static_cast<double>(d);
+    counted[0] += n;
+  }
+  if (pp) sum_over_ranks(pp, counted);
+  const int64_t model_params = static_cast<int64_t>(counted[0] + 0.5);
   if (logger)
     std::printf("moecore train: %lld parameters (%lld active matmul), %s, %s compute, %lld data-parallel rank(s), "
                 "%lld micro-batches of %lld per rank, %.3g model FLOPs per step\n",
@@ -459,7 +467,7 @@ int run_training(const TrainArgs& args) {
       const double avg_aux = interval_loss_steps > 0 ? interval_aux / steps_in : nan;
       const double avg_z = interval_loss_steps > 0 ? interval_z / steps_in : nan;
       const double logged_lr = learning_rate(args, it - state.skipped_iterations);  // the next step's, as Megatron logs
-      const double tflops = flops_per_step / (avg_ms * 1e-3) / 1e12 / static_cast<double>(dp_size);  // per GPU
+      const double tflops = flops_per_step / (avg_ms * 1e-3) / 1e12 / static_cast<double>(args.world);  // per GPU
       const double tokens_per_s = static_cast<double>(tokens_per_step) / (avg_ms * 1e-3);
       const AllocatorStats mem = memory_stats(dev);
       std::printf(" [%s] iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per iteration (ms): %.1f | "
