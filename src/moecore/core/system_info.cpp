@@ -3,6 +3,10 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <thread>
+
 #include "moecore/core/device.h"
 #include "moecore/core/mpi_check.h"
 
@@ -14,6 +18,7 @@
 
 extern "C" {
 int openblas_get_num_threads(void);
+void openblas_set_num_threads(int);
 char* openblas_get_config(void);
 }
 
@@ -58,6 +63,16 @@ nlohmann::json system_info() {
 #endif
   if (cuda_device_count() == 0) j["cuda_unavailable"] = cuda_unavailable_reason();
   return j;
+}
+
+int configure_host_threads(int local_ranks) {
+  if (local_ranks > 1) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int share = std::max(1, cores / local_ranks);
+    if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(share);
+    if (!std::getenv("OPENBLAS_NUM_THREADS")) openblas_set_num_threads(share);
+  }
+  return omp_get_max_threads();
 }
 
 }  // namespace moecore

@@ -11,4 +11,10 @@ namespace moecore {
 // compute_capability, memory_bytes, multiprocessors, l2_bytes}), cuda_unavailable (reason).
 nlohmann::json system_info();
 
+// Several ranks on one node: unless OMP_NUM_THREADS / OPENBLAS_NUM_THREADS are set, give each
+// rank cores / local_ranks host threads (OpenMP and OpenBLAS) instead of every core each, which
+// oversubscribes the host and slows the host-side work of every rank. Returns the thread
+// count in effect.
+int configure_host_threads(int local_ranks);
+
 }  // namespace moecore

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "moecore/comm/bootstrap.h"
+#include "moecore/core/system_info.h"
 #include "moecore/data/tokenizer.h"
 #include "moecore/train/pipeline.h"
 
@@ -316,6 +317,7 @@ void finalize_train_args(TrainArgs& a) {
   MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");
   // Ranks: data parallelism over every process the launcher started (world = DP).
   const comm::LaunchEnv env = comm::read_launch_env();
+  configure_host_threads(env.local_world);
   a.world = env.world;
   a.rank = env.rank;
   a.local_rank = env.local_rank;

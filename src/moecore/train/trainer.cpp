@@ -12,6 +12,7 @@
 #include <memory>
 
 #include <nlohmann/json.hpp>
+#include <omp.h>
 
 #include "moecore/comm/communicator.h"
 #include "moecore/core/allocator.h"
@@ -328,6 +329,8 @@ int run_training(const TrainArgs& args) {
                 static_cast<long long>(model_params), static_cast<long long>(active_matmul_params(cfg)),
                 dev.str().c_str(), dtype_name(compute), static_cast<long long>(dp_size), static_cast<long long>(micro),
                 static_cast<long long>(args.micro_batch_size), flops_per_step);
+  if (logger && args.world > 1)
+    std::printf("moecore train: %d host threads per rank (OpenMP / OpenBLAS)\n", omp_get_max_threads());
   if (logger && stages > 1)
     std::printf("moecore train: %lld pipeline stages x %lld model chunks, layers per stage %s (%s), %lld data-parallel "
                 "rank(s) per stage\n",
