@@ -276,37 +276,35 @@ Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
   return full;
 }
 
-Tensor Optimizer::full_state_buffer(Shard& s, const Tensor& shard_state) {
-  const int64_t n = s.group ? s.group->size() : 1;
-  Tensor full = Tensor::empty({shard_state.numel() * n}, shard_state.dtype(), shard_state.device());
-  if (s.group) {
-    s.group->all_gather(shard_state, full);
-  } else {
-    full.copy_from(shard_state);
+Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_state) {
+  // Zeros outside this rank's shard, then a sum over the group: each element has one owner.
+  Tensor t = Tensor::zeros(p.shape, shard_state.dtype(), shard_state.device());
+  const int64_t offset = store_.grad_offset(p), n = p.master.numel();
+  const Overlap o = overlap(offset, n, s.begin, s.end);
+  if (!o.empty()) {
+    Tensor dst = t.view({n}).slice(0, o.lo - offset, o.hi - offset);
+    dst.copy_from(shard_state.slice(0, o.lo - s.begin, o.hi - s.begin));
   }
-  return full;
+  if (s.group) s.group->all_reduce(t, comm::ReduceOp::Sum);
+  return t;
 }
 
-std::vector<NamedTensor> Optimizer::full_state() {
-  Tensor dense_m, dense_v, expert_m, expert_v;  // distributed: whole flat Adam states
-  if (distributed_) {
-    dense_m = full_state_buffer(dense_, dense_.exp_avg);
-    dense_v = full_state_buffer(dense_, dense_.exp_avg_sq);
-    expert_m = full_state_buffer(expert_, expert_.exp_avg);
-    expert_v = full_state_buffer(expert_, expert_.exp_avg_sq);
-  }
+std::vector<NamedTensor> Optimizer::full_state(bool keep) {
+  // One parameter at a time, so the extra memory is one full tensor, not the model's state.
   std::vector<NamedTensor> out;
+  auto add = [&](const std::string& name, const Tensor& full) {
+    if (keep) out.push_back({name, full.to(Device::cpu())});
+  };
   for (const auto& p : store_.all()) {
-    out.push_back({p->name, full_rows(*p, p->master).to(Device::cpu())});
+    add(p->name, full_rows(*p, p->master));
     if (!p->trainable) continue;
     Tensor m = p->exp_avg, v = p->exp_avg_sq;
     if (distributed_) {
-      const int64_t offset = store_.grad_offset(*p), n = p->master.numel();
-      m = (p->expert ? expert_m : dense_m).slice(0, offset, offset + n).view(p->shape);
-      v = (p->expert ? expert_v : dense_v).slice(0, offset, offset + n).view(p->shape);
+      m = param_state(*p, shard_of(*p), shard_of(*p).exp_avg);
+      v = param_state(*p, shard_of(*p), shard_of(*p).exp_avg_sq);
     }
-    out.push_back({p->name + ".exp_avg", full_rows(*p, m).to(Device::cpu())});
-    out.push_back({p->name + ".exp_avg_sq", full_rows(*p, v).to(Device::cpu())});
+    add(p->name + ".exp_avg", full_rows(*p, m));
+    add(p->name + ".exp_avg_sq", full_rows(*p, v));
   }
   return out;
 }

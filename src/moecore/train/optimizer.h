@@ -81,8 +81,9 @@ class Optimizer {
   // A skipped step: zero the gradients.
   void skip();
 
-  // Collective: every rank calls; returns the full tensors (CPU) under the checkpoint names.
-  std::vector<NamedTensor> full_state();
+  // Collective: every rank calls; returns the full tensors (CPU) under the checkpoint names on
+  // ranks that keep them (the writers), nothing elsewhere.
+  std::vector<NamedTensor> full_state(bool keep = true);
   void load(const TensorFetch& fetch, bool model_only);
 
  private:
@@ -95,7 +96,7 @@ class Optimizer {
   Shard& shard_of(const Param& p) { return p.expert ? expert_ : dense_; }
   Tensor& master_buffer_of(const Param& p) { return p.expert ? store_.expert_master_buffer() : store_.master_buffer(); }
   Tensor full_rows(const Param& p, const Tensor& local);  // gathers an expert tensor over ETP, then EP
-  Tensor full_state_buffer(Shard& s, const Tensor& shard_state);
+  Tensor param_state(const Param& p, Shard& s, const Tensor& shard_state);  // one parameter's whole Adam state
   struct Range {
     int64_t begin = 0, end = 0;  // elements of one flat buffer
   };

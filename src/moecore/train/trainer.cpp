@@ -133,8 +133,8 @@ bool saves_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::st
 }
 
 // Pipeline stages' checkpoint tensors to stage 0 (pp rank 0 returns all of them, in stage order;
-// the others return nothing). Each stage sends one header (names, dtypes, shapes as JSON) and one
-// byte buffer, as u8 tensors on the communicator's device.
+// the others return nothing). Each stage sends one header (names, dtypes, shapes as JSON), then
+// each tensor's bytes, as u8 tensors on the communicator's device.
 std::vector<NamedTensor> gather_stages(comm::Communicator& pp, std::vector<NamedTensor> mine) {
   const Device dev = pp.device();
   auto send_bytes = [&](const std::string& bytes) {
@@ -157,27 +157,32 @@ std::vector<NamedTensor> gather_stages(comm::Communicator& pp, std::vector<Named
     std::memcpy(out.data(), host.data_ptr(), out.size());
     return out;
   };
+  // A tensor's bytes as one u8 message (moved to the communicator's device for NCCL).
+  auto as_bytes = [&](const Tensor& t) {
+    const Tensor c = t.to(Device::cpu()).contiguous();
+    Tensor b = Tensor::empty({static_cast<int64_t>(c.nbytes())}, DType::U8, Device::cpu());
+    std::memcpy(b.data_ptr(), c.data_ptr(), c.nbytes());
+    return b.to(dev);
+  };
   if (pp.rank() != 0) {
     nlohmann::json header = nlohmann::json::array();
-    std::string blob;
-    for (const NamedTensor& t : mine) {
-      const Tensor c = t.tensor.to(Device::cpu()).contiguous();
-      header.push_back({{"name", t.name}, {"dtype", static_cast<int>(c.dtype())}, {"shape", c.shape()}});
-      blob.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
-    }
+    for (const NamedTensor& t : mine)
+      header.push_back({{"name", t.name}, {"dtype", static_cast<int>(t.tensor.dtype())}, {"shape", t.tensor.shape()}});
     send_bytes(header.dump());
-    send_bytes(blob);
+    // One tensor per message: the device holds one tensor's bytes at a time, not the stage's.
+    for (const NamedTensor& t : mine)
+      if (t.tensor.nbytes() > 0) pp.send(as_bytes(t.tensor), 0);
     return {};
   }
   for (int peer = 1; peer < pp.size(); ++peer) {
     const nlohmann::json header = nlohmann::json::parse(recv_bytes(peer));
-    const std::string blob = recv_bytes(peer);
-    size_t at = 0;
     for (const auto& h : header) {
       Tensor t = Tensor::empty(h.at("shape").get<Shape>(), static_cast<DType>(h.at("dtype").get<int>()), Device::cpu());
-      MC_CHECK(at + t.nbytes() <= blob.size(), "checkpoint gather: stage ", peer, " sent too few bytes");
-      std::memcpy(t.data_ptr(), blob.data() + at, t.nbytes());
-      at += t.nbytes();
+      if (t.nbytes() > 0) {
+        Tensor bytes = Tensor::empty({static_cast<int64_t>(t.nbytes())}, DType::U8, dev);
+        pp.recv(bytes, peer);
+        std::memcpy(t.data_ptr(), bytes.to(Device::cpu()).data_ptr(), t.nbytes());
+      }
       mine.push_back({h.at("name").get<std::string>(), t});
     }
   }
@@ -357,7 +362,9 @@ int run_training(const TrainArgs& args) {
   state.args = args.flag_values;
   auto save = [&] {
     if (args.save.empty()) return;
-    std::vector<NamedTensor> tensors = optimizer.full_state();  // collective: experts gathered over EP
+    // Collective (experts gathered over ETP and EP, Adam shards over DP); only the first
+    // data-parallel rank of each stage keeps the tensors.
+    std::vector<NamedTensor> tensors = optimizer.full_state(dp_rank == 0);
     // The first data-parallel rank of every stage sends its stage's tensors to the writer.
     if (pp) {  // the tied word-embedding copy of the last stage stays out (the first stage's is written)
       std::erase_if(tensors, [&](const NamedTensor& t) { return !saves(t.name); });
