@@ -214,13 +214,13 @@ void ParamStore::zero_grad() {
 
 void ParamStore::refresh_compute_weights() {
   for (auto& p : params_)
-    if (p->weight.data_ptr() != p->master.data_ptr()) ops::cast(p->master, p->weight);
+    if (p->master.defined() && p->weight.data_ptr() != p->master.data_ptr()) ops::cast(p->master, p->weight);
 }
 
 int64_t ParamStore::num_elements(bool trainable_only) const {
   int64_t n = 0;
   for (const auto& p : params_)
-    if (p->trainable || !trainable_only) n += p->master.numel();
+    if (p->trainable || !trainable_only) n += p->weight.numel();
   return n;
 }
 

@@ -77,6 +77,10 @@ class ParamStore {
   void initialize(int64_t dense_shard_multiple = 1, int64_t expert_shard_multiple = 1);
   Tensor& master_buffer() { return master_buffer_; }
   Tensor& expert_master_buffer() { return expert_master_buffer_; }
+  // The distributed optimizer's sharded masters: it keeps the fp32 masters of bf16-compute
+  // parameters in its shards only and drops the whole-model buffers (Param::master becomes
+  // undefined for those parameters; refresh_compute_weights skips them).
+  void release_master_buffers() { master_buffer_ = expert_master_buffer_ = Tensor(); }
   // The flat gradient buffers (defined after initialize(); either may be empty); padding
   // elements stay zero.
   Tensor& grad_buffer() { return grad_buffer_; }

@@ -77,7 +77,7 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_double("adam-beta2", &a.adam_beta2, "AdamW beta2");
   f.add_double("adam-eps", &a.adam_eps, "AdamW epsilon");
   f.add_double("clip-grad", &a.clip_grad, "global gradient-norm clip (0: off)");
-  f.add_bool("bf16", &a.bf16, "bf16 compute with fp32 master weights (GPU)");
+  f.add_bool("bf16", &a.bf16, "bf16 compute with fp32 master weights (on the CPU too: slow, for tests)");
   f.add_int("seed", &a.seed, "random seed (initialisation, data, jitter)");
   f.add_int("log-interval", &a.log_interval, "steps between log lines");
   f.add_int("eval-interval", &a.eval_interval, "steps between validation runs (0: none)");
@@ -390,7 +390,8 @@ void finalize_train_args(TrainArgs& a) {
                                                   : parse_device(a.device_text);
   // torchrun starts no MPI: its ranks talk through NCCL only, one GPU per local rank.
   comm::check_torchrun_devices(env, static_cast<int>(gpus), a.device, !a.device_text.empty());
-  MC_CHECK(!(a.bf16 && a.device.is_cpu()), "--bf16 needs a CUDA device (--device cuda); the CPU trains in fp32");
+  // --bf16 on the CPU: bf16 weights and activations with fp32 masters and accumulation, as on a GPU
+  // (slow; for testing the mixed-precision paths without one).
   MC_CHECK(!(e.router_fp64 && a.device.is_cuda()), "--moe-router-dtype fp64 is CPU-only; the GPU router runs in fp32");
   MC_CHECK(!(a.device.is_cuda() && e.num_experts > ops::kRouterCudaMaxExperts), "--num-experts ", e.num_experts,
            " exceeds the CUDA router's limit of ", ops::kRouterCudaMaxExperts);

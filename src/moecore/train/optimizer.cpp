@@ -101,6 +101,34 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
   // The shards replace the per-parameter Adam state.
   for (const auto& p : store_.all())
     if (p->trainable) p->exp_avg = p->exp_avg_sq = Tensor();
+  if (store_.compute_dtype() != store_.master_dtype()) shard_masters();
+}
+
+void Optimizer::shard_masters() {
+  sharded_masters_ = true;
+  for (bool expert : {false, true}) {
+    Shard& s = expert ? expert_ : dense_;
+    const Tensor& masters = expert ? store_.expert_master_buffer() : store_.master_buffer();
+    s.master = masters.slice(0, s.begin, s.end).clone();
+    s.weights = Tensor::zeros({masters.numel()}, store_.compute_dtype(), store_.device());
+  }
+  for (const auto& p : store_.all()) {
+    if (!p->trainable) continue;
+    if (p->compute_dtype == p->master.dtype()) {  // fp32 compute (router): a whole master of its own
+      const bool aliased = p->weight.data_ptr() == p->master.data_ptr();
+      p->master = p->master.clone();
+      if (aliased) p->weight = p->master;
+      continue;
+    }
+    // bf16 weights become views of the flat weight buffer; the whole fp32 master goes away.
+    Shard& s = shard_of(*p);
+    const int64_t offset = store_.grad_offset(*p);
+    Tensor w = s.weights.slice(0, offset, offset + numel(*p)).view(p->shape);
+    w.copy_from(p->weight);
+    p->weight = w;
+    p->master = Tensor();
+  }
+  store_.release_master_buffers();
 }
 
 Optimizer::~Optimizer() {
@@ -225,6 +253,11 @@ double Optimizer::grad_norm_sq() {
 }
 
 double Optimizer::params_norm_sq() {
+  if (sharded_masters_) {
+    const double dense = sum_over(dense_.group, dense_squares(dense_.master, dense_.begin));
+    return sum_over(groups_.pp,
+                    dense + sum_over(groups_.ep, sum_over(groups_.etp, sum_over(expert_.group, squares(expert_.master)))));
+  }
   return sum_over(groups_.pp, dense_squares(store_.master_buffer(), 0) +
                                   sum_over(groups_.ep, sum_over(groups_.etp, squares(store_.expert_master_buffer()))));
 }
@@ -239,14 +272,30 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
     }
     Shard& s = shard_of(*p);
     const int64_t offset = store_.grad_offset(*p);
-    const Overlap o = overlap(offset, p->master.numel(), s.begin, s.end);
+    const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
     if (o.empty()) continue;
-    Tensor master = master_buffer_of(*p).slice(0, o.lo, o.hi);
+    Tensor master = sharded_masters_ ? s.master.slice(0, o.lo - s.begin, o.hi - s.begin)
+                                     : master_buffer_of(*p).slice(0, o.lo, o.hi);
     Tensor m = s.exp_avg.slice(0, o.lo - s.begin, o.hi - s.begin);
     Tensor v = s.exp_avg_sq.slice(0, o.lo - s.begin, o.hi - s.begin);
     ops::adamw_step(master, s.grad.slice(0, o.lo - s.begin, o.hi - s.begin), m, v, c, clip_scale);
   }
-  if (distributed_) {
+  if (sharded_masters_) {
+    for (bool expert : {false, true}) {
+      Shard& s = expert ? expert_ : dense_;
+      if (s.weights.numel() == 0) continue;
+      // This shard in bf16, then every rank's: the whole bf16 weights everywhere.
+      Tensor mine = Tensor::empty({s.end - s.begin}, s.weights.dtype(), s.weights.device());
+      ops::cast(s.master, mine);
+      if (s.group) {
+        s.group->all_gather(mine, s.weights);
+      } else {
+        s.weights.copy_from(mine);
+      }
+    }
+    for (const auto& p : store_.all())  // fp32-compute parameters: their whole master from the shards
+      if (p->trainable && p->master.defined()) p->master.copy_from(param_state(*p, shard_of(*p), shard_of(*p).master));
+  } else if (distributed_) {
     for (bool expert : {false, true}) {
       Shard& s = expert ? expert_ : dense_;
       Tensor& masters = expert ? store_.expert_master_buffer() : store_.master_buffer();
@@ -279,7 +328,7 @@ Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
 Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_state) {
   // Zeros outside this rank's shard, then a sum over the group: each element has one owner.
   Tensor t = Tensor::zeros(p.shape, shard_state.dtype(), shard_state.device());
-  const int64_t offset = store_.grad_offset(p), n = p.master.numel();
+  const int64_t offset = store_.grad_offset(p), n = numel(p);
   const Overlap o = overlap(offset, n, s.begin, s.end);
   if (!o.empty()) {
     Tensor dst = t.view({n}).slice(0, o.lo - offset, o.hi - offset);
@@ -296,7 +345,8 @@ std::vector<NamedTensor> Optimizer::full_state(bool keep) {
     if (keep) out.push_back({name, full.to(Device::cpu())});
   };
   for (const auto& p : store_.all()) {
-    add(p->name, full_rows(*p, p->master));
+    const bool from_shards = sharded_masters_ && p->trainable && !p->master.defined();
+    add(p->name, full_rows(*p, from_shards ? param_state(*p, shard_of(*p), shard_of(*p).master) : p->master));
     if (!p->trainable) continue;
     Tensor m = p->exp_avg, v = p->exp_avg_sq;
     if (distributed_) {
@@ -317,7 +367,16 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
   };
   for (const auto& p : store_.all()) {
     const DType dt = store_.master_dtype();
-    p->master.copy_from(local_rows(*p, fetch(p->name, p->full_shape(), dt)));
+    const Tensor master = local_rows(*p, fetch(p->name, p->full_shape(), dt));
+    if (p->master.defined()) p->master.copy_from(master);
+    if (sharded_masters_ && p->trainable) {  // this rank's shard of the master, and the bf16 weight
+      Shard& s = shard_of(*p);
+      const int64_t offset = store_.grad_offset(*p);
+      const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
+      if (!o.empty())
+        s.master.slice(0, o.lo - s.begin, o.hi - s.begin).copy_from(master.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
+      if (!p->master.defined()) ops::cast(master, p->weight);
+    }
     if (!p->trainable) continue;
     for (int which = 0; which < 2; ++which) {
       const std::string name = p->name + (which == 0 ? ".exp_avg" : ".exp_avg_sq");
@@ -328,10 +387,10 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
       }
       Shard& s = shard_of(*p);
       const int64_t offset = store_.grad_offset(*p);
-      const Overlap o = overlap(offset, p->master.numel(), s.begin, s.end);
+      const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
       if (o.empty()) continue;
       Tensor dst = (which == 0 ? s.exp_avg : s.exp_avg_sq).slice(0, o.lo - s.begin, o.hi - s.begin);
-      dst.copy_from(state.view({p->master.numel()}).slice(0, o.lo - offset, o.hi - offset));
+      dst.copy_from(state.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
     }
   }
   store_.refresh_compute_weights();

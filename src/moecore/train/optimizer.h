@@ -14,7 +14,11 @@
 // reduce_gradients() reduce-scatters (so a rank only receives its shard's sums), step() runs
 // AdamW on the owned shard with exp_avg / exp_avg_sq allocated for that shard only (the
 // ParamStore's per-parameter Adam tensors are released), then all-gathers the updated fp32
-// masters. The fp32 masters themselves stay whole on every rank (they are the CPU's weights).
+// masters. With bf16 compute (--bf16) the fp32 masters are sharded too: a rank keeps them for
+// its shard only, updates its shard, casts it to bf16 and all-gathers the bf16 weights (flat
+// weight buffers in the gradient layout); parameters that compute in fp32 (the router) keep a
+// whole fp32 master, refreshed from the shards after each step. With fp32 compute the masters
+// are the weights and stay whole, as Megatron's fp32 parameters do.
 //
 // Overlap (--overlap-grad-reduce, plain optimizer only): during the last micro-batch's backward
 // the trainer calls layer_ready(i) as soon as decoder layer i's gradients are final; that
@@ -91,7 +95,11 @@ class Optimizer {
     comm::Communicator* group = nullptr;
     int64_t begin = 0, end = 0;
     Tensor grad, exp_avg, exp_avg_sq;  // [end - begin]
+    Tensor master;                     // sharded masters: the fp32 masters of [begin, end)
+    Tensor weights;                    // sharded masters: every bf16 weight, flat (whole buffer)
   };
+  void shard_masters();  // sets up the sharded-masters mode (constructor)
+  int64_t numel(const Param& p) const { return p.grad.numel(); }
   bool is_expert_group_split(const Param& p) const { return p.expert && groups_.ep != nullptr; }
   Shard& shard_of(const Param& p) { return p.expert ? expert_ : dense_; }
   Tensor& master_buffer_of(const Param& p) { return p.expert ? store_.expert_master_buffer() : store_.master_buffer(); }
@@ -106,6 +114,7 @@ class Optimizer {
   ParamStore& store_;
   OptimizerGroups groups_;
   bool distributed_ = false;
+  bool sharded_masters_ = false;  // distributed with bf16 compute
   Shard dense_, expert_;
   bool overlap_ = false;
   std::vector<Range> layer_dense_, layer_expert_;  // per decoder layer (empty range: none)
