@@ -529,7 +529,8 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--num-experts", "4", "--disable-bias-linear", "--moe-router-load-balancing-type", "sinkhorn",
         "--moe-expert-capacity-factor", "1.0"},
        "--moe-expert-capacity-factor"},
-      {{"--bf16"}, "--bf16"},
+      {{"--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "flex"},
+       "--moe-token-dispatcher-type flex"},
       {{"--num-query-groups", "2"}, "--num-query-groups"},
       {{"--micro-batch-size", "2", "--global-batch-size", "5"}, "--global-batch-size 5"},
       {{"--num-experts", "4", "--disable-bias-linear", "--moe-pad-expert-input-to-capacity"},
@@ -541,6 +542,8 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
     EXPECT_NE(msg.find(c.expected), std::string::npos) << "expected an error naming " << c.expected << ", got: '"
                                                          << msg << "'";
   }
+  // bf16 compute runs on the CPU too (for testing the mixed-precision paths).
+  EXPECT_EQ(parse_error(base_args({"--bf16"})), "");
   // The same groups with --group-query-attention are fine.
   EXPECT_EQ(parse_error(base_args({"--group-query-attention", "--num-query-groups", "2"})), "");
 }
