@@ -34,6 +34,9 @@ if [ "$what" != perf ]; then
   step train_parallel_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_parallel_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "same|differ" "$build/train_parallel_gpu.log" || true
+  step train_bf16_sharded_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_bf16_sharded_gpu.sh "$build/moecore" . \
+    "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
+  grep -E "same|differ" "$build/train_bf16_sharded_gpu.log" || true
   step train_torchrun_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_torchrun_gpu.sh "$build/moecore" .
   grep -E "same|differ|torchrun" "$build/train_torchrun_gpu.log" | tail -8 || true
 fi
