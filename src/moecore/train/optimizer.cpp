@@ -94,7 +94,8 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     const int64_t size = buffer.numel() / n;
     s.begin = r * size;
     s.end = s.begin + size;
-    s.grad = Tensor::zeros({size}, store_.master_dtype(), store_.device());
+    // A group of one owns the whole buffer: its shard is the gradient buffer itself (no copy).
+    s.grad = s.group ? Tensor::zeros({size}, store_.master_dtype(), store_.device()) : buffer.slice(0, s.begin, s.end);
     s.exp_avg = Tensor::zeros({size}, store_.master_dtype(), store_.device());
     s.exp_avg_sq = Tensor::zeros({size}, store_.master_dtype(), store_.device());
   }
@@ -234,11 +235,7 @@ void Optimizer::reduce_gradients() {
     Shard& s = expert ? expert_ : dense_;
     Tensor& buffer = expert ? store_.expert_grad_buffer() : store_.grad_buffer();
     if (buffer.numel() == 0) continue;
-    if (s.group) {
-      s.group->reduce_scatter(buffer, s.grad, comm::ReduceOp::Sum);
-    } else {
-      s.grad.copy_from(buffer);
-    }
+    if (s.group) s.group->reduce_scatter(buffer, s.grad, comm::ReduceOp::Sum);  // else s.grad is the buffer
     scale(s.grad, expert ? expert_scale : 1.0 / static_cast<double>(s.group ? s.group->size() : 1));
   }
 }
