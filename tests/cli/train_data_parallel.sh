@@ -153,7 +153,8 @@ run_single "${pipe[@]}"
 for case in "2 --pipeline-model-parallel-size 2" "4 --pipeline-model-parallel-size 4" \
             "2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1" \
             "4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer" \
-            "4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --overlap-grad-reduce"; do
+            "4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --overlap-grad-reduce" \
+            "8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer"; do
   read -r -a c <<<"$case"
   run_ranks "${c[@]}" "${pipe[@]}"
   grep -q "pipeline stages" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: no pipeline"; exit 1; }
