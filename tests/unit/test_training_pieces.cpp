@@ -536,6 +536,18 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--num-experts", "4", "--disable-bias-linear", "--moe-pad-expert-input-to-capacity"},
        "--moe-pad-expert-input-to-capacity"},
       {{"--lr-decay-style", "step"}, "--lr-decay-style"},
+      // parallel layouts (one launched rank here)
+      {{"--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size", "2"},
+       "--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1 does not divide the 1 data-parallel ranks"},
+      {{"--pipeline-model-parallel-size", "2"}, "--pipeline-model-parallel-size 2 does not divide the 1 launched ranks"},
+      {{"--tensor-model-parallel-size", "2"}, "--tensor-model-parallel-size 2 is not available"},
+      {{"--context-parallel-size", "2"}, "--context-parallel-size 2 is not available"},
+      {{"--expert-tensor-parallel-size", "2"}, "--expert-tensor-parallel-size 2 needs an MoE model"},
+      {{"--num-virtual-stages-per-pipeline-rank", "2"}, "virtual pipeline stages need --pipeline-model-parallel-size > 1"},
+      {{"--decoder-first-pipeline-num-layers", "1"}, "--decoder-first-pipeline-num-layers"},
+      {{"--overlap-grad-reduce", "--use-distributed-optimizer"}, "--overlap-grad-reduce with --use-distributed-optimizer"},
+      {{"--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "ring"},
+       "--moe-token-dispatcher-type 'ring': expected allgather, alltoall or flex"},
   };
   for (const Case& c : cases) {
     const std::string msg = parse_error(base_args(c.extra));
