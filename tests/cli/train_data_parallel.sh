@@ -162,6 +162,17 @@ for case in "2 --pipeline-model-parallel-size 2" "4 --pipeline-model-parallel-si
     { echo "FAIL: np=$case differs from one rank"; exit 1; }
   echo "np=$case: same losses, grad norm and validation loss as one rank"
 done
+# the virtual-stage schedules: interleaved 1F1B when the micro-batches divide by the stages
+# (above), all-forward-all-backward otherwise (3 micro-batches on 2 stages)
+odd=(--global-batch-size 6)
+run_single "${pipe[@]}" "${odd[@]}"
+run_ranks 2 "${pipe[@]}" "${odd[@]}" --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2
+grep -q "all-forward-all-backward" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: not the fallback schedule"; exit 1; }
+paste <(values_all "$dir/dp.jsonl") <(values_all "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }' ||
+  { echo "FAIL: all-forward-all-backward virtual stages differ from one rank"; exit 1; }
+echo "np=2 PP=2 x 2 virtual stages, 3 micro-batches (all-forward-all-backward): same as one rank"
+run_ranks 2 "${pipe[@]}" --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2
+grep -q "interleaved 1F1B" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: not the interleaved schedule"; exit 1; }
 # a checkpoint saved by PP=2 x EP=2 resumes on one rank and on PP=4
 rm -f "$dir/single.jsonl"
 "$bin" "${base[@]}" "${pipe[@]}" "${sched[@]}" --train-iters 4 --metrics-file "$dir/single.jsonl" > "$dir/single.log" 2>&1 || { cat "$dir/single.log"; exit 1; }

@@ -245,4 +245,145 @@ double pipeline_forward_only(std::vector<GPTModel*>& chunks, comm::Communicator&
   return loss;
 }
 
+namespace {
+
+struct PipeOp {
+  bool forward = true;
+  int64_t chunk = 0, micro = 0;
+  int64_t tick = -1;  // when it runs (the simulation's answer)
+};
+
+// The order of rank s's operations in Megatron's interleaved schedule.
+std::vector<PipeOp> interleaved_order(int64_t s, int64_t p, int64_t v, int64_t m) {
+  const int64_t total = m * v, warmup = std::min(2 * (p - s - 1) + (v - 1) * p, total);
+  auto op = [&](bool forward, int64_t k) {
+    const int64_t in_group = k % (p * v);
+    const int64_t chunk = forward ? in_group / p : v - 1 - in_group / p;
+    return PipeOp{forward, chunk, (k / (p * v)) * p + k % p, -1};
+  };
+  std::vector<PipeOp> ops;
+  int64_t f = 0, b = 0;
+  for (; f < warmup; ++f) ops.push_back(op(true, f));
+  while (f < total) {
+    ops.push_back(op(true, f++));
+    ops.push_back(op(false, b++));
+  }
+  while (b < total) ops.push_back(op(false, b++));
+  return ops;
+}
+
+}  // namespace
+
+double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineStep& step) {
+  comm::Communicator& pp = *step.pp;
+  const int64_t me = pp.rank(), p = pp.size(), micro = step.micro_batches;
+  const int64_t v = static_cast<int64_t>(chunks.size()), vstages = p * v;
+  MC_CHECK(micro % p == 0, "interleaved pipeline schedule: ", micro, " micro-batches per step are not divisible by the ",
+           p, " pipeline stages");
+  // Every rank's operations, and when each runs.
+  std::vector<std::vector<PipeOp>> ops(static_cast<size_t>(p));
+  for (int64_t r = 0; r < p; ++r) ops[static_cast<size_t>(r)] = interleaved_order(r, p, v, micro);
+  // done[direction][virtual stage][micro] = tick at which that F (0) or B (1) ran, -1 not yet.
+  std::vector<std::vector<std::vector<int64_t>>> done(
+      2, std::vector<std::vector<int64_t>>(static_cast<size_t>(vstages), std::vector<int64_t>(static_cast<size_t>(micro), -1)));
+  auto vstage = [&](int64_t rank, int64_t chunk) { return chunk * p + rank; };
+  std::vector<size_t> next(static_cast<size_t>(p), 0);
+  int64_t ticks = 0, remaining = 2 * micro * vstages;
+  while (remaining > 0) {
+    MC_CHECK(ticks <= 4 * micro * vstages + 4 * p, "interleaved pipeline schedule: no progress (internal error)");
+    for (int64_t r = 0; r < p; ++r) {
+      size_t& i = next[static_cast<size_t>(r)];
+      if (i == ops[static_cast<size_t>(r)].size()) continue;
+      PipeOp& o = ops[static_cast<size_t>(r)][i];
+      const int64_t vs = vstage(r, o.chunk);
+      // Inputs produced at an earlier tick: the previous virtual stage's forward, or the next
+      // one's backward (and this forward, earlier in the same rank's list).
+      const bool free_start = o.forward && vs == 0;  // the first virtual stage reads tokens
+      const int64_t needed = free_start ? 0
+                             : o.forward ? done[0][static_cast<size_t>(vs - 1)][static_cast<size_t>(o.micro)]
+                             : vs < vstages - 1 ? done[1][static_cast<size_t>(vs + 1)][static_cast<size_t>(o.micro)]
+                                                : done[0][static_cast<size_t>(vs)][static_cast<size_t>(o.micro)];
+      if (!free_start && (needed < 0 || needed >= ticks)) continue;
+      o.tick = ticks;
+      ++i;
+      --remaining;
+    }
+    // Mark after the tick so that nothing produced in this tick is consumed in it.
+    for (int64_t r = 0; r < p; ++r)
+      for (size_t i = 0; i < next[static_cast<size_t>(r)]; ++i) {
+        const PipeOp& o = ops[static_cast<size_t>(r)][i];
+        if (o.tick == ticks) done[o.forward ? 0 : 1][static_cast<size_t>(vstage(r, o.chunk))][static_cast<size_t>(o.micro)] = ticks;
+      }
+    ++ticks;
+  }
+
+  // Run this rank's operations tick by tick with the exchanges.
+  std::vector<Batch> batches;
+  for (int64_t m = 0; m < micro; ++m) batches.push_back(step.batch(m));
+  const GPTModel& any = *chunks[0];
+  auto hidden = [&](int64_t m) {
+    const Batch& b = batches[static_cast<size_t>(m)];
+    return Tensor::empty({b.tokens.numel(), any.config().hidden_size}, any.compute_dtype(), b.tokens.device());
+  };
+  std::vector<std::vector<GPTModel::Ctx>> ctx(static_cast<size_t>(v), std::vector<GPTModel::Ctx>(static_cast<size_t>(micro)));
+  // Received tensors waiting for their operation: inputs [chunk][micro], output gradients [chunk][micro].
+  std::vector<std::vector<Tensor>> inputs(static_cast<size_t>(v), std::vector<Tensor>(static_cast<size_t>(micro)));
+  std::vector<std::vector<Tensor>> out_grads = inputs;
+  const std::vector<PipeOp>& mine = ops[static_cast<size_t>(me)];
+  size_t at = 0;
+  double loss_sum = 0;
+  const int next_rank = static_cast<int>((me + 1) % p), prev_rank = static_cast<int>((me + p - 1) % p);
+  for (int64_t t = 0; t < ticks; ++t) {
+    Tensor produced;  // what this rank's operation at t sends, if anything
+    bool produced_forward = true;
+    if (at < mine.size() && mine[at].tick == t) {
+      const PipeOp& o = mine[at++];
+      const int64_t vs = vstage(me, o.chunk);
+      GPTModel& model = *chunks[static_cast<size_t>(o.chunk)];
+      GPTModel::Ctx& cx = ctx[static_cast<size_t>(o.chunk)][static_cast<size_t>(o.micro)];
+      const Batch& b = batches[static_cast<size_t>(o.micro)];
+      if (o.forward) {
+        Tensor& in = inputs[static_cast<size_t>(o.chunk)][static_cast<size_t>(o.micro)];
+        loss_sum += model.forward(b.tokens, b.labels, true, step.rng(o.micro), cx, in);
+        in = Tensor();
+        if (vs < vstages - 1) produced = cx.hidden_out;
+      } else {
+        Tensor& g = out_grads[static_cast<size_t>(o.chunk)][static_cast<size_t>(o.micro)];
+        const bool last_one = o.micro == micro - 1;
+        const Tensor d_in = model.backward(step.grad_scale, cx, last_one ? step.last_layer_done : std::function<void(int64_t)>(), g);
+        g = Tensor();
+        if (vs > 0) produced = d_in;
+      }
+      produced_forward = o.forward;
+    }
+    // What this rank receives at t: the previous rank's forward output for one of this rank's
+    // chunks, and the next rank's input gradient.
+    std::vector<std::pair<int, Tensor*>> recvs;
+    std::vector<int64_t> peers = {prev_rank};
+    if (next_rank != prev_rank) peers.push_back(next_rank);  // two stages: one neighbour
+    for (int64_t r : peers) {
+      for (const PipeOp& o : ops[static_cast<size_t>(r)]) {
+        if (o.tick != t) continue;
+        const int64_t vs = vstage(r, o.chunk);
+        if (o.forward && r == prev_rank && vs + 1 < vstages && (vs + 1) % p == me) {
+          Tensor& slot = inputs[static_cast<size_t>((vs + 1) / p)][static_cast<size_t>(o.micro)];
+          slot = hidden(o.micro);
+          recvs.emplace_back(prev_rank, &slot);
+        }
+        if (!o.forward && r == next_rank && vs > 0 && (vs - 1) % p == me) {
+          Tensor& slot = out_grads[static_cast<size_t>((vs - 1) / p)][static_cast<size_t>(o.micro)];
+          slot = hidden(o.micro);
+          recvs.emplace_back(next_rank, &slot);
+        }
+      }
+    }
+    if (!produced.defined() && recvs.empty()) continue;
+    pp.group_start();
+    if (produced.defined()) pp.send(produced, produced_forward ? next_rank : prev_rank);
+    for (auto& [peer, slot] : recvs) pp.recv(*slot, peer);
+    pp.group_end();
+  }
+  return loss_sum;
+}
+
 }  // namespace moecore

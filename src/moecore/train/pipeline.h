@@ -53,7 +53,8 @@ std::vector<PipelineStage> stage_layers(int64_t num_layers, int64_t pp, int64_t 
 // Returns the sum of this stage's micro-batch losses (non-zero on the last stage only).
 double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step);
 
-// Virtual stages (--num-layers-per-virtual-pipeline-stage): this rank holds V model chunks;
+// Virtual stages when the micro-batches do not divide by the stages (else the interleaved
+// schedule below): this rank holds V model chunks;
 // chunk c is virtual stage c * P + s and hands its output to rank s + 1's chunk c, or, from the
 // last rank, to rank 0's chunk c + 1. Schedule: every chunk's forwards for all micro-batches in
 // chunk order, then the backwards in reverse chunk order (all-forward-all-backward over the
@@ -63,6 +64,18 @@ double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step);
 // for gradients) is sent after the chunk, all micro-batches in one group, so no rank waits on a
 // transfer that a blocked rank would have to receive.
 double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& step);
+
+// Interleaved 1F1B over virtual stages (Megatron's forward_backward_pipelining_with_interleaving
+// order): rank s runs W = min(2 (P - s - 1) + (V - 1) P, M V) forwards, then alternates one
+// forward and one backward, then the remaining backwards; forward k runs chunk (k mod PV) / P
+// on micro-batch (k / PV) P + k mod P, backward k the same micro-batch on chunk
+// V - 1 - (k mod PV) / P. Needs M divisible by P (as Megatron).
+// Transfers: every rank simulates the whole schedule (it is deterministic) and numbers it in
+// ticks: at each tick a rank runs its next operation if the input it needs was produced at an
+// earlier tick, then every rank exchanges, in one group, exactly the tensors produced at that
+// tick with their consumers. Both sides of every transfer know its tick, so the exchanges always
+// match and no rank can wait on one that is never posted. At most W + 1 activations are alive.
+double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineStep& step);
 
 // Forward only (validation): one micro-batch through every chunk of every rank; the loss is
 // returned on the rank holding the last virtual stage (0 elsewhere).

@@ -340,7 +340,10 @@ int run_training(const TrainArgs& args) {
     std::printf("moecore train: %lld pipeline stages x %lld model chunks, layers per stage %s (%s), %lld data-parallel "
                 "rank(s) per stage\n",
                 static_cast<long long>(stages), static_cast<long long>(vstages), stage_sizes.c_str(),
-                vstages > 1 ? "virtual stages, all-forward-all-backward" : "1F1B", static_cast<long long>(dp_size));
+                vstages == 1                ? "1F1B"
+                : micro % stages == 0 ? "virtual stages, interleaved 1F1B"
+                                      : "virtual stages, all-forward-all-backward: micro-batches not divisible by the stages",
+                static_cast<long long>(dp_size));
   if (logger && (args.ep > 1 || args.etp > 1 || args.use_distributed_optimizer))
     std::printf("moecore train: expert-parallel size %lld (%lld experts per rank, %s dispatcher), expert-tensor-parallel "
                 "size %lld, expert-data-parallel size %lld, %s optimizer; %lld parameters on this rank\n",
@@ -403,7 +406,9 @@ int run_training(const TrainArgs& args) {
       step.batch = batch_of;
       step.rng = rng_of;
       step.last_layer_done = layer_done;
-      loss_sum = vstages > 1 ? run_pipeline_virtual(chunks, step) : run_pipeline_1f1b(model, step);
+      loss_sum = vstages == 1             ? run_pipeline_1f1b(model, step)
+                 : micro % stages == 0 ? run_pipeline_interleaved(chunks, step)
+                                       : run_pipeline_virtual(chunks, step);
     } else {
       for (int64_t m = 0; m < micro; ++m) {
         const Batch b = batch_of(m);
