@@ -40,6 +40,14 @@
 // the same order, each with the list of its own group (nccl_communicator.h). Code that must
 // run under both launchers calls split on every rank, as the trainer does.
 //
+// Asynchronous work: NCCL operations run on the current stream of the device and return at
+// once; to overlap communication with compute, record an Event on the compute stream, make a
+// communication stream wait for it, issue the operation under a StreamGuard of that stream, and
+// make the compute stream wait for an Event recorded after it (train/optimizer.cpp does this for
+// --overlap-grad-reduce). One communicator must not run on two streams at the same time: give
+// concurrent traffic its own communicator (split). MPI operations complete before returning
+// (outside a group).
+//
 // Errors: every argument error is an Error "comm <call>: <what was wrong>, expected <what>";
 // MPI failures surface through MC_MPI_CHECK, NCCL failures through MC_NCCL_CHECK.
 // Counts per call must fit MPI's int (2^31-1 elements per message).
