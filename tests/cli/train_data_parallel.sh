@@ -18,8 +18,13 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 base=(train --config "$src/configs/tiny.yaml" --device cpu --train-iters 3 --lr-warmup-iters 1 --log-interval 1
       --eval-interval 0 --micro-batch-size 4 --global-batch-size 16)
 values() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*' "$1" | cut -d: -f2; }
+# agree TOL: every line of stdin holds two values (from paste) within TOL relative of each other;
+# a missing value (lists of different lengths) fails too.
+agree() {
+  awk -v tol="$1" '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > tol * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }'
+}
 compare() {  # file_a file_b [relative tolerance, default 2e-5]
-  paste <(values "$1") <(values "$2") | awk -v tol="${3:-2e-5}" '{ d = $1 - $2; if (d < 0) d = -d; if (d > tol * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }'
+  paste <(values "$1") <(values "$2") | agree "${3:-2e-5}"
 }
 for variant in moe "moe-sigmoid-bias" dense; do
   extra=()
@@ -103,7 +108,7 @@ for layout in "2 --expert-model-parallel-size 2 --use-distributed-optimizer" "1"
   rm -f "$dir/resumed.jsonl"
   "$mpiexec" -np "${c[0]}" "$bin" "${base[@]}" "${sched[@]}" "${c[@]:1}" --train-iters 4 --load "$dir/ckpt" \
     --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; exit 1; }
-  paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+  paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | agree 2e-5 ||
     { echo "FAIL: resumed (np ${c[*]}) differs from the uninterrupted run"; exit 1; }
   echo "checkpoint of EP=2 + distributed optimizer resumed on np ${c[*]}: same losses as one rank"
 done
@@ -113,7 +118,7 @@ done
 rm -f "$dir/resumed.jsonl"
 "$bin" "${base[@]}" "${sched[@]}" --train-iters 4 --load "$dir/ckpt-etp" --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 ||
   { cat "$dir/resume.log"; exit 1; }
-paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | agree 2e-5 ||
   { echo "FAIL: the EP=2 x ETP=2 checkpoint resumed on one rank differs"; exit 1; }
 echo "checkpoint of EP=2 x ETP=2 resumed on one rank: same losses as one rank"
 # bf16 compute (fp32 masters): the distributed optimizer shards the masters too and all-gathers
@@ -139,7 +144,7 @@ for layout in "1" "4 --use-distributed-optimizer"; do
   rm -f "$dir/resumed.jsonl"
   "$mpiexec" -np "${c[0]}" "$bin" "${base[@]}" --bf16 "${sched[@]}" "${c[@]:1}" --train-iters 4 --load "$dir/ckpt-bf16" \
     --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; exit 1; }
-  paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-3 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+  paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | agree 1e-3 ||
     { echo "FAIL: bf16 sharded-master checkpoint resumed on np ${c[*]} differs"; exit 1; }
   echo "bf16 checkpoint of EP=2 + distributed optimizer resumed on np ${c[*]}: same losses as one rank"
 done
@@ -158,7 +163,7 @@ for case in "2 --pipeline-model-parallel-size 2" "4 --pipeline-model-parallel-si
   read -r -a c <<<"$case"
   run_ranks "${c[@]}" "${pipe[@]}"
   grep -q "pipeline stages" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: no pipeline"; exit 1; }
-  paste <(values_all "$dir/dp.jsonl") <(values_all "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }' ||
+  paste <(values_all "$dir/dp.jsonl") <(values_all "$dir/single.jsonl") | agree 2e-5 ||
     { echo "FAIL: np=$case differs from one rank"; exit 1; }
   echo "np=$case: same losses, grad norm and validation loss as one rank"
 done
@@ -168,7 +173,7 @@ odd=(--global-batch-size 6)
 run_single "${pipe[@]}" "${odd[@]}"
 run_ranks 2 "${pipe[@]}" "${odd[@]}" --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2
 grep -q "all-forward-all-backward" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: not the fallback schedule"; exit 1; }
-paste <(values_all "$dir/dp.jsonl") <(values_all "$dir/single.jsonl") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }' ||
+paste <(values_all "$dir/dp.jsonl") <(values_all "$dir/single.jsonl") | agree 2e-5 ||
   { echo "FAIL: all-forward-all-backward virtual stages differ from one rank"; exit 1; }
 echo "np=2 PP=2 x 2 virtual stages, 3 micro-batches (all-forward-all-backward): same as one rank"
 run_ranks 2 "${pipe[@]}" --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2
@@ -183,13 +188,13 @@ for layout in "1" "4 --pipeline-model-parallel-size 4"; do
   rm -f "$dir/resumed.jsonl"
   "$mpiexec" -np "${c[0]}" "$bin" "${base[@]}" "${pipe[@]}" "${sched[@]}" "${c[@]:1}" --train-iters 4 --load "$dir/ckpt-pp" \
     --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; exit 1; }
-  paste <(values_all "$dir/resumed.jsonl" | tail -n 7) <(values_all "$dir/single.jsonl" | tail -n 7) | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+  paste <(values_all "$dir/resumed.jsonl" | tail -n 7) <(values_all "$dir/single.jsonl" | tail -n 7) | agree 2e-5 ||
     { echo "FAIL: PP checkpoint resumed on np ${c[*]} differs"; exit 1; }
   echo "checkpoint of PP=2 x EP=2 resumed on np ${c[*]}: same losses as one rank"
 done
 # pipeline layouts against one rank of the same model: pipe_cases "reference flags" "np flags"...
 compare_all() {
-  paste <(values_all "$1") <(values_all "$2") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }'
+  paste <(values_all "$1") <(values_all "$2") | agree 2e-5
 }
 pipe_cases() {
   read -r -a ref <<<"$1"; shift
@@ -228,7 +233,7 @@ for layout in "1" "4 --pipeline-model-parallel-size 4"; do
   rm -f "$dir/resumed.jsonl"
   "$mpiexec" -np "${c[0]}" "$bin" "${base[@]}" "${pipe[@]}" "${tied[@]}" "${sched[@]}" "${c[@]:1}" --train-iters 4 --load "$dir/ckpt-tied" \
     --metrics-file "$dir/resumed.jsonl" > "$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; exit 1; }
-  paste <(values_all "$dir/resumed.jsonl" | tail -n 7) <(values_all "$dir/single.jsonl" | tail -n 7) | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-5 * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $1 " vs " $2; bad = 1 } } END { exit bad }' ||
+  paste <(values_all "$dir/resumed.jsonl" | tail -n 7) <(values_all "$dir/single.jsonl" | tail -n 7) | agree 2e-5 ||
     { echo "FAIL: tied PP checkpoint resumed on np ${c[*]} differs"; exit 1; }
   echo "tied checkpoint of PP=2 x DP=2 resumed on np ${c[*]}: same losses as one rank"
 done
