@@ -7,7 +7,8 @@
 #          torchrun, NCCL bootstrapped over TCP)
 #   perf:  bench_comm (NCCL all-to-all / all-reduce / all-gather bus bandwidth at dispatch sizes)
 #          on 2 and, with 4+ GPUs, 4 ranks; mixtral-small (bf16, global batch 16) on one GPU,
-#          DP=2, EP=2 (alltoall, allgather) and with 4+ GPUs DP=4, EP=4 (+ distributed
+#          DP=2, EP=2 (alltoall, allgather), PP=2, TP=2+SP, CP=2, TP=2+SP with EP=2, and with 4+
+#          GPUs TP=2 with EP=4 (and CP=2), DP=4, EP=4 (+ distributed
 #          optimizer, + dispatch timers); finegrained-small one GPU vs EP=4 / EP=2.
 # The last line: gpu-dist: N passed, N failed on <cards>
 set -uo pipefail
@@ -62,6 +63,9 @@ if [ "$what" != check ]; then
   perf "EP=2 alltoall --overlap-grad-reduce" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce
   perf "EP=2 allgather" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather
   perf "PP=2 (1F1B)" 2 mixtral-small --pipeline-model-parallel-size 2
+  perf "TP=2 +SP" 2 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel
+  perf "CP=2" 2 mixtral-small --context-parallel-size 2
+  perf "TP=2 +SP, EP=2 alltoall (folded)" 2 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
   if [ "$gpus" -ge 4 ]; then
     perf "DP=4" 4 mixtral-small
     perf "DP=4 --overlap-grad-reduce" 4 mixtral-small --overlap-grad-reduce
@@ -72,6 +76,8 @@ if [ "$what" != check ]; then
     perf "PP=2 x EP=2 alltoall" 4 mixtral-small --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
     perf "PP=4 (1F1B)" 4 mixtral-small --pipeline-model-parallel-size 4
     perf "EP=2 x ETP=2 alltoall" 4 mixtral-small --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall
+    perf "TP=2 +SP, EP=4 alltoall (folded)" 4 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
+    perf "TP=2 +SP, CP=2, EP=4 alltoall" 4 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
     perf "16 layers, PP=4 (1F1B)" 4 mixtral-small --num-layers 16 --pipeline-model-parallel-size 4
     perf "16 layers, PP=4 x 2 virtual stages" 4 mixtral-small --num-layers 16 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2
     MOECORE_COMM_TIMERS=1 perf "EP=4 alltoall, dispatch timers on" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall

@@ -60,11 +60,12 @@ class ScopedEnv {
 };
 
 // Forward and backward on CUDA (under the current MOECORE_ATTENTION) against the CPU, from
-// random inputs; the backward gets the CPU's out and lse on both devices.
-void check_against_cpu(DType t, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D) {
+// random inputs; the backward gets the CPU's out and lse on both devices. Sk: keys (0: S).
+void check_against_cpu(DType t, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t Sk = 0) {
+  if (Sk == 0) Sk = S;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   Tensor q = random_tensor({B, S, Hq, D}, t, Device::cpu(), -2, 2);
-  Tensor k = random_tensor({B, S, Hkv, D}, t, Device::cpu(), -2, 2);
+  Tensor k = random_tensor({B, Sk, Hkv, D}, t, Device::cpu(), -2, 2);
   Tensor v = random_tensor(k.shape(), t), dout = random_tensor(q.shape(), t);
   Tensor out = Tensor::empty(q.shape(), t), lse = Tensor::empty({B, Hq, S}, DType::F32);
   ops::attention_forward(q, k, v, scale, out, lse);
@@ -218,6 +219,11 @@ TEST(GpuAttentionGemm, AutoPicksGemmWhereSupported) {
   EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::BF16), ops::cuda::AttentionPath::Gemm);
   EXPECT_EQ(ops::cuda::attention_path({1, ops::cuda::kAttentionGemmMaxSeq + 64, 2, 1, 64}, DType::BF16),
             ops::cuda::AttentionPath::Tiled);
+  // The limit is on the keys: few queries against too many keys take the tiled path.
+  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq + 64}, DType::BF16),
+            ops::cuda::AttentionPath::Tiled);
+  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq}, DType::BF16),
+            ops::cuda::AttentionPath::Gemm);
 }
 
 TEST(GpuAttentionGemm, LongSequenceBf16MatchesCpu) {
@@ -266,6 +272,95 @@ TEST(GpuAttentionGemm, UnknownPathIsAClearError) {
     FAIL() << "MOECORE_ATTENTION=fast did not raise";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("MOECORE_ATTENTION must be auto, tiled or gemm; got 'fast'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// Keys longer than queries (Sk > Sq, context parallelism: query s sees keys t <= s + Sk - Sq)
+// on both CUDA paths, f32 and bf16, GQA 8:2. Sq = 130 and 1000 end in partial 64-tiles (1000:
+// 4 causal query blocks of 256 on the GEMM path); offsets Sk - Sq = 170, 234, 72 are not
+// multiples of 64 (so the shifted diagonal crosses tiles); Sq = 5 is one partial tile against
+// 77 keys; D = 64 and 128.
+struct KvCase {
+  const char* path;
+  DType dtype;
+  int64_t B, Sq, Sk, D;
+};
+
+class GpuAttentionKvLonger : public ::testing::TestWithParam<KvCase> {};
+
+TEST_P(GpuAttentionKvLonger, MatchCpu) {
+  MC_REQUIRE_CUDA();
+  const KvCase c = GetParam();
+  ScopedEnv env("MOECORE_ATTENTION", c.path);
+  const ops::AttentionDims d{c.B, c.Sq, 8, 2, c.D, c.Sk};
+  EXPECT_EQ(ops::cuda::attention_path(d, c.dtype),
+            std::string(c.path) == "gemm" ? ops::cuda::AttentionPath::Gemm : ops::cuda::AttentionPath::Tiled);
+  check_against_cpu(c.dtype, c.B, c.Sq, 8, 2, c.D, c.Sk);
+}
+
+std::vector<KvCase> kv_cases() {
+  std::vector<KvCase> v;
+  for (const char* p : {"tiled", "gemm"})
+    for (DType t : {DType::F32, DType::BF16}) {
+      v.push_back({p, t, 2, 130, 300, 64});
+      v.push_back({p, t, 1, 1000, 1234, 128});
+      v.push_back({p, t, 2, 5, 77, 64});
+      v.push_back({p, t, 1, 200, 272, 128});
+    }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, GpuAttentionKvLonger, ::testing::ValuesIn(kv_cases()),
+                         [](const ::testing::TestParamInfo<KvCase>& i) {
+                           return std::string(i.param.path) + "_" + dtype_name(i.param.dtype) + "_Sq" +
+                                  std::to_string(i.param.Sq) + "_Sk" + std::to_string(i.param.Sk) + "_D" +
+                                  std::to_string(i.param.D);
+                         });
+
+TEST(GpuAttentionKvLongerGemm, ChunkedScoreBufferMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  // A 1 MiB score budget with [Sq, Sk] score rows: Sq = 300, Sk = 450 needs 300 x 512 x 4 B =
+  // 600 KiB per (b, h) and buffer, so both passes run one (b, h) pair at a time.
+  ScopedEnv env("MOECORE_ATTENTION", "gemm"), budget("MOECORE_ATTENTION_SCORE_MB", "1");
+  for (DType t : {DType::F32, DType::BF16}) {
+    check_against_cpu(t, 2, 300, 4, 2, 32, 450);
+    if (HasFailure()) FAIL() << dtype_name(t);
+  }
+}
+
+TEST(GpuAttentionKvLongerGemm, BackwardIsDeterministic) {
+  MC_REQUIRE_CUDA();
+  for (const char* path : {"gemm", "tiled"}) {
+    ScopedEnv env("MOECORE_ATTENTION", path);
+    const int64_t B = 2, Sq = 333, Sk = 700, Hq = 8, Hkv = 2, D = 64;
+    Tensor q = random_tensor({B, Sq, Hq, D}, DType::BF16, kCuda);
+    Tensor k = random_tensor({B, Sk, Hkv, D}, DType::BF16, kCuda);
+    Tensor v = random_tensor(k.shape(), DType::BF16, kCuda), dout = random_tensor(q.shape(), DType::BF16, kCuda);
+    Tensor out = Tensor::empty(q.shape(), DType::BF16, kCuda), lse = Tensor::empty({B, Hq, Sq}, DType::F32, kCuda);
+    ops::attention_forward(q, k, v, 0.125, out, lse);
+    std::vector<std::vector<double>> runs[2];
+    for (auto& r : runs) {
+      Tensor g[3] = {Tensor::empty(q.shape(), DType::BF16, kCuda), Tensor::empty(k.shape(), DType::BF16, kCuda),
+                     Tensor::empty(k.shape(), DType::BF16, kCuda)};
+      ops::attention_backward(q, k, v, out, lse, dout, 0.125, g[0], g[1], g[2]);
+      for (const Tensor& x : g) r.push_back(to_doubles(x));
+    }
+    for (int i = 0; i < 3; ++i)
+      EXPECT_EQ(runs[0][i], runs[1][i]) << path << ": gradient " << "qkv"[i] << " changed between runs";
+  }
+}
+
+TEST(GpuAttentionKvLongerGemm, KeysShorterThanQueriesIsAClearError) {
+  MC_REQUIRE_CUDA();
+  Tensor q = Tensor::zeros({1, 8, 2, 32}, DType::F32, kCuda), k = Tensor::zeros({1, 7, 1, 32}, DType::F32, kCuda);
+  Tensor out = Tensor::zeros(q.shape(), DType::F32, kCuda), lse = Tensor::zeros({1, 2, 8}, DType::F32, kCuda);
+  try {
+    ops::attention_forward(q, k, k, 0.1, out, lse);
+    FAIL() << "Sk = 7 < Sq = 8 on CUDA did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("key/value sequence length Sk = 7 must be >= query sequence length Sq = 8"),
               std::string::npos)
         << e.what();
   }

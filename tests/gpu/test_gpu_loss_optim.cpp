@@ -1,7 +1,9 @@
 // gpu tier: cross-entropy, embedding and AdamW on CUDA held to their CPU ops (op_harness),
-// plus the out-of-range index errors raised from the device flags.
+// plus the out-of-range index errors raised from the device flags, and the vocabulary-parallel
+// parts of both (cross_entropy.h's recipe, embedding parts).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <string>
 
@@ -142,6 +144,124 @@ TEST_P(GpuEmbedding, OutOfRangeIdIsAnError) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuEmbedding, ::testing::Values(DType::F32, DType::BF16), dtype_param_name);
+
+// ---- vocabulary-parallel parts (cross-entropy and embedding) ------------------------------
+class GpuVocabParallel : public ::testing::TestWithParam<DType> {};
+
+// The cross_entropy.h recipe on each device (communication emulated: lse_part rows copied
+// into [P, T], target logits summed on the host in part order): part_forward, combine,
+// combined_loss, and each part's backward with the combined lse (part 1 in place).
+TEST_P(GpuVocabParallel, CrossEntropyRecipeMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  // As GpuCrossEntropy: fp32 tree sums vs double sums, ~1e-6 absolute on lse; the loss is
+  // lse - target_logit, a few 1e-6 absolute more.
+  const Tolerance row_tol{1e-5, 1e-5};
+  const Tolerance grad_tol = t == DType::F32 ? Tolerance{1e-5, 1e-4} : Tolerance{1e-5, 1e-2};
+  for (const std::vector<int64_t>& bounds : {std::vector<int64_t>{0, 5, 19, 37}, std::vector<int64_t>{0, 333, 700, 1000},
+                                             std::vector<int64_t>{0, 50000, 100001, 151936}}) {
+    const int64_t total = bounds.back(), rows = total > 100000 ? 6 : 33;
+    Tensor logits = random_tensor({rows, total}, t, Device::cpu(), -8.0, 8.0);
+    std::vector<Tensor> inputs;
+    std::vector<OutputSpec> outputs{{{3, rows}, DType::F32}, {{rows}, DType::F32}, {{rows}, DType::F32},
+                                    {{rows}, DType::F32}};
+    for (int p = 0; p < 3; ++p) {
+      inputs.push_back(logits.slice(1, bounds[p], bounds[p + 1]).contiguous());
+      outputs.push_back({{rows, bounds[p + 1] - bounds[p]}, t});
+    }
+    inputs.push_back(random_indices(rows, total, 5));
+    inputs.push_back(random_tensor({rows}, DType::F32, Device::cpu(), -2.0, 2.0));
+    // outputs: 0 parts [P, T], 1 summed target logits, 2 lse, 3 loss, 4.. each part's dlogits
+    expect_cuda_matches_cpu(
+        inputs, outputs,
+        [&](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+          const Device dev = in[0].device();
+          const Tensor& targets = in[3];
+          std::vector<float> target_sum(static_cast<size_t>(rows), 0.0f);
+          for (int p = 0; p < 3; ++p) {
+            Tensor lse_part = Tensor::empty({rows}, DType::F32, dev), tl = Tensor::empty({rows}, DType::F32, dev);
+            ops::cross_entropy_part_forward(in[p], targets, bounds[p], total, lse_part, tl);
+            out[0].slice(0, p, p + 1).copy_from(lse_part.view({1, rows}));
+            const std::vector<float> v = tl.to_vector<float>();
+            for (int64_t r = 0; r < rows; ++r) target_sum[r] += v[r];
+          }
+          out[1].copy_from(Tensor::from_vector(target_sum, {rows}));
+          ops::logsumexp_combine(out[0], out[2]);
+          ops::cross_entropy_combined_loss(out[2], out[1], targets, out[3]);
+          for (int p = 0; p < 3; ++p) {
+            if (p == 1) {
+              out[4 + p].copy_from(in[p]);
+              ops::cross_entropy_backward(out[4 + p], targets, out[2], in[4], out[4 + p], bounds[p], total);
+            } else {
+              ops::cross_entropy_backward(in[p], targets, out[2], in[4], out[4 + p], bounds[p], total);
+            }
+          }
+        },
+        {row_tol, row_tol, row_tol, row_tol, grad_tol, grad_tol, grad_tol});
+    if (HasFailure()) FAIL() << "vocabulary " << total;
+  }
+}
+
+// logsumexp_combine on its own, over a wide range and with empty (-inf) parts.
+TEST(GpuVocabParallelCombine, LogsumexpCombineMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  const int64_t num_parts = 8, rows = 1000;
+  std::vector<float> v = random_tensor({num_parts, rows}, DType::F32, Device::cpu(), -80.0, 80.0).to_vector<float>();
+  for (int64_t r = 0; r < rows; r += 7) v[r] = -INFINITY;  // part 0 empty on some rows
+  for (int64_t p = 0; p < num_parts; ++p) v[p * rows + 3] = -INFINITY;  // row 3: every part empty
+  expect_cuda_matches_cpu({Tensor::from_vector(v, {num_parts, rows})}, {{{rows}, DType::F32}},
+                          [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                            ops::logsumexp_combine(in[0], out[0]);
+                          },
+                          {Tolerance{1e-5, 1e-6}});
+}
+
+TEST_P(GpuVocabParallel, PartTargetOutOfRangeIsAnError) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  Tensor logits = random_tensor({4, 10}, t, kCuda);  // classes [20, 30) of 37
+  Tensor targets = Tensor::from_vector<int32_t>({36, -1, 37, 0}, {4}).to(kCuda);
+  Tensor lse_part = Tensor::empty({4}, DType::F32, kCuda), tl = Tensor::empty({4}, DType::F32, kCuda);
+  try {
+    ops::cross_entropy_part_forward(logits, targets, 20, 37, lse_part, tl);
+    FAIL() << "target 37 with 37 classes was accepted on CUDA";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "cross_entropy_part_forward: targets[2] = 37 is out of range for 37 classes (expected 0 <= target < "
+                 "37, or negative to ignore the row)");
+  }
+  Tensor dloss = Tensor::zeros({4}, DType::F32, kCuda), dx = Tensor::empty({4, 10}, t, kCuda);
+  EXPECT_THROW(ops::cross_entropy_backward(logits, targets, lse_part, dloss, dx, 20, 37), Error);
+  Tensor table = random_tensor({10, 8}, t, kCuda), out = Tensor::empty({4, 8}, t, kCuda);
+  EXPECT_THROW(ops::embedding_forward(table, targets, out, 20, 37), Error);
+}
+
+// A part of the embedding table: ids over the whole vocabulary, most of them in other parts
+// (zero rows, no gradient); the backward is bit-identical to the CPU as for the whole table.
+TEST_P(GpuVocabParallel, EmbeddingPartMatchesCpuBitForBit) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  struct Case {
+    int64_t start, rows, total, hidden, tokens, distinct;
+  };
+  for (const Case c : {Case{300, 350, 1000, 300, 517, 1000}, Case{75968, 75968, 151936, 64, 4096, 151936},
+                       Case{0, 20, 50, 1030, 64, 25}, Case{10, 3, 13, 40, 100, 13}}) {
+    Tensor table = random_tensor({c.rows, c.hidden}, t);
+    Tensor ids = random_indices(c.tokens, c.distinct);
+    Tensor dout = random_tensor({c.tokens, c.hidden}, t);
+    Tensor dtable0 = random_tensor({c.rows, c.hidden}, DType::F32);
+    expect_cuda_matches_cpu({table, ids, dout, dtable0}, {{{c.tokens, c.hidden}, t}, {{c.rows, c.hidden}, DType::F32}},
+                            [&](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::embedding_forward(in[0], in[1], out[0], c.start, c.total);
+                              out[1].copy_from(in[3]);
+                              ops::embedding_backward(in[1], in[2], out[1], c.start, c.total);
+                            },
+                            {Tolerance{0.0, 0.0}});
+    if (HasFailure()) FAIL() << "part [" << c.start << ", " << c.start + c.rows << ") of " << c.total;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuVocabParallel, ::testing::Values(DType::F32, DType::BF16), dtype_param_name);
 
 // ---- AdamW (f32 master weights) -------------------------------------------------------
 TEST(GpuAdamW, ThreeStepsMatchCpu) {

@@ -344,3 +344,23 @@ TEST(GpuCore, DeviceToDeviceCopyAndViews) {
   ASSERT_EQ(part.size(), 30u);
   for (size_t i = 0; i < part.size(); ++i) EXPECT_EQ(part[i], all[20 + i]);
 }
+
+// Sequence slices of [B, S, H, D] are row-pitched: contiguous() and copy_from into such a slice
+// run as one 2-D copy and must equal the host's strided copy.
+TEST(GpuCore, RowPitchedSliceCopies) {
+  MC_REQUIRE_CUDA();
+  const Tensor host = random_tensor({3, 8, 2, 5}, DType::F32, Device::cpu());
+  const Tensor dev = host.to(kCuda);
+  const Tensor expect = host.slice(1, 2, 6).contiguous();
+  EXPECT_EQ(dev.slice(1, 2, 6).contiguous().to_vector<float>(), expect.to_vector<float>());
+  // Write a packed block into the middle of another tensor's sequence.
+  Tensor target = Tensor::zeros({3, 8, 2, 5}, DType::F32, kCuda);
+  Tensor window = target.slice(1, 3, 7);
+  window.copy_from(expect.to(kCuda));
+  Tensor host_target = Tensor::zeros({3, 8, 2, 5}, DType::F32, Device::cpu());
+  Tensor host_window = host_target.slice(1, 3, 7);
+  host_window.copy_from(expect);
+  EXPECT_EQ(target.to_vector<float>(), host_target.to_vector<float>());
+  // A transpose is not row-pitched: refused with a message.
+  EXPECT_THROW(dev.transpose(0, 1).contiguous(), Error);
+}

@@ -1,5 +1,6 @@
 // Causal GQA attention on the CPU: values against an explicit softmax written here, f64
-// gradient checks, the first-token property, and argument errors.
+// gradient checks, the first-token property, and argument errors; keys longer than queries
+// (Sk > Sq, bottom-right aligned) against the last rows of a full Sk x Sk attention.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -210,8 +211,10 @@ TEST(Attention, RejectsBadShapes) {
   // B, S, D mismatches between q and k
   expect_error([&] { ops::attention_forward(q, Tensor::zeros({1, 5, 2, 8}, f32), v, 0.3, out, lse); },
                "attention_forward: batch size B differs: 'q' has shape (2, 5, 4, 8) but 'k' has shape (1, 5, 2, 8)");
-  expect_error([&] { ops::attention_forward(q, Tensor::zeros({2, 6, 2, 8}, f32), v, 0.3, out, lse); },
-               "sequence length S differs");
+  // Sk < Sq (Sk > Sq is allowed: see AttentionKvLonger below)
+  Tensor k_short = Tensor::zeros({2, 4, 2, 8}, f32);
+  expect_error([&] { ops::attention_forward(q, k_short, k_short, 0.3, out, lse); },
+               "attention_forward: key/value sequence length Sk = 4 must be >= query sequence length Sq = 5");
   expect_error([&] { ops::attention_forward(q, Tensor::zeros({2, 5, 2, 4}, f32), v, 0.3, out, lse); },
                "head dim D differs");
   // v unlike k, wrong ranks, outputs of the wrong shape or dtype
@@ -232,4 +235,192 @@ TEST(Attention, RejectsBadShapes) {
                "attention_backward: argument 'dv' has shape (2, 5, 4, 8); expected (2, 5, 2, 8)");
   expect_error([&] { ops::attention_backward(q, k3, k3, out, lse, out, 0.3, dq, dk, dk); },
                "attention_backward: query heads Hq = 4 must be a multiple of kv heads Hkv = 3");
+}
+
+// Keys longer than queries (Sk > Sq): the Sq queries are the last Sq positions of a sequence of
+// Sk, so the op must equal rows [Sk - Sq, Sk) of the full causal attention over Sk positions
+// whose first Sk - Sq query rows are arbitrary. The reference is reference_attention above on
+// that full problem (it knows nothing of offsets).
+namespace {
+
+struct KvDims {
+  int64_t B, Sq, Sk, Hq, Hkv, D;
+};
+
+const std::vector<KvDims> kKvShapes = {{2, 5, 13, 4, 2, 3}, {2, 1, 7, 2, 1, 5}, {1, 9, 10, 3, 3, 4},
+                                       {2, 6, 6, 4, 1, 8}, {2, 70, 133, 4, 2, 16}};
+
+// Rows [o, Sk) of a [B, Sk, H, D] tensor (o = Sk - Sq), contiguous.
+Tensor last_rows(const Tensor& full, int64_t Sq) {
+  return full.slice(1, full.size(1) - Sq, full.size(1)).clone();
+}
+
+}  // namespace
+
+TEST(AttentionKvLonger, ForwardMatchesLastRowsOfFullAttention) {
+  for (const KvDims& d : kKvShapes)
+    for (DType t : {DType::F64, DType::F32, DType::BF16}) {
+      const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
+      // The full problem: Sk queries (the first Sk - Sq arbitrary), Sk keys.
+      Tensor q_full = random_tensor({d.B, d.Sk, d.Hq, d.D}, t, Device::cpu(), -2, 2);
+      Tensor k = random_tensor({d.B, d.Sk, d.Hkv, d.D}, t, Device::cpu(), -2, 2);
+      Tensor v = random_tensor(k.shape(), t);
+      Tensor q = last_rows(q_full, d.Sq);
+      Tensor out = poisoned(q.shape(), t), lse = poisoned({d.B, d.Hq, d.Sq}, lse_dtype(t));
+      ops::attention_forward(q, k, v, scale, out, lse);
+      ASSERT_TRUE(all_written(out));
+      ASSERT_TRUE(all_written(lse));
+
+      std::vector<double> full_out, full_lse;
+      reference_attention({d.B, d.Sk, d.Hq, d.Hkv, d.D}, to_doubles(q_full), to_doubles(k), to_doubles(v), scale,
+                          full_out, full_lse);
+      Tensor ref_out = last_rows(Tensor::from_vector(full_out, q_full.shape()), d.Sq);
+      Tensor ref_lse = Tensor::from_vector(full_lse, {d.B, d.Hq, d.Sk}).slice(2, d.Sk - d.Sq, d.Sk).clone();
+      const Tolerance out_tol = t == DType::BF16 ? Tolerance{1e-3, 1e-2} : default_tolerance(t);
+      const Tolerance lse_tol = t == DType::F64 ? default_tolerance(t) : Tolerance{1e-5, 1e-5};
+      EXPECT_TRUE(allclose(out, ref_out, out_tol)) << dtype_name(t) << " Sq=" << d.Sq << " Sk=" << d.Sk;
+      EXPECT_TRUE(allclose(lse, ref_lse, lse_tol)) << dtype_name(t) << " Sq=" << d.Sq << " Sk=" << d.Sk;
+    }
+}
+
+TEST(AttentionKvLonger, BackwardMatchesFullAttentionWithZeroGradOnExtraRows) {
+  // dq equals the full attention's last Sq rows of dq, and dk, dv the full attention's dk, dv,
+  // when the full problem's dout is zero on its first Sk - Sq rows (those queries do not exist).
+  for (const KvDims& d : kKvShapes)
+    for (DType t : {DType::F64, DType::F32}) {
+      const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
+      const int64_t o = d.Sk - d.Sq;
+      Tensor q_full = random_tensor({d.B, d.Sk, d.Hq, d.D}, t, Device::cpu(), -2, 2);
+      Tensor k = random_tensor({d.B, d.Sk, d.Hkv, d.D}, t, Device::cpu(), -2, 2);
+      Tensor v = random_tensor(k.shape(), t);
+      Tensor dout_full = random_tensor(q_full.shape(), t);
+      if (o > 0) dout_full.slice(1, 0, o).copy_from(Tensor::zeros({d.B, o, d.Hq, d.D}, t));
+      Tensor q = last_rows(q_full, d.Sq), dout = last_rows(dout_full, d.Sq);
+
+      // The op under test (Sk > Sq).
+      Tensor out = Tensor::empty(q.shape(), t), lse = Tensor::empty({d.B, d.Hq, d.Sq}, lse_dtype(t));
+      ops::attention_forward(q, k, v, scale, out, lse);
+      Tensor dq = poisoned(q.shape(), t), dk = poisoned(k.shape(), t), dv = poisoned(k.shape(), t);
+      ops::attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
+      for (const Tensor* g : {&dq, &dk, &dv}) ASSERT_TRUE(all_written(*g));
+
+      // The full Sk x Sk problem (Sq == Sk: the path the existing tests hold to the formulas).
+      Tensor out_f = Tensor::empty(q_full.shape(), t), lse_f = Tensor::empty({d.B, d.Hq, d.Sk}, lse_dtype(t));
+      ops::attention_forward(q_full, k, v, scale, out_f, lse_f);
+      Tensor dq_f = Tensor::empty(q_full.shape(), t), dk_f = Tensor::empty(k.shape(), t),
+             dv_f = Tensor::empty(k.shape(), t);
+      ops::attention_backward(q_full, k, v, out_f, lse_f, dout_full, scale, dq_f, dk_f, dv_f);
+
+      // Same terms in the same order for every row, except that Dr of a row comes from the out
+      // each run computed (identical formulas): agreement to rounding.
+      const Tolerance tol = t == DType::F64 ? default_tolerance(t) : Tolerance{1e-5, 1e-4};
+      const std::string where = std::string(dtype_name(t)) + " Sq=" + std::to_string(d.Sq) +
+                                " Sk=" + std::to_string(d.Sk);
+      EXPECT_TRUE(allclose(out, last_rows(out_f, d.Sq), tol)) << where;
+      EXPECT_TRUE(allclose(dq, last_rows(dq_f, d.Sq), tol)) << where << " dq";
+      EXPECT_TRUE(allclose(dk, dk_f, tol)) << where << " dk";
+      EXPECT_TRUE(allclose(dv, dv_f, tol)) << where << " dv";
+    }
+}
+
+TEST(AttentionKvLonger, EveryQuerySeesThePrefixKeys) {
+  // Keys t <= o are visible to every query: changing key/value o (the last prefix key) changes
+  // every output row; changing key/value o + 1 leaves query row 0 unchanged.
+  const KvDims d{2, 4, 9, 2, 1, 6};
+  const int64_t o = d.Sk - d.Sq;
+  Tensor q = random_tensor({d.B, d.Sq, d.Hq, d.D}, DType::F64);
+  Tensor k = random_tensor({d.B, d.Sk, d.Hkv, d.D}, DType::F64), v = random_tensor(k.shape(), DType::F64);
+  auto run = [&](const Tensor& kk, const Tensor& vv) {
+    Tensor out = Tensor::empty(q.shape(), DType::F64), lse = Tensor::empty({d.B, d.Hq, d.Sq}, DType::F64);
+    ops::attention_forward(q, kk, vv, 0.5, out, lse);
+    return out;
+  };
+  const Tensor base = run(k, v);
+  for (int64_t t : {o, o + 1}) {
+    Tensor k2 = k.clone(), v2 = v.clone();
+    k2.slice(1, t, t + 1).copy_from(random_tensor({d.B, 1, d.Hkv, d.D}, DType::F64));
+    v2.slice(1, t, t + 1).copy_from(random_tensor({d.B, 1, d.Hkv, d.D}, DType::F64));
+    const Tensor changed = run(k2, v2);
+    for (int64_t s = 0; s < d.Sq; ++s) {
+      const bool visible = t <= s + o;
+      if (visible)
+        EXPECT_FALSE(allclose(changed.slice(1, s, s + 1), base.slice(1, s, s + 1), {1e-9, 0}))
+            << "query " << s << " should see key " << t;
+      else
+        EXPECT_TRUE(allclose(changed.slice(1, s, s + 1), base.slice(1, s, s + 1), {0, 0}))
+            << "query " << s << " should not see key " << t;
+    }
+  }
+}
+
+// f64 finite differences for q, k, v with Sk > Sq.
+class AttentionKvLongerGrad : public ::testing::TestWithParam<KvDims> {};
+
+TEST_P(AttentionKvLongerGrad, BackwardMatchesFiniteDifferences) {
+  const KvDims d = GetParam();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.D));
+  Tensor q = random_tensor({d.B, d.Sq, d.Hq, d.D}, DType::F64, Device::cpu(), -2, 2);
+  Tensor k = random_tensor({d.B, d.Sk, d.Hkv, d.D}, DType::F64, Device::cpu(), -2, 2);
+  Tensor v = random_tensor(k.shape(), DType::F64);
+  const Shape lse_shape{d.B, d.Hq, d.Sq};
+  GradCheckOptions opt;
+  opt.max_elements = 1000;  // every element of these small inputs
+  expect_gradients_match(
+      {q, k, v},
+      [&](const std::vector<Tensor>& in) {
+        Tensor out = Tensor::empty(in[0].shape(), DType::F64), lse = Tensor::empty(lse_shape, DType::F64);
+        ops::attention_forward(in[0], in[1], in[2], scale, out, lse);
+        return std::vector<Tensor>{out};
+      },
+      [&](const std::vector<Tensor>& in, const std::vector<Tensor>& dout) {
+        Tensor out = Tensor::empty(in[0].shape(), DType::F64), lse = Tensor::empty(lse_shape, DType::F64);
+        ops::attention_forward(in[0], in[1], in[2], scale, out, lse);
+        Tensor dq = poisoned(in[0].shape(), DType::F64), dk = poisoned(in[1].shape(), DType::F64),
+               dv = poisoned(in[2].shape(), DType::F64);
+        ops::attention_backward(in[0], in[1], in[2], out, lse, dout[0], scale, dq, dk, dv);
+        return std::vector<Tensor>{dq, dk, dv};
+      },
+      opt);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionKvLongerGrad,
+                         ::testing::Values(KvDims{2, 5, 13, 4, 2, 3}, KvDims{2, 3, 8, 2, 2, 3},
+                                           KvDims{1, 1, 6, 3, 1, 4}),
+                         [](const ::testing::TestParamInfo<KvDims>& i) {
+                           return "Sq" + std::to_string(i.param.Sq) + "_Sk" + std::to_string(i.param.Sk) + "_Hq" +
+                                  std::to_string(i.param.Hq) + "_Hkv" + std::to_string(i.param.Hkv);
+                         });
+
+TEST(AttentionKvLonger, RejectsKeysShorterThanQueries) {
+  const auto f32 = DType::F32;
+  Tensor q = Tensor::zeros({1, 6, 2, 4}, f32), k = Tensor::zeros({1, 5, 1, 4}, f32), v = k.clone();
+  Tensor out = Tensor::zeros(q.shape(), f32), lse = Tensor::zeros({1, 2, 6}, f32);
+  Tensor dq = Tensor::zeros(q.shape(), f32), dk = Tensor::zeros(k.shape(), f32), dv = Tensor::zeros(k.shape(), f32);
+  for (bool backward : {false, true}) {
+    try {
+      if (backward)
+        ops::attention_backward(q, k, v, out, lse, out, 0.5, dq, dk, dv);
+      else
+        ops::attention_forward(q, k, v, 0.5, out, lse);
+      ADD_FAILURE() << "Sk = 5 < Sq = 6 did not raise";
+    } catch (const Error& e) {
+      const std::string op = backward ? "attention_backward" : "attention_forward";
+      EXPECT_NE(std::string(e.what()).find(op + ": key/value sequence length Sk = 5 must be >= query sequence "
+                                                "length Sq = 6: 'q' has shape (1, 6, 2, 4) but 'k' has shape "
+                                                "(1, 5, 1, 4)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // dk/dv must follow k's (longer) shape, not q's sequence length.
+  Tensor k9 = Tensor::zeros({1, 9, 1, 4}, f32), dk_bad = Tensor::zeros({1, 6, 1, 4}, f32);
+  Tensor dv9 = Tensor::zeros(k9.shape(), f32);
+  try {
+    ops::attention_backward(q, k9, k9, out, lse, out, 0.5, dq, dk_bad, dv9);
+    ADD_FAILURE() << "dk of the query length did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("argument 'dk' has shape (1, 6, 1, 4); expected (1, 9, 1, 4)"),
+              std::string::npos)
+        << e.what();
+  }
 }

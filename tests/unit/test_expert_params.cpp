@@ -45,7 +45,7 @@ TEST(ExpertParams, DenseAndExpertGradientsLiveInSeparateBuffers) {
 
 // Expert tensor parallelism: part r of fc1 is [gate rows of part r; up rows of part r] of each
 // expert, part r of fc2 its columns of part r; the parts drawn by each ETP rank are exactly
-// those of the single-rank tensor, and etp_assemble puts them back together bit for bit.
+// those of the single-rank tensor, and part_assemble puts them back together bit for bit.
 TEST(ExpertParams, EtpPartsEqualTheSingleRankSlices) {
   const int64_t e = 4, f = 6, h = 5, etp = 3;
   ParamStore full(Device::cpu(), DType::F32, DType::F32, 7);
@@ -80,8 +80,8 @@ TEST(ExpertParams, EtpPartsEqualTheSingleRankSlices) {
     parts1.push_back(p1.master.clone());
     parts2.push_back(p2.master.clone());
     if (r == 0) {
-      // etp_take of the full experts [2, 4) gives this part back
-      EXPECT_EQ(etp_take(p1, fc1.master.slice(0, 2, 4).contiguous()).to_vector<float>(), a);
+      // part_take of the full experts [2, 4) gives this part back
+      EXPECT_EQ(part_take(p1, fc1.master.slice(0, 2, 4).contiguous()).to_vector<float>(), a);
     }
   }
   // all parts, rank-major as all_gather returns them -> the experts [2, 4) of the full tensors
@@ -98,6 +98,6 @@ TEST(ExpertParams, EtpPartsEqualTheSingleRankSlices) {
     s[0] *= static_cast<int64_t>(ts.size());
     return Tensor::from_vector(all, s);
   };
-  EXPECT_EQ(etp_assemble(q1, stack(parts1)).to_vector<float>(), fc1.master.slice(0, 2, 4).contiguous().to_vector<float>());
-  EXPECT_EQ(etp_assemble(q2, stack(parts2)).to_vector<float>(), fc2.master.slice(0, 2, 4).contiguous().to_vector<float>());
+  EXPECT_EQ(part_assemble(q1, stack(parts1)).to_vector<float>(), fc1.master.slice(0, 2, 4).contiguous().to_vector<float>());
+  EXPECT_EQ(part_assemble(q2, stack(parts2)).to_vector<float>(), fc2.master.slice(0, 2, 4).contiguous().to_vector<float>());
 }

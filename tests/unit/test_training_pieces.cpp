@@ -538,10 +538,12 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--lr-decay-style", "step"}, "--lr-decay-style"},
       // parallel layouts (one launched rank here)
       {{"--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size", "2"},
-       "--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1 does not divide the 1 data-parallel ranks"},
+       "--expert-model-parallel-size 2 x --expert-tensor-parallel-size 1 x --pipeline-model-parallel-size 1 does not "
+       "divide the 1 launched ranks"},
       {{"--pipeline-model-parallel-size", "2"}, "--pipeline-model-parallel-size 2 does not divide the 1 launched ranks"},
-      {{"--tensor-model-parallel-size", "2"}, "--tensor-model-parallel-size 2 is not available"},
-      {{"--context-parallel-size", "2"}, "--context-parallel-size 2 is not available"},
+      {{"--tensor-model-parallel-size", "2"},
+       "--tensor-model-parallel-size 2 x --context-parallel-size 1 x --pipeline-model-parallel-size 1 does not divide"},
+      {{"--context-parallel-size", "2"}, "--context-parallel-size 2 x --pipeline-model-parallel-size 1 does not divide"},
       {{"--expert-tensor-parallel-size", "2"}, "--expert-tensor-parallel-size 2 needs an MoE model"},
       {{"--num-virtual-stages-per-pipeline-rank", "2"}, "virtual pipeline stages need --pipeline-model-parallel-size > 1"},
       {{"--decoder-first-pipeline-num-layers", "1"}, "--decoder-first-pipeline-num-layers"},

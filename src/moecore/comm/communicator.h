@@ -98,6 +98,10 @@ std::unique_ptr<Communicator> make_mpi_world();
 // else an Error. An Error on a build without CUDA.
 std::unique_ptr<Communicator> make_nccl_world(Device device);
 
+// Host values reduced over a group, in place (element-wise): through MPI in f64, through NCCL in
+// f32 (for logged losses and token counts, which are exact in f32 up to 2^24).
+void all_reduce_host(Communicator& c, std::vector<double>& values, ReduceOp op = ReduceOp::Sum);
+
 // ---- argument checks shared by the backends -------------------------------------------
 // Each raises an Error "comm <call>: ..." naming what was expected.
 namespace detail {

@@ -175,6 +175,41 @@ static void copy_strided_host(char* dst, const Shape& dst_strides, const char* s
                       src + i * src_strides[dim] * static_cast<int64_t>(elem), src_strides, shape, elem, dim + 1);
 }
 
+// A layout of `rows` rows of `width` contiguous elements, `pitch` elements apart (ok = false when
+// the tensor does not collapse into that form). Size-1 dimensions are ignored.
+namespace {
+struct Pitched {
+  bool ok = false;
+  int64_t rows = 1, width = 1, pitch = 1;
+};
+Pitched pitched(const Shape& shape, const Shape& strides) {
+  Pitched p;
+  size_t i = shape.size();
+  int64_t expected = 1;
+  // The contiguous innermost run.
+  while (i > 0 && (shape[i - 1] == 1 || strides[i - 1] == expected)) {
+    expected *= shape[i - 1];
+    --i;
+  }
+  p.width = expected;
+  // The remaining dimensions must form one evenly strided run of rows.
+  int64_t rows = 1, stride = 0;
+  for (size_t j = i; j-- > 0;) {
+    if (shape[j] == 1) continue;
+    if (rows == 1) {
+      stride = strides[j];
+    } else if (strides[j] != stride * rows) {
+      return p;
+    }
+    rows *= shape[j];
+  }
+  p.rows = rows;
+  p.pitch = rows == 1 ? p.width : stride;
+  p.ok = p.pitch >= p.width;
+  return p;
+}
+}  // namespace
+
 void Tensor::copy_from(const Tensor& src) {
   MC_CHECK(defined() && src.defined(), "copy_from: undefined tensor");
   MC_CHECK(shape_ == src.shape_, "copy_from: shape ", shape_str(src.shape_), " into ", shape_str(shape_));
@@ -187,12 +222,27 @@ void Tensor::copy_from(const Tensor& src) {
                       src.strides_, shape_, dtype_size(dtype_), 0);
     return;
   }
-  MC_CHECK(is_contiguous() && src.is_contiguous(), "copy_from between ", src.device().str(), " and ",
-           device().str(), " needs contiguous tensors");
 #if MOECORE_WITH_CUDA
   const Device cuda_dev = dd.is_cuda() ? dd : sd;
   MC_CUDA_CHECK(cudaSetDevice(cuda_dev.index));
   cudaStream_t stream = static_cast<cudaStream_t>(current_stream(cuda_dev).handle());
+  if (!is_contiguous() || !src.is_contiguous()) {
+    // Row-pitched layouts on one device (a range of a middle dimension, e.g. a sequence slice of
+    // [B, S, H, D]): one 2-D copy.
+    Pitched d = pitched(shape_, strides_), s = pitched(src.shape_, src.strides_);
+    if (is_contiguous()) d = {s.ok, s.rows, s.width, s.width};  // the other side's rows, packed
+    if (src.is_contiguous()) s = {d.ok, d.rows, d.width, d.width};
+    MC_CHECK(dd.is_cuda() && sd.is_cuda() && dd.index == sd.index && d.ok && s.ok && d.rows == s.rows &&
+                 d.width == s.width,
+             "copy_from between ", src.device().str(), " and ", device().str(),
+             " needs contiguous tensors (or row-pitched ones on one device), got ", src.describe(), " into ",
+             describe());
+    const size_t es = dtype_size(dtype_);
+    MC_CUDA_CHECK(cudaMemcpy2DAsync(data_ptr(), static_cast<size_t>(d.pitch) * es, src.data_ptr(),
+                                    static_cast<size_t>(s.pitch) * es, static_cast<size_t>(d.width) * es,
+                                    static_cast<size_t>(d.rows), cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
   if (dd.is_cuda() && sd.is_cuda() && dd.index != sd.index) {
     MC_CUDA_CHECK(cudaMemcpyPeerAsync(data_ptr(), dd.index, src.data_ptr(), sd.index, nbytes(), stream));
   } else {
@@ -207,7 +257,9 @@ void Tensor::copy_from(const Tensor& src) {
 
 Tensor Tensor::contiguous() const {
   if (is_contiguous()) return *this;
-  MC_CHECK(device().is_cpu(), "contiguous() of a strided CUDA tensor is not supported yet: ", describe());
+  MC_CHECK(device().is_cpu() || pitched(shape_, strides_).ok,
+           "contiguous() of a CUDA tensor needs a row-pitched layout (e.g. a slice of one dimension), got ",
+           describe());
   Tensor t = empty(shape_, dtype_, device());
   t.copy_from(*this);
   return t;

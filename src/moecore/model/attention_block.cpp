@@ -4,30 +4,45 @@
 
 #include "moecore/ops/attention.h"
 #include "moecore/ops/rope.h"
+#include "moecore/model/tensor_parallel.h"
 
 namespace moecore {
 
-AttentionBlock::AttentionBlock(ParamStore& store, const std::string& prefix, const ModelConfig& cfg)
-    : heads_(cfg.num_attention_heads),
-      kv_heads_(cfg.kv_heads()),
+AttentionBlock::AttentionBlock(ParamStore& store, const std::string& prefix, const ModelConfig& cfg,
+                               const DenseParallel& par)
+    : par_(par),
+      heads_(cfg.num_attention_heads / par.tp_size()),
+      kv_heads_(cfg.kv_heads() / par.tp_size()),
       head_dim_(cfg.head_dim()),
       qk_norm_(cfg.qk_layernorm),
       rope_(cfg.position_embedding_type == "rope"),
       rotary_base_(cfg.rotary_base) {
-  const int64_t h = cfg.hidden_size;
+  const int64_t tp = par.tp_size(), h = cfg.hidden_size;
+  MC_CHECK(cfg.num_attention_heads % tp == 0 && cfg.kv_heads() % tp == 0, "--num-attention-heads ",
+           cfg.num_attention_heads, " and the ", cfg.kv_heads(),
+           " query groups (--num-query-groups) must divide by --tensor-model-parallel-size ", tp);
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
   const bool qkv_bias = cfg.add_bias_linear || cfg.add_qkv_bias;  // --add-qkv-bias: q/k/v only
-  q_proj_ = Linear(store, prefix + ".linear_q", h, heads_ * head_dim_, qkv_bias, std);
-  k_proj_ = Linear(store, prefix + ".linear_k", h, kv_heads_ * head_dim_, qkv_bias, std);
-  v_proj_ = Linear(store, prefix + ".linear_v", h, kv_heads_ * head_dim_, qkv_bias, std);
-  o_proj_ = Linear(store, prefix + ".linear_proj", heads_ * head_dim_, h, cfg.add_bias_linear, out_std);
+  const LinearSplit column{tp > 1 ? LinearSplit::Column : LinearSplit::None, tp, par.tp_rank(), false};
+  const LinearSplit row{tp > 1 ? LinearSplit::Row : LinearSplit::None, tp, par.tp_rank(), false};
+  const int64_t q_width = cfg.num_attention_heads * head_dim_, kv_width = cfg.kv_heads() * head_dim_;
+  q_proj_ = Linear(store, prefix + ".linear_q", h, q_width, qkv_bias, std, nullptr, column);
+  k_proj_ = Linear(store, prefix + ".linear_k", h, kv_width, qkv_bias, std, nullptr, column);
+  v_proj_ = Linear(store, prefix + ".linear_v", h, kv_width, qkv_bias, std, nullptr, column);
+  o_proj_ = Linear(store, prefix + ".linear_proj", q_width, h, cfg.add_bias_linear, out_std, nullptr, row);
   if (qk_norm_) {
     q_norm_ = Norm(store, prefix + ".q_layernorm", head_dim_, cfg.rmsnorm, cfg.norm_epsilon);
     k_norm_ = Norm(store, prefix + ".k_layernorm", head_dim_, cfg.rmsnorm, cfg.norm_epsilon);
+    for (Norm* n : {&q_norm_, &k_norm_})
+      for (Param* p : {n->weight, n->bias})
+        if (p && tp > 1) p->tp_partial_grad = true;  // each rank normalises its own heads
   }
 }
 
-Tensor AttentionBlock::forward(const Tensor& x, int64_t batch, Ctx& ctx) const {
+double AttentionBlock::scale() const { return 1.0 / std::sqrt(static_cast<double>(head_dim_)); }
+
+Tensor AttentionBlock::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) const {
+  const Tensor x = par_.enter_forward(x_local, batch);
   const int64_t tokens = x.size(0), seq = tokens / batch;
   Tensor q = q_proj_.forward(x, ctx.q), k = k_proj_.forward(x, ctx.k), v = v_proj_.forward(x, ctx.v);
   if (qk_norm_) {
@@ -37,33 +52,43 @@ Tensor AttentionBlock::forward(const Tensor& x, int64_t batch, Ctx& ctx) const {
   q = q.view({batch, seq, heads_, head_dim_});
   k = k.view({batch, seq, kv_heads_, head_dim_});
   v = v.view({batch, seq, kv_heads_, head_dim_});
-  if (rope_) {
-    ops::rope_forward(q, q, rotary_base_);
-    ops::rope_forward(k, k, rotary_base_);
+  Tensor out;
+  if (par_.cp) {
+    out = context_parallel_forward(q, k, v, ctx);
+  } else {
+    if (rope_) {
+      ops::rope_forward(q, q, rotary_base_);
+      ops::rope_forward(k, k, rotary_base_);
+    }
+    out = Tensor::empty(q.shape(), x.dtype(), x.device());
+    Tensor lse = Tensor::empty({batch, heads_, seq}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
+    ops::attention_forward(q, k, v, scale(), out, lse);
+    ctx.core_q = q;
+    ctx.core_k = k;
+    ctx.core_v = v;
+    ctx.core_out = out;
+    ctx.core_lse = lse;
   }
-  Tensor out = Tensor::empty(q.shape(), x.dtype(), x.device());
-  Tensor lse = Tensor::empty({batch, heads_, seq}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
-  ops::attention_forward(q, k, v, 1.0 / std::sqrt(static_cast<double>(head_dim_)), out, lse);
-  ctx.core_q = q;
-  ctx.core_k = k;
-  ctx.core_v = v;
-  ctx.core_out = out;
-  ctx.core_lse = lse;
-  return o_proj_.forward(out.view({tokens, heads_ * head_dim_}), ctx.o);
+  return par_.exit_forward(o_proj_.forward(out.view({tokens, heads_ * head_dim_}), ctx.o), batch);
 }
 
-Tensor AttentionBlock::backward(const Tensor& dy, int64_t batch, Ctx& ctx) const {
-  const int64_t tokens = dy.size(0);
-  Tensor dout = o_proj_.backward(dy, ctx.o).view(ctx.core_out.shape());
-  Tensor dq = Tensor::empty(ctx.core_q.shape(), dy.dtype(), dy.device());
-  Tensor dk = Tensor::empty(ctx.core_k.shape(), dy.dtype(), dy.device());
-  Tensor dv = Tensor::empty(ctx.core_v.shape(), dy.dtype(), dy.device());
-  ops::attention_backward(ctx.core_q, ctx.core_k, ctx.core_v, ctx.core_out, ctx.core_lse, dout,
-                          1.0 / std::sqrt(static_cast<double>(head_dim_)), dq, dk, dv);
-  ctx.core_q = ctx.core_k = ctx.core_v = ctx.core_out = ctx.core_lse = Tensor();
-  if (rope_) {
-    ops::rope_backward(dq, dq, rotary_base_);
-    ops::rope_backward(dk, dk, rotary_base_);
+Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx) const {
+  const Tensor dy = par_.exit_backward(dy_local, batch);
+  const int64_t tokens = dy.size(0), seq = tokens / batch;
+  Tensor dout = o_proj_.backward(dy, ctx.o).view({batch, seq, heads_, head_dim_});
+  Tensor dq, dk, dv;
+  if (par_.cp) {
+    context_parallel_backward(dout, ctx, dq, dk, dv);
+  } else {
+    dq = Tensor::empty(ctx.core_q.shape(), dy.dtype(), dy.device());
+    dk = Tensor::empty(ctx.core_k.shape(), dy.dtype(), dy.device());
+    dv = Tensor::empty(ctx.core_v.shape(), dy.dtype(), dy.device());
+    ops::attention_backward(ctx.core_q, ctx.core_k, ctx.core_v, ctx.core_out, ctx.core_lse, dout, scale(), dq, dk, dv);
+    ctx.core_q = ctx.core_k = ctx.core_v = ctx.core_out = ctx.core_lse = Tensor();
+    if (rope_) {
+      ops::rope_backward(dq, dq, rotary_base_);
+      ops::rope_backward(dk, dk, rotary_base_);
+    }
   }
   Tensor dq2 = dq.view({tokens * heads_, head_dim_}), dk2 = dk.view({tokens * kv_heads_, head_dim_});
   if (qk_norm_) {
@@ -73,8 +98,97 @@ Tensor AttentionBlock::backward(const Tensor& dy, int64_t batch, Ctx& ctx) const
   Tensor dx = q_proj_.backward(dq2.view({tokens, heads_ * head_dim_}), ctx.q);
   add_into(dx, k_proj_.backward(dk2.view({tokens, kv_heads_ * head_dim_}), ctx.k));
   add_into(dx, v_proj_.backward(dv.view({tokens, kv_heads_ * head_dim_}), ctx.v));
-  (void)batch;
-  return dx;
+  return par_.enter_backward(dx, batch);
+}
+
+// Context parallelism. Rank r of n holds chunks g0 = r and g1 = 2n - 1 - r (c tokens each) of
+// every sequence; query chunk g attends keys [0, (g + 1) c): the attention op's bottom-right
+// causal alignment (Sk >= Sq) gives exactly that. K and V travel as one all-gather of
+// [4, B, c, Hkv, D] (k chunk 0, k chunk 1, v chunk 0, v chunk 1) per rank.
+Tensor AttentionBlock::context_parallel_forward(const Tensor& q, const Tensor& k, const Tensor& v, Ctx& ctx) const {
+  comm::Communicator& cp = *par_.cp;
+  const int64_t batch = q.size(0), c = q.size(1) / 2, n = cp.size(), r = cp.rank(), seq = 2 * n * c;
+  const Device dev = q.device();
+  const DType dt = q.dtype();
+  Tensor kv = Tensor::empty({4, batch, c, kv_heads_, head_dim_}, dt, dev);
+  Tensor qc[2];
+  for (int i = 0; i < 2; ++i) {
+    const int64_t start = cp_chunk_start(c, n, r, i);
+    qc[i] = seq_range(q, i * c, (i + 1) * c);
+    Tensor kc = seq_range(k, i * c, (i + 1) * c);
+    if (rope_) {
+      ops::rope_forward(qc[i], qc[i], rotary_base_, start);
+      ops::rope_forward(kc, kc, rotary_base_, start);
+    }
+    kv.slice(0, i, i + 1).view(kc.shape()).copy_from(kc);
+    kv.slice(0, 2 + i, 3 + i).view(kc.shape()).copy_from(seq_range(v, i * c, (i + 1) * c));
+  }
+  Tensor gathered = Tensor::empty({4 * n, batch, c, kv_heads_, head_dim_}, dt, dev);
+  cp.all_gather(kv, gathered);
+  ctx.full_k = Tensor::empty({batch, seq, kv_heads_, head_dim_}, dt, dev);
+  ctx.full_v = Tensor::empty({batch, seq, kv_heads_, head_dim_}, dt, dev);
+  const Shape chunk_shape{batch, c, kv_heads_, head_dim_};
+  for (int64_t p = 0; p < n; ++p)
+    for (int i = 0; i < 2; ++i) {
+      const int64_t start = cp_chunk_start(c, n, p, i);
+      seq_assign(ctx.full_k, start, gathered.slice(0, 4 * p + i, 4 * p + i + 1).view(chunk_shape));
+      seq_assign(ctx.full_v, start, gathered.slice(0, 4 * p + 2 + i, 4 * p + 3 + i).view(chunk_shape));
+    }
+  Tensor out = Tensor::empty(q.shape(), dt, dev);
+  for (int i = 0; i < 2; ++i) {
+    const int64_t keys = cp_chunk_start(c, n, r, i) + c;
+    ctx.chunk_out[i] = Tensor::empty(qc[i].shape(), dt, dev);
+    ctx.chunk_lse[i] = Tensor::empty({batch, heads_, c}, dt == DType::F64 ? DType::F64 : DType::F32, dev);
+    ops::attention_forward(qc[i], seq_range(ctx.full_k, 0, keys), seq_range(ctx.full_v, 0, keys), scale(),
+                           ctx.chunk_out[i], ctx.chunk_lse[i]);
+    seq_assign(out, i * c, ctx.chunk_out[i]);
+    ctx.chunk_q[i] = qc[i];
+  }
+  return out;
+}
+
+void AttentionBlock::context_parallel_backward(const Tensor& dout, Ctx& ctx, Tensor& dq, Tensor& dk, Tensor& dv) const {
+  comm::Communicator& cp = *par_.cp;
+  const int64_t batch = dout.size(0), c = dout.size(1) / 2, n = cp.size(), r = cp.rank(), seq = 2 * n * c;
+  const Device dev = dout.device();
+  const DType dt = dout.dtype();
+  Tensor full_dk = Tensor::zeros({batch, seq, kv_heads_, head_dim_}, dt, dev);
+  Tensor full_dv = Tensor::zeros({batch, seq, kv_heads_, head_dim_}, dt, dev);
+  dq = Tensor::empty(dout.shape(), dt, dev);
+  for (int i = 0; i < 2; ++i) {
+    const int64_t start = cp_chunk_start(c, n, r, i), keys = start + c;
+    Tensor dqi = Tensor::empty(ctx.chunk_q[i].shape(), dt, dev);
+    Tensor dki = Tensor::empty({batch, keys, kv_heads_, head_dim_}, dt, dev);
+    Tensor dvi = Tensor::empty({batch, keys, kv_heads_, head_dim_}, dt, dev);
+    ops::attention_backward(ctx.chunk_q[i], seq_range(ctx.full_k, 0, keys), seq_range(ctx.full_v, 0, keys),
+                            ctx.chunk_out[i], ctx.chunk_lse[i], seq_range(dout, i * c, (i + 1) * c), scale(), dqi, dki,
+                            dvi);
+    if (rope_) ops::rope_backward(dqi, dqi, rotary_base_, start);
+    seq_assign(dq, i * c, dqi);
+    seq_accumulate(full_dk, 0, dki);
+    seq_accumulate(full_dv, 0, dvi);
+  }
+  for (int i = 0; i < 2; ++i) ctx.chunk_q[i] = ctx.chunk_out[i] = ctx.chunk_lse[i] = Tensor();
+  ctx.full_k = ctx.full_v = Tensor();
+  // Every rank's partial dK/dV of the whole sequence -> each owner's chunks, summed.
+  Tensor send = Tensor::empty({4 * n, batch, c, kv_heads_, head_dim_}, dt, dev);
+  const Shape chunk_shape{batch, c, kv_heads_, head_dim_};
+  for (int64_t p = 0; p < n; ++p)
+    for (int i = 0; i < 2; ++i) {
+      const int64_t start = cp_chunk_start(c, n, p, i);
+      send.slice(0, 4 * p + i, 4 * p + i + 1).view(chunk_shape).copy_from(seq_range(full_dk, start, start + c));
+      send.slice(0, 4 * p + 2 + i, 4 * p + 3 + i).view(chunk_shape).copy_from(seq_range(full_dv, start, start + c));
+    }
+  Tensor mine = Tensor::empty({4, batch, c, kv_heads_, head_dim_}, dt, dev);
+  cp.reduce_scatter(send, mine, comm::ReduceOp::Sum);
+  dk = Tensor::empty({batch, 2 * c, kv_heads_, head_dim_}, dt, dev);
+  dv = Tensor::empty({batch, 2 * c, kv_heads_, head_dim_}, dt, dev);
+  for (int i = 0; i < 2; ++i) {
+    Tensor dki = mine.slice(0, i, i + 1).view(chunk_shape);
+    if (rope_) ops::rope_backward(dki, dki, rotary_base_, cp_chunk_start(c, n, r, i));
+    seq_assign(dk, i * c, dki);
+    seq_assign(dv, i * c, mine.slice(0, 2 + i, 3 + i).view(chunk_shape));
+  }
 }
 
 }  // namespace moecore

@@ -3,6 +3,13 @@
 // four projections with bias-linear, on q/k/v only with --add-qkv-bias (Qwen2).
 // x [B*S, H] -> [B*S, H]. Saved: the projections' inputs, q/k/v after RoPE, the attention
 // output and its logsumexp ("core_attn").
+// Tensor parallelism: q/k/v column-parallel (this rank's Hq/TP query heads and Hkv/TP kv heads,
+// whole GQA groups), the output projection row-parallel; with sequence parallelism x and the
+// result are this rank's [B, S/TP] slice (DenseParallel::enter/exit). q/k norm weights are
+// replicated and see only this rank's heads: their gradients are summed over TP.
+// Context parallelism: x holds this rank's two chunks of every sequence (tensor_parallel.h);
+// RoPE uses their global positions; each query chunk attends the keys before it, gathered from
+// the CP group (an all-gather of K and V; their gradients reduce-scatter back).
 #pragma once
 
 #include "moecore/model/layers.h"
@@ -12,17 +19,25 @@ namespace moecore {
 class AttentionBlock {
  public:
   AttentionBlock() = default;
-  AttentionBlock(ParamStore& store, const std::string& prefix, const ModelConfig& cfg);
+  AttentionBlock(ParamStore& store, const std::string& prefix, const ModelConfig& cfg, const DenseParallel& par = {});
   struct Ctx {
     Linear::Ctx q, k, v, o;
     Norm::Ctx q_norm, k_norm;
     Tensor core_q, core_k, core_v, core_out, core_lse;  // "core_attn"
+    // Context parallelism: per query chunk, its queries, output and lse; K/V of the whole sequence.
+    Tensor chunk_q[2], chunk_out[2], chunk_lse[2], full_k, full_v;
   };
   Tensor forward(const Tensor& x, int64_t batch, Ctx& ctx) const;
   Tensor backward(const Tensor& dy, int64_t batch, Ctx& ctx) const;
 
  private:
+  // Context parallelism: causal attention of this rank's two query chunks over the gathered keys.
+  Tensor context_parallel_forward(const Tensor& q, const Tensor& k, const Tensor& v, Ctx& ctx) const;
+  void context_parallel_backward(const Tensor& dout, Ctx& ctx, Tensor& dq, Tensor& dk, Tensor& dv) const;
+  double scale() const;
+
   Linear q_proj_, k_proj_, v_proj_, o_proj_;
+  DenseParallel par_;
   Norm q_norm_, k_norm_;
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
   bool qk_norm_ = false, rope_ = true;

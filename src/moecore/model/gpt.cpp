@@ -9,8 +9,22 @@
 
 namespace moecore {
 
-GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par, const PipelineStage& stage)
-    : cfg_(cfg), stage_(stage), compute_(store.compute_dtype()) {
+GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par, const PipelineStage& stage,
+                   const DenseParallel& dense)
+    : cfg_(cfg), stage_(stage), dense_(dense), compute_(store.compute_dtype()) {
+  const int64_t tp = dense_.tp_size();
+  MC_CHECK(cfg.vocab_size % tp == 0, "the vocabulary of ", cfg.vocab_size,
+           " tokens does not divide by --tensor-model-parallel-size ", tp,
+           " (moecore does not pad the vocabulary; pick a size that divides it)");
+  vocab_start_ = cfg.vocab_size / tp * dense_.tp_rank();
+  const LinearSplit vocab_split{tp > 1 ? LinearSplit::Column : LinearSplit::None, tp, dense_.tp_rank(), false};
+  // Sequence parallelism: a replicated parameter that sees this rank's tokens only.
+  auto sequence_parallel = [&](std::initializer_list<Param*> ps) {
+    for (Param* p : ps)
+      if (p && dense_.sp()) p->tp_partial_grad = true;
+  };
+  MoeParallel moe_par = par;
+  moe_par.dense = dense_;
   if (stage_.end_layer < 0) stage_.end_layer = cfg.num_layers;
   MC_CHECK(stage_.first_layer >= 0 && stage_.first_layer <= stage_.end_layer && stage_.end_layer <= cfg.num_layers,
            "pipeline stage layers [", stage_.first_layer, ", ", stage_.end_layer, ") are outside [0, ", cfg.num_layers, ")");
@@ -19,11 +33,17 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
   // Tied embeddings: the last pipeline stage keeps its own copy for the output layer (same name,
   // so the same Philox draw; the trainer sums both copies' gradients over the embedding group).
-  if (stage_.has_embedding || (stage_.has_head && !cfg.untie_embeddings))
-    word_embeddings_ = &store.add("embedding.word_embeddings.weight", {cfg.vocab_size, h}, Init::Normal, std, true);
-  if (stage_.has_embedding && cfg.position_embedding_type == "learned_absolute")
+  if (stage_.has_embedding || (stage_.has_head && !cfg.untie_embeddings)) {
+    word_embeddings_ = &store.add("embedding.word_embeddings.weight", {cfg.vocab_size / tp, h}, Init::Normal, std, true);
+    word_embeddings_->part_size = tp;  // this rank's vocabulary rows
+    word_embeddings_->part_rank = dense_.tp_rank();
+    word_embeddings_->part_dim = 0;
+  }
+  if (stage_.has_embedding && cfg.position_embedding_type == "learned_absolute") {
     position_embeddings_ = &store.add("embedding.position_embeddings.weight", {cfg.max_position_embeddings, h},
                                       Init::Normal, std, true);
+    sequence_parallel({position_embeddings_});  // added after the sequence split
+  }
   // Every layer has a slot (indexed by its global number); only this stage's are built.
   attn_norm_.resize(static_cast<size_t>(cfg.num_layers));
   mlp_norm_.resize(static_cast<size_t>(cfg.num_layers));
@@ -34,17 +54,22 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
     const size_t li = static_cast<size_t>(i);
     const std::string p = "decoder.layers." + std::to_string(i);
     attn_norm_[li] = Norm(store, p + ".input_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
-    attention_[li] = AttentionBlock(store, p + ".self_attention", cfg);
+    attention_[li] = AttentionBlock(store, p + ".self_attention", cfg, dense_);
     mlp_norm_[li] = Norm(store, p + ".pre_mlp_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
+    sequence_parallel({attn_norm_[li].weight, attn_norm_[li].bias, mlp_norm_[li].weight, mlp_norm_[li].bias});
     if (cfg.is_moe(i)) {
-      moe_[li] = MoeLayer(store, p + ".mlp", cfg, par);
+      MC_CHECK(tp == 1 || dense_.sp(), "MoE layers with --tensor-model-parallel-size ", tp,
+               " need --sequence-parallel (as in Megatron-Core)");
+      moe_[li] = MoeLayer(store, p + ".mlp", cfg, moe_par);
     } else {
-      mlp_[li] = Mlp(store, p + ".mlp", h, cfg.ffn_hidden_size, cfg.swiglu, cfg.add_bias_linear, std, out_std);
+      mlp_[li] = Mlp(store, p + ".mlp", h, cfg.ffn_hidden_size, cfg.swiglu, cfg.add_bias_linear, std, out_std, dense_);
     }
   }
   if (stage_.has_head) {
     final_norm_ = Norm(store, "decoder.final_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
-    head_ = Linear(store, "output_layer", h, cfg.vocab_size, false, std, cfg.untie_embeddings ? nullptr : word_embeddings_);
+    sequence_parallel({final_norm_.weight, final_norm_.bias});
+    head_ = Linear(store, "output_layer", h, cfg.vocab_size, false, std, cfg.untie_embeddings ? nullptr : word_embeddings_,
+                   vocab_split);
   }
 }
 
@@ -62,20 +87,36 @@ std::vector<int64_t> GPTModel::moe_layer_numbers() const {
   return out;
 }
 
+std::vector<int32_t> GPTModel::local_positions(int64_t batch, int64_t cp_seq) const {
+  const int64_t cp = dense_.cp_size(), c = cp_seq / 2;
+  const int64_t tp = dense_.sp() ? dense_.tp_size() : 1, local = cp_seq / tp, first = dense_.sp() ? dense_.tp_rank() * local : 0;
+  std::vector<int32_t> pos;
+  pos.reserve(static_cast<size_t>(batch * local));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = first; j < first + local; ++j)
+      pos.push_back(static_cast<int32_t>(cp > 1 ? cp_chunk_start(c, cp, dense_.cp_rank(), j < c ? 0 : 1) + j % c : j));
+  return pos;
+}
+
 Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
   MC_CHECK(tokens.ndim() == 2 && tokens.dtype() == DType::I32, "model input must be [batch, seq] i32, got ",
            tokens.describe());
   const int64_t batch = tokens.size(0), seq = tokens.size(1), n = batch * seq;
-  MC_CHECK(seq <= cfg_.max_position_embeddings, "sequence of ", seq, " tokens exceeds --max-position-embeddings ",
-           cfg_.max_position_embeddings);
+  MC_CHECK(seq * dense_.cp_size() <= cfg_.max_position_embeddings, "sequence of ", seq * dense_.cp_size(),
+           " tokens exceeds --max-position-embeddings ", cfg_.max_position_embeddings);
   ctx.batch = batch;
   ctx.token_ids = tokens.view({n});
   Tensor x = Tensor::empty({n, cfg_.hidden_size}, compute_, tokens.device());
-  ops::embedding_forward(word_embeddings_->weight, ctx.token_ids, x);
+  if (dense_.tp) {
+    // This rank's vocabulary rows (zeros for the other tokens), summed over TP by the exit region.
+    ops::embedding_forward(word_embeddings_->weight, ctx.token_ids, x, vocab_start_, cfg_.vocab_size);
+    x = dense_.exit_forward(x, batch);
+  } else {
+    ops::embedding_forward(word_embeddings_->weight, ctx.token_ids, x);
+  }
   if (position_embeddings_) {
-    std::vector<int32_t> pos(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(i % seq);
-    ctx.position_ids = Tensor::from_vector(pos, {n}, tokens.device());
+    const std::vector<int32_t> pos = local_positions(batch, seq);
+    ctx.position_ids = Tensor::from_vector(pos, {static_cast<int64_t>(pos.size())}, tokens.device());
     Tensor p = Tensor::empty(x.shape(), compute_, tokens.device());
     ops::embedding_forward(position_embeddings_->weight, ctx.position_ids, p);
     add_into(x, p);
@@ -94,10 +135,38 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
     if (cfg_.is_moe(i)) {
       h = add_tensors(h, moe_[li].forward(normed, ctx.batch, training, rng_seed + 0x9E3779B97F4A7C15ull * (li + 1), lc.moe));
     } else {
-      h = add_tensors(h, mlp_[li].forward(normed, lc.mlp));
+      h = add_tensors(h, mlp_[li].forward(normed, lc.mlp, ctx.batch));
     }
   }
   return stage_.has_head ? final_norm_.forward(h, ctx.final_norm) : h;
+}
+
+double GPTModel::head_forward(const Tensor& h, Ctx& ctx) {
+  const Tensor x = dense_.enter_forward(h, ctx.batch);  // every token of the (CP-local) sequences
+  const int64_t n = x.size(0);
+  ctx.logits = head_.forward(x, ctx.head);
+  const DType stat = compute_ == DType::F64 ? DType::F64 : DType::F32;
+  const Device dev = h.device();
+  Tensor loss = Tensor::empty({n}, stat, dev);
+  ctx.lse = Tensor::empty({n}, stat, dev);
+  if (!dense_.tp) {
+    ops::cross_entropy_forward(ctx.logits, ctx.labels, loss, ctx.lse);
+  } else {
+    // Vocabulary-parallel: each rank's logsumexp and target logit, combined over TP.
+    comm::Communicator& tp = *dense_.tp;
+    Tensor lse_part = Tensor::empty({n}, stat, dev), target_logit = Tensor::empty({n}, stat, dev);
+    ops::cross_entropy_part_forward(ctx.logits, ctx.labels, vocab_start_, cfg_.vocab_size, lse_part, target_logit);
+    Tensor parts = Tensor::empty({tp.size() * n}, stat, dev);
+    tp.all_gather(lse_part, parts);
+    tp.all_reduce(target_logit, comm::ReduceOp::Sum);
+    ops::logsumexp_combine(parts.view({tp.size(), n}), ctx.lse);
+    ops::cross_entropy_combined_loss(ctx.lse, target_logit, ctx.labels, loss);
+  }
+  ctx.num_labels = 0;
+  for (int32_t l : ctx.labels.to_vector<int32_t>()) ctx.num_labels += l >= 0 ? 1 : 0;
+  Tensor total = Tensor::empty({1}, stat, dev);
+  ops::sum_all(loss, total);
+  return stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
 }
 
 double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed, Ctx& ctx,
@@ -108,9 +177,10 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
   if (stage_.has_embedding) {
     input = embed(tokens, ctx);
   } else {
-    MC_CHECK(hidden_in.defined() && hidden_in.ndim() == 2 && hidden_in.size(0) == tokens.numel() &&
+    const int64_t rows = hidden_rows(tokens);
+    MC_CHECK(hidden_in.defined() && hidden_in.ndim() == 2 && hidden_in.size(0) == rows &&
                  hidden_in.size(1) == cfg_.hidden_size,
-             "pipeline stage input must be [", tokens.numel(), ", ", cfg_.hidden_size, "], got ",
+             "pipeline stage input must be [", rows, ", ", cfg_.hidden_size, "], got ",
              hidden_in.defined() ? hidden_in.describe() : std::string("nothing"));
     ctx.batch = tokens.size(0);
     input = hidden_in;
@@ -120,32 +190,37 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
     ctx.hidden_out = h;
     return 0.0;
   }
-  const int64_t n = h.size(0);
-  ctx.labels = labels.view({n});
-  ctx.logits = head_.forward(h, ctx.head);
-  const DType stat = compute_ == DType::F64 ? DType::F64 : DType::F32;
-  Tensor loss = Tensor::empty({n}, stat, h.device());
-  ctx.lse = Tensor::empty({n}, stat, h.device());
-  ops::cross_entropy_forward(ctx.logits, ctx.labels, loss, ctx.lse);
-  ctx.num_labels = 0;
-  for (int32_t l : ctx.labels.to_vector<int32_t>()) ctx.num_labels += l >= 0 ? 1 : 0;
-  Tensor total = Tensor::empty({1}, stat, h.device());
-  ops::sum_all(loss, total);
-  const double sum = stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
+  ctx.labels = labels.view({labels.numel()});
+  double sum = head_forward(h, ctx);
+  if (dense_.cp) {  // the whole sequences' loss: sums and label counts of every chunk
+    std::vector<double> v = {sum, static_cast<double>(ctx.num_labels)};
+    comm::all_reduce_host(*dense_.cp, v);
+    sum = v[0];
+    ctx.num_labels = static_cast<int64_t>(v[1] + 0.5);
+  }
   return ctx.num_labels > 0 ? sum / static_cast<double>(ctx.num_labels) : 0.0;
+}
+
+Tensor GPTModel::head_backward(double grad_scale, Ctx& ctx) {
+  MC_CHECK(ctx.logits.defined(), "GPTModel::backward without a forward");
+  const int64_t n = ctx.logits.size(0);
+  Tensor dloss = Tensor::empty({n}, ctx.lse.dtype(), ctx.logits.device());
+  ops::fill(dloss, ctx.num_labels > 0 ? grad_scale / static_cast<double>(ctx.num_labels) : 0.0);
+  if (dense_.tp) {  // in place; the one-hot only where the target is in this rank's rows
+    ops::cross_entropy_backward(ctx.logits, ctx.labels, ctx.lse, dloss, ctx.logits, vocab_start_, cfg_.vocab_size);
+  } else {
+    ops::cross_entropy_backward(ctx.logits, ctx.labels, ctx.lse, dloss, ctx.logits);
+  }
+  const Tensor dx = dense_.enter_backward(head_.backward(ctx.logits, ctx.head), ctx.batch);
+  ctx.logits = ctx.lse = Tensor();
+  return final_norm_.backward(dx, ctx.final_norm);
 }
 
 Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done,
                           const Tensor& d_hidden_out) {
   Tensor dh;
   if (stage_.has_head) {
-    MC_CHECK(ctx.logits.defined(), "GPTModel::backward without a forward");
-    const int64_t n = ctx.logits.size(0);
-    Tensor dloss = Tensor::empty({n}, ctx.lse.dtype(), ctx.logits.device());
-    ops::fill(dloss, ctx.num_labels > 0 ? grad_scale / static_cast<double>(ctx.num_labels) : 0.0);
-    ops::cross_entropy_backward(ctx.logits, ctx.labels, ctx.lse, dloss, ctx.logits);  // in place
-    dh = final_norm_.backward(head_.backward(ctx.logits, ctx.head), ctx.final_norm);
-    ctx.logits = ctx.lse = Tensor();
+    dh = head_backward(grad_scale, ctx);
   } else {
     MC_CHECK(ctx.hidden_out.defined() && d_hidden_out.defined() && d_hidden_out.shape() == ctx.hidden_out.shape(),
              "pipeline stage backward needs the gradient of its output ", ctx.hidden_out.describe());
@@ -162,8 +237,13 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
   }
   Tensor d_input;
   if (stage_.has_embedding) {
-    ops::embedding_backward(ctx.token_ids, dh, word_embeddings_->grad);
     if (position_embeddings_) ops::embedding_backward(ctx.position_ids, dh, position_embeddings_->grad);
+    if (dense_.tp) {
+      ops::embedding_backward(ctx.token_ids, dense_.exit_backward(dh, ctx.batch), word_embeddings_->grad, vocab_start_,
+                              cfg_.vocab_size);
+    } else {
+      ops::embedding_backward(ctx.token_ids, dh, word_embeddings_->grad);
+    }
   } else {
     d_input = dh;
   }
@@ -172,8 +252,9 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
 }
 
 Tensor GPTModel::logits(const Tensor& tokens) {
-  MC_CHECK(stage_.has_embedding && stage_.has_head && stage_.first_layer == 0 && stage_.end_layer == cfg_.num_layers,
-           "GPTModel::logits needs the whole model (one pipeline stage)");
+  MC_CHECK(stage_.has_embedding && stage_.has_head && stage_.first_layer == 0 && stage_.end_layer == cfg_.num_layers &&
+               !dense_.tp && !dense_.cp,
+           "GPTModel::logits needs the whole model (one pipeline stage, no tensor or context parallelism)");
   Ctx ctx;
   Tensor h = decoder_forward(embed(tokens, ctx), false, 0, ctx);
   return head_.forward(h, ctx.head);

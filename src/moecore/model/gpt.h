@@ -27,8 +27,12 @@ struct PipelineStage {
 
 class GPTModel {
  public:
-  // par: the expert-parallel and balancing groups of the MoE layers (default: one rank).
-  GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par = {}, const PipelineStage& stage = {});
+  // par: the expert-parallel and balancing groups of the MoE layers (default: one rank);
+  // dense: tensor, sequence and context parallelism (model/tensor_parallel.h): with TP the
+  // embedding and output layer are split over the vocabulary (Megatron's VocabParallelEmbedding
+  // and vocab-parallel cross-entropy), attention over heads, MLPs over the FFN features.
+  GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par = {}, const PipelineStage& stage = {},
+           const DenseParallel& dense = {});
 
   struct LayerCtx {
     Norm::Ctx attn_norm, mlp_norm;
@@ -37,17 +41,20 @@ class GPTModel {
     MoeLayer::Ctx moe;
   };
   struct Ctx {
-    Tensor token_ids, position_ids, labels;  // [T] i32
+    Tensor token_ids, position_ids, labels;  // [T] i32 (position ids: this rank's tokens after SP)
     int64_t batch = 0, num_labels = 0;
     std::vector<LayerCtx> layers;
     Norm::Ctx final_norm;
     Linear::Ctx head;
-    Tensor logits, lse;  // [T, V], [T]
+    Tensor logits, lse;  // [T, V] (V / TP under TP), [T] (the whole vocabulary's)
     Tensor hidden_out;   // a stage without the head: its output [T, H] for the next stage
   };
 
   // tokens and labels [B, S] i32 on the model's device (labels < 0 are ignored). Returns the mean
   // loss over labelled tokens. Keeps what backward needs in ctx.
+  // Context parallelism: tokens and labels are this rank's chunks [B, S / CP]
+  // (context_parallel_slice); the loss is still the mean over the whole sequences (the sums and
+  // label counts are added over the CP group).
   // Pipeline stages: without the embedding the input is hidden_in [B*S, H] (the previous stage's
   // output; tokens still give the batch shape); without the head the output is ctx.hidden_out
   // and the return value 0.
@@ -60,8 +67,10 @@ class GPTModel {
   // next stage); without the embedding the gradient of hidden_in is returned (else undefined).
   Tensor backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done = {},
                   const Tensor& d_hidden_out = Tensor());
-  // Logits [B*S, V] in the compute dtype, no loss (generation).
+  // Logits [B*S, V] in the compute dtype, no loss (generation; one rank).
   Tensor logits(const Tensor& tokens);
+  // Rows of the hidden states passed between pipeline stages for these (CP-local) tokens.
+  int64_t hidden_rows(const Tensor& tokens) const { return dense_.local_tokens(tokens.numel()); }
 
   std::vector<MoeLayer*> moe_layers();
   std::vector<int64_t> moe_layer_numbers() const;  // decoder layer index of each moe_layers() entry
@@ -72,9 +81,17 @@ class GPTModel {
  private:
   Tensor embed(const Tensor& tokens, Ctx& ctx);
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
+  // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
+  // (CP-local) tokens; ctx.num_labels counts them.
+  double head_forward(const Tensor& h, Ctx& ctx);
+  Tensor head_backward(double grad_scale, Ctx& ctx);
+  // The global positions of this rank's tokens after the CP and SP splits, [T_local].
+  std::vector<int32_t> local_positions(int64_t batch, int64_t cp_seq) const;
 
   ModelConfig cfg_;
   PipelineStage stage_;
+  DenseParallel dense_;
+  int64_t vocab_start_ = 0;  // this rank's first vocabulary row (TP)
   Param* word_embeddings_ = nullptr;
   Param* position_embeddings_ = nullptr;
   std::vector<Norm> attn_norm_, mlp_norm_;

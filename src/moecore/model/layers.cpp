@@ -17,11 +17,38 @@ Tensor add_tensors(const Tensor& a, const Tensor& b) {
 void add_into(Tensor& a, const Tensor& b) { ops::add(a, b, a); }
 
 // ---- Linear ---------------------------------------------------------------------------
-Linear::Linear(ParamStore& store, const std::string& name, int64_t in_, int64_t out_, bool with_bias, double std,
-               Param* shared_weight)
-    : in(in_), out(out_) {
-  weight = shared_weight ? shared_weight : &store.add(name + ".weight", {out, in}, Init::Normal, std, true);
-  if (with_bias) bias = &store.add(name + ".bias", {out}, Init::Zeros, 0.0, false);
+Linear::Linear(ParamStore& store, const std::string& name, int64_t in_full, int64_t out_full, bool with_bias,
+               double std, Param* shared_weight, const LinearSplit& split)
+    : in(in_full), out(out_full) {
+  const int64_t n = split.kind == LinearSplit::None ? 1 : split.size;
+  MC_CHECK(split.kind != LinearSplit::Column || out_full % (n * (split.glu ? 2 : 1)) == 0, "'", name, "': ", out_full,
+           " output features do not split over --tensor-model-parallel-size ", n);
+  MC_CHECK(split.kind != LinearSplit::Row || in_full % n == 0, "'", name, "': ", in_full,
+           " input features do not split over --tensor-model-parallel-size ", n);
+  if (split.kind == LinearSplit::Column) out = out_full / n;
+  if (split.kind == LinearSplit::Row) in = in_full / n;
+  auto mark = [&](Param& p, int64_t dim) {
+    p.part_size = n;
+    p.part_rank = split.rank;
+    p.part_dim = dim;
+    p.part_glu = split.glu;
+  };
+  if (shared_weight) {
+    MC_CHECK(shared_weight->shape == Shape({out, in}), "'", name, "': the shared weight '", shared_weight->name, "' is ",
+             shape_str(shared_weight->shape), ", expected ", shape_str({out, in}));
+    weight = shared_weight;
+  } else {
+    weight = &store.add(name + ".weight", {out, in}, Init::Normal, std, true);
+    if (n > 1) mark(*weight, split.kind == LinearSplit::Column ? 0 : 1);
+  }
+  if (with_bias) {
+    bias = &store.add(name + ".bias", {out}, Init::Zeros, 0.0, false);
+    if (n > 1 && split.kind == LinearSplit::Column) mark(*bias, 0);
+    if (n > 1 && split.kind == LinearSplit::Row) {
+      adds_bias = split.rank == 0;
+      bias->tp_partial_grad = true;
+    }
+  }
 }
 
 Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {
@@ -29,7 +56,7 @@ Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {
   const Tensor x2 = x.view({rows, in});
   Tensor y = Tensor::empty({rows, out}, x.dtype(), x.device());
   ops::gemm(x2, weight->weight, y, false, true);
-  if (bias) {
+  if (bias && adds_bias) {
     // y += ones [rows, 1] @ b [1, out]: the bias broadcast as a rank-1 GEMM.
     Tensor ones = Tensor::empty({rows, 1}, x.dtype(), x.device());
     ops::fill(ones, 1.0);
@@ -44,7 +71,7 @@ Tensor Linear::backward(const Tensor& dy, Ctx& ctx) const {
   const Tensor dy2 = dy.view({rows, out});
   // dW += dy^T x (accumulated in the master dtype)
   ops::gemm(dy2, ctx.x, weight->grad, true, false, 1.0f, 1.0f);
-  if (bias) {
+  if (bias && adds_bias) {
     Tensor db = Tensor::empty({out}, bias->grad.dtype(), dy.device());
     ops::sum_leading_dims(dy2, db);
     add_into(bias->grad, db);
@@ -90,14 +117,18 @@ Tensor Norm::backward(const Tensor& dy, Ctx& ctx) const {
 
 // ---- Mlp ------------------------------------------------------------------------------
 Mlp::Mlp(ParamStore& store, const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu_, bool bias,
-         double std, double out_std)
-    : swiglu(swiglu_) {
-  fc1 = Linear(store, prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, std);
-  fc2 = Linear(store, prefix + ".linear_fc2", ffn, hidden, bias, out_std);
+         double std, double out_std, const DenseParallel& par_)
+    : swiglu(swiglu_), par(par_) {
+  const int64_t n = par.tp_size(), r = par.tp_rank();
+  const LinearSplit column{n > 1 ? LinearSplit::Column : LinearSplit::None, n, r, swiglu};
+  const LinearSplit row{n > 1 ? LinearSplit::Row : LinearSplit::None, n, r, false};
+  fc1 = Linear(store, prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, std, nullptr, column);
+  fc2 = Linear(store, prefix + ".linear_fc2", ffn, hidden, bias, out_std, nullptr, row);
 }
 
-Tensor Mlp::forward(const Tensor& x, Ctx& ctx) const {
-  ctx.fc1_out = fc1.forward(x, ctx.fc1);
+Tensor Mlp::forward(const Tensor& x, Ctx& ctx, int64_t batch) const {
+  ctx.batch = batch;
+  ctx.fc1_out = fc1.forward(par.enter_forward(x, batch), ctx.fc1);
   const int64_t rows = ctx.fc1_out.size(0);
   Tensor act = Tensor::empty({rows, fc2.in}, x.dtype(), x.device());
   if (swiglu) {
@@ -105,11 +136,11 @@ Tensor Mlp::forward(const Tensor& x, Ctx& ctx) const {
   } else {
     ops::gelu_forward(ctx.fc1_out, act);
   }
-  return fc2.forward(act, ctx.fc2);
+  return par.exit_forward(fc2.forward(act, ctx.fc2), batch);
 }
 
 Tensor Mlp::backward(const Tensor& dy, Ctx& ctx) const {
-  Tensor dact = fc2.backward(dy, ctx.fc2);
+  Tensor dact = fc2.backward(par.exit_backward(dy, ctx.batch), ctx.fc2);
   Tensor dh = Tensor::empty(ctx.fc1_out.shape(), dy.dtype(), dy.device());
   if (swiglu) {
     ops::swiglu_backward(ctx.fc1_out, dact, dh);
@@ -117,7 +148,7 @@ Tensor Mlp::backward(const Tensor& dy, Ctx& ctx) const {
     ops::gelu_backward(ctx.fc1_out, dact, dh);
   }
   ctx.fc1_out = Tensor();
-  return fc1.backward(dh, ctx.fc1);
+  return par.enter_backward(fc1.backward(dh, ctx.fc1), ctx.batch);
 }
 
 }  // namespace moecore

@@ -11,15 +11,31 @@
 
 #include "moecore/model/config.h"
 #include "moecore/model/params.h"
+#include "moecore/model/tensor_parallel.h"
 
 namespace moecore {
 
-// y = x W^T (+ b); W [out, in].
+// Tensor-parallel split of a Linear (Megatron's ColumnParallelLinear / RowParallelLinear):
+//   Column  W [out/n, in]: this rank's output features (glu: of each GLU half); the bias split
+//           alike. The input is the whole x (DenseParallel::enter_* around it).
+//   Row     W [out, in/n]: this rank's input features; the output is a partial sum over the
+//           group (DenseParallel::exit_*). The bias is replicated and added on rank 0 only, so
+//           the sum holds it once; its gradient is marked tp_partial_grad (rank 0's, summed).
+struct LinearSplit {
+  enum Kind { None, Column, Row };
+  Kind kind = None;
+  int64_t size = 1, rank = 0;
+  bool glu = false;
+};
+
+// y = x W^T (+ b); W [out, in] (this rank's part under a split: in and out are the local sizes).
 class Linear {
  public:
   Linear() = default;
-  Linear(ParamStore& store, const std::string& name, int64_t in, int64_t out, bool bias, double std,
-         Param* shared_weight = nullptr);
+  // in_full, out_full: the whole layer's sizes. shared_weight: a parameter to reuse as W (tied
+  // output layer; already split like this layer).
+  Linear(ParamStore& store, const std::string& name, int64_t in_full, int64_t out_full, bool bias, double std,
+         Param* shared_weight = nullptr, const LinearSplit& split = {});
   struct Ctx {
     Tensor x;  // the input (for dW)
   };
@@ -28,6 +44,7 @@ class Linear {
   Param* weight = nullptr;
   Param* bias = nullptr;
   int64_t in = 0, out = 0;
+  bool adds_bias = true;  // false on ranks > 0 of a row-parallel split
 };
 
 // RMSNorm or LayerNorm over the last dimension.
@@ -46,20 +63,24 @@ class Norm {
   double eps = 1e-5;
 };
 
-// fc1 -> SwiGLU (fc1 width 2F: [gate | up]) or GELU -> fc2.
+// fc1 -> SwiGLU (fc1 width 2F: [gate | up]) or GELU -> fc2. With tensor parallelism fc1 is
+// column-parallel and fc2 row-parallel (each rank F / TP features), inside enter/exit regions.
 class Mlp {
  public:
   Mlp() = default;
   Mlp(ParamStore& store, const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
-      double std, double out_std);
+      double std, double out_std, const DenseParallel& par = {});
   struct Ctx {
     Linear::Ctx fc1, fc2;
     Tensor fc1_out;  // "mlp" pre-activation, for the activation backward
+    int64_t batch = 1;
   };
-  Tensor forward(const Tensor& x, Ctx& ctx) const;
+  // batch: sequences in x (sequence-parallel gathers keep each sequence's order).
+  Tensor forward(const Tensor& x, Ctx& ctx, int64_t batch = 1) const;
   Tensor backward(const Tensor& dy, Ctx& ctx) const;
   Linear fc1, fc2;
   bool swiglu = true;
+  DenseParallel par;
 };
 
 // y = a + b (new tensor); used for residual connections.

@@ -35,29 +35,42 @@ Param& ParamStore::add(const std::string& name, const Shape& shape, Init init, d
 Shape Param::full_shape() const {
   Shape s = shape;
   s[0] = full_rows;
-  if (etp_size > 1) s[static_cast<size_t>(etp_dim)] *= etp_size;
+  if (part_size > 1) s[static_cast<size_t>(part_dim)] *= part_size;
   return s;
 }
 
 namespace {
-// The full index along the split dimension of local index i of part r.
-int64_t etp_full_index(const Param& p, int64_t i, int64_t local_n) {
-  if (!p.etp_glu) return p.etp_rank * local_n + i;
-  const int64_t half = local_n / 2, full_half = half * p.etp_size;
-  return i < half ? p.etp_rank * half + i : full_half + p.etp_rank * half + (i - half);
+// A part viewed as [L, N, K] with the split along dimension 1 (rows) or 2 (columns) of that view:
+// experts [E, N, K] as they are, dense [N, K] as [1, N, K], dense [N] as [1, N, 1].
+struct PartView {
+  Shape shape3;  // of the part
+  int64_t dim3 = 1;
+};
+PartView part_view(const Param& p) {
+  const Shape& s = p.shape;
+  if (s.size() == 3) return {s, p.part_dim};
+  if (s.size() == 2) return {{1, s[0], s[1]}, p.part_dim + 1};
+  return {{1, s[0], 1}, 1};
 }
 
-// Copies between a part [L, N, K] and the full [L, N_full, K_full] on the host; to_full picks
-// the direction. Elements are moved as bytes (any dtype).
-void etp_copy(const Param& p, Tensor& part, Tensor& full, bool to_full) {
+// The full index along the split dimension of local index i of part r.
+int64_t part_full_index(const Param& p, int64_t i, int64_t local_n) {
+  if (!p.part_glu) return p.part_rank * local_n + i;
+  const int64_t half = local_n / 2, full_half = half * p.part_size;
+  return i < half ? p.part_rank * half + i : full_half + p.part_rank * half + (i - half);
+}
+
+// Copies between a part [L, N, K] and the full [L, N_full, K_full] (3-D views) on the host; to_full
+// picks the direction. Elements are moved as bytes (any dtype).
+void part_copy(const Param& p, int64_t dim3, Tensor& part, Tensor& full, bool to_full) {
   const int64_t l = part.size(0), n = part.size(1), k = part.size(2), fn = full.size(1), fk = full.size(2);
   const size_t es = dtype_size(part.dtype());
   auto* pp = static_cast<uint8_t*>(part.data_ptr());
   auto* fp = static_cast<uint8_t*>(full.data_ptr());
   for (int64_t e = 0; e < l; ++e)
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t fi = p.etp_dim == 1 ? etp_full_index(p, i, n) : i;
-      const int64_t fc0 = p.etp_dim == 2 ? p.etp_rank * k : 0;
+      const int64_t fi = dim3 == 1 ? part_full_index(p, i, n) : i;
+      const int64_t fc0 = dim3 == 2 ? p.part_rank * k : 0;
       uint8_t* a = pp + ((e * n + i) * k) * es;
       uint8_t* b = fp + ((e * fn + fi) * fk + fc0) * es;
       if (to_full) {
@@ -67,50 +80,61 @@ void etp_copy(const Param& p, Tensor& part, Tensor& full, bool to_full) {
       }
     }
 }
+
+Shape whole_local(const Param& p) {  // p's shape with the split dimension whole
+  Shape s = p.shape;
+  s[static_cast<size_t>(p.part_dim)] *= p.part_size;
+  return s;
+}
 }  // namespace
 
-Tensor etp_take(const Param& p, const Tensor& t) {
-  MC_CHECK(t.ndim() == 3 && t.size(0) == p.shape[0], "etp_take: '", p.name, "' expects [", p.shape[0],
-           ", N, K], got ", t.describe());
-  Tensor full = t.to(Device::cpu()).contiguous();
-  Tensor part = Tensor::empty(p.shape, t.dtype(), Device::cpu());
-  etp_copy(p, part, full, false);
-  return part;
+Tensor part_take(const Param& p, const Tensor& t) {
+  MC_CHECK(t.shape() == whole_local(p), "part_take: '", p.name, "' expects ", shape_str(whole_local(p)), ", got ",
+           t.describe());
+  const PartView v = part_view(p);
+  Shape full3 = v.shape3;
+  full3[static_cast<size_t>(v.dim3)] *= p.part_size;
+  Tensor full = t.to(Device::cpu()).contiguous().view(full3);
+  Tensor part = Tensor::empty(v.shape3, t.dtype(), Device::cpu());
+  part_copy(p, v.dim3, part, full, false);
+  return part.view(p.shape);
 }
 
-Tensor etp_assemble(const Param& p, const Tensor& parts) {
-  MC_CHECK(parts.ndim() == 3 && parts.size(0) == p.shape[0] * p.etp_size, "etp_assemble: '", p.name, "' expects [",
-           p.shape[0] * p.etp_size, ", N, K], got ", parts.describe());
+Tensor part_assemble(const Param& p, const Tensor& parts) {
+  MC_CHECK(parts.numel() == shape_numel(p.shape) * p.part_size, "part_assemble: '", p.name, "' expects ", p.part_size,
+           " parts of ", shape_str(p.shape), ", got ", parts.describe());
   const Tensor host = parts.to(Device::cpu()).contiguous();
-  Shape fs = p.shape;
-  fs[static_cast<size_t>(p.etp_dim)] *= p.etp_size;
-  Tensor full = Tensor::empty(fs, parts.dtype(), Device::cpu());
+  const PartView v = part_view(p);
+  Shape full3 = v.shape3;
+  full3[static_cast<size_t>(v.dim3)] *= p.part_size;
+  Tensor full = Tensor::empty(full3, parts.dtype(), Device::cpu());
+  const int64_t per_part = shape_numel(p.shape);
   Param q = p;  // walk the parts, each with its own rank
-  for (int64_t r = 0; r < p.etp_size; ++r) {
-    q.etp_rank = r;
-    Tensor part = host.slice(0, r * p.shape[0], (r + 1) * p.shape[0]).contiguous();
-    etp_copy(q, part, full, true);
+  for (int64_t r = 0; r < p.part_size; ++r) {
+    q.part_rank = r;
+    Tensor part = host.view({parts.numel()}).slice(0, r * per_part, (r + 1) * per_part).contiguous().view(v.shape3);
+    part_copy(q, v.dim3, part, full, true);
   }
-  return full;
+  return full.view(whole_local(p));
 }
 
 Param& ParamStore::add_expert(const std::string& name, const Shape& local_shape, int64_t full_rows,
-                              int64_t row_offset, double std, int64_t etp_size, int64_t etp_rank, int64_t etp_dim,
-                              bool etp_glu) {
+                              int64_t row_offset, double std, int64_t part_size, int64_t part_rank, int64_t part_dim,
+                              bool part_glu) {
   MC_CHECK(row_offset >= 0 && row_offset + local_shape[0] <= full_rows, "expert parameter '", name, "': rows [",
            row_offset, ", ", row_offset + local_shape[0], ") are outside [0, ", full_rows, ")");
-  MC_CHECK(etp_size == 1 || (local_shape.size() == 3 && (etp_dim == 1 || etp_dim == 2) && etp_rank >= 0 &&
-                             etp_rank < etp_size && (!etp_glu || local_shape[1] % 2 == 0)),
-           "expert parameter '", name, "': bad expert-tensor-parallel part ", etp_rank, " of ", etp_size, " along dim ",
-           etp_dim);
+  MC_CHECK(part_size == 1 || (local_shape.size() == 3 && (part_dim == 1 || part_dim == 2) && part_rank >= 0 &&
+                             part_rank < part_size && (!part_glu || local_shape[1] % 2 == 0)),
+           "expert parameter '", name, "': bad expert-tensor-parallel part ", part_rank, " of ", part_size, " along dim ",
+           part_dim);
   Param& p = add(name, local_shape, Init::Normal, std, true);
   p.expert = true;
   p.full_rows = full_rows;
   p.row_offset = row_offset;
-  p.etp_size = etp_size;
-  p.etp_rank = etp_rank;
-  p.etp_dim = etp_dim;
-  p.etp_glu = etp_glu;
+  p.part_size = part_size;
+  p.part_rank = part_rank;
+  p.part_dim = part_dim;
+  p.part_glu = part_glu;
   return p;
 }
 
@@ -168,13 +192,13 @@ void ParamStore::initialize(int64_t dense_shard_multiple, int64_t expert_shard_m
     switch (p->init) {
       case Init::Normal: {
         // Global element index of this rank's first element: any expert layout draws the same values.
-        if (p->etp_size > 1) {  // draw this rank's experts whole, keep this part
-          Shape local_full = p->full_shape();
-          local_full[0] = p->shape[0];
+        if (p->part_size > 1) {  // draw this rank's rows whole (its experts, or all), keep this part
+          Shape local_full = p->shape;
+          local_full[static_cast<size_t>(p->part_dim)] *= p->part_size;
           Tensor full = Tensor::empty(local_full, master_, device_);
-          const int64_t per_expert = full.numel() / p->shape[0];
+          const int64_t per_expert = full.numel() / full.size(0);  // row_offset > 0 only for experts (dim 0 whole)
           ops::fill_normal(full, seed_, rng_key(p->name), 0.0, p->std, p->row_offset * per_expert);
-          p->master.copy_from(etp_take(*p, full).to(device_));
+          p->master.copy_from(part_take(*p, full).to(device_));
           break;
         }
         const int64_t offset = p->shape.empty() ? 0 : p->row_offset * (p->master.numel() / p->shape[0]);

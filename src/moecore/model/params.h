@@ -33,24 +33,32 @@ struct Param {
   // Philox draw and its checkpoint slice use those global rows.
   bool expert = false;
   int64_t row_offset = 0, full_rows = 0;  // full_rows = shape[0] unless sharded
-  // Expert tensor parallelism: part etp_rank of etp_size along dimension etp_dim of each expert
-  // matrix [E, N, K]: etp_dim 1 splits rows (fc1; with etp_glu each of the two GLU halves
-  // [gate; up] is split, so the part is [gate rows of part r; up rows of part r]), etp_dim 2
-  // splits columns (fc2).
-  int64_t etp_size = 1, etp_rank = 0, etp_dim = 0;
-  bool etp_glu = false;
+  // Tensor-parallel part (expert tensor parallelism for experts, tensor parallelism for dense
+  // parameters): this rank holds part part_rank of part_size along dimension part_dim.
+  //   experts [E, N, K]: part_dim 1 splits rows (fc1), 2 columns (fc2), for each expert;
+  //   dense [N, K]: part_dim 0 splits rows (column-parallel weight, vocabulary-parallel
+  //   embedding), 1 columns (row-parallel weight); dense [N]: part_dim 0 (column-parallel bias).
+  // part_glu: the split dimension holds two GLU halves [gate; up], each split, so the part is
+  // [gate rows of part r; up rows of part r] (SwiGLU fc1).
+  int64_t part_size = 1, part_rank = 0, part_dim = 0;
+  bool part_glu = false;
+  // A replicated dense parameter whose gradient is a partial sum on each tensor-parallel rank
+  // (it sees only the rank's sequence-parallel tokens or its attention heads): summed over the
+  // TP group before the data-parallel reduction (Megatron's sequence_parallel attribute).
+  bool tp_partial_grad = false;
   Tensor master, weight, grad, exp_avg, exp_avg_sq;
 
   Shape full_shape() const;
-  bool sharded() const { return full_rows != shape[0] || etp_size > 1; }
+  bool sharded() const { return full_rows != shape[0] || part_size > 1; }
 };
 
-// Expert-tensor-parallel parts (host copies; for initialisation and checkpoints):
-//   etp_take(p, t)      t [L, N_full, K_full] (this rank's experts, every part) -> [L, N, K], p's part
-//   etp_assemble(p, t)  t [etp_size * L, N, K] (every rank's part, rank-major, as all_gather
-//                       returns) -> [L, N_full, K_full]
-Tensor etp_take(const Param& p, const Tensor& t);
-Tensor etp_assemble(const Param& p, const Tensor& parts);
+// Tensor-parallel parts (host copies; for initialisation and checkpoints):
+//   part_take(p, t)      t: p's shape with the split dimension whole (full_rows of experts
+//                        not included: this rank's experts) -> p's part
+//   part_assemble(p, t)  t: every rank's part stacked along dimension 0 (rank-major, as
+//                        all_gather returns them) -> the tensor with the split dimension whole
+Tensor part_take(const Param& p, const Tensor& t);
+Tensor part_assemble(const Param& p, const Tensor& parts);
 
 class ParamStore {
  public:
@@ -62,7 +70,7 @@ class ParamStore {
   Param& add_buffer(const std::string& name, const Shape& shape);
   // An expert parameter: the rows [row_offset, row_offset + shape[0]) of a [full_rows, ...] tensor.
   Param& add_expert(const std::string& name, const Shape& local_shape, int64_t full_rows, int64_t row_offset,
-                    double std, int64_t etp_size = 1, int64_t etp_rank = 0, int64_t etp_dim = 0, bool etp_glu = false);
+                    double std, int64_t part_size = 1, int64_t part_rank = 0, int64_t part_dim = 0, bool part_glu = false);
   Param& get(const std::string& name);
   const std::vector<std::unique_ptr<Param>>& all() const { return params_; }
 

@@ -52,9 +52,15 @@ MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConf
                            etp_rank, 1, swiglu_);
   fc2_ = &store.add_expert(prefix + ".experts.linear_fc2.weight", {local, h, fl}, e, first, out_std, etp, etp_rank, 2);
   if (moe_.shared_expert_size > 0) {
-    shared_ = Mlp(store, prefix + ".shared_experts", h, moe_.shared_expert_size, swiglu_, false, std, out_std);
+    shared_ = Mlp(store, prefix + ".shared_experts", h, moe_.shared_expert_size, swiglu_, false, std, out_std, par.dense);
     if (moe_.shared_expert_gate) shared_gate_ = Linear(store, prefix + ".shared_experts.gate", h, 1, false, std);
   }
+  // Sequence parallelism: the router (and the shared-expert gate) see this rank's tokens only.
+  if (par.dense.sp()) {
+    gate_weight_->tp_partial_grad = true;
+    if (shared_gate_.weight) shared_gate_.weight->tp_partial_grad = true;
+  }
+  token_ranks_ = par.token_group ? par.token_group->size() : 1;
   stats_.tokens_per_expert.assign(static_cast<size_t>(e), 0.0);
 }
 
@@ -89,6 +95,13 @@ Tensor MoeLayer::balancing_counts(const Tensor& aux_scores, int64_t batch, bool 
   const int64_t groups = moe_.load_balancing == LoadBalancing::SeqAuxLoss ? batch : 1;
   Tensor counts = Tensor::empty({groups, e}, cdt, aux_scores.device());
   ops::topk_counts(aux_scores, k, groups, counts);
+  // Counts of every part of the sequences (TP x CP); the loss op's token count is this rank's,
+  // N times too small, so the counts carry 1 / N^2: the op then gives this rank's share of the
+  // whole-sequence loss (L = coeff E / (k T^2) sum_e P_e c_e with T = N T_local).
+  if (par_.token_group) {
+    par_.token_group->all_reduce(counts, comm::ReduceOp::Sum);
+    ops::axpby(1.0f / static_cast<float>(token_ranks_ * token_ranks_), counts, 0.0f, counts, counts);
+  }
   if (moe_.load_balancing != LoadBalancing::GlobalAuxLoss || !training) return counts;
   // Megatron sums the counts over TP x DP x CP and divides the loss by the global token count;
   // averaging the counts over the group and keeping the local count is the same loss.
@@ -138,7 +151,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
     }
     if (moe_.z_loss_coeff > 0) {
       Tensor loss = Tensor::empty({1}, router_dtype_, dev);
-      ops::z_loss_forward(ctx.logits, moe_.z_loss_coeff, loss);
+      ops::z_loss_forward(ctx.logits, z_loss_coeff(), loss);
       stats_.z_loss += read_scalar(loss) / moe_.z_loss_coeff;
     }
   }
@@ -179,7 +192,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   Tensor out = dispatcher_.combine(ctx.expert_out, ctx.combine_probs, ctx.dispatch);
 
   if (moe_.shared_expert_size > 0) {
-    ctx.shared_out = shared_.forward(x, ctx.shared);
+    ctx.shared_out = shared_.forward(x, ctx.shared, batch);
     if (moe_.shared_expert_gate) {
       // out += sigmoid(x w_gate) * shared: the per-token scale is a combine with one "expert"
       // and the gate as its probability.
@@ -243,7 +256,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
       ops::switch_aux_loss_backward(ctx.aux_counts, k, moe_.aux_loss_coeff, loss_grad_scale, tokens, daux);
       ops::aux_scores_backward(ctx.logits, moe_.router.score, daux, dlogits);
     }
-    if (moe_.z_loss_coeff > 0) ops::z_loss_backward(ctx.logits, moe_.z_loss_coeff, loss_grad_scale, dlogits);
+    if (moe_.z_loss_coeff > 0) ops::z_loss_backward(ctx.logits, z_loss_coeff(), loss_grad_scale, dlogits);
     if (gate_weight_->grad.dtype() == router_dtype_) {
       ops::gemm(dlogits, ctx.router_in, gate_weight_->grad, true, false, 1.0f, 1.0f);
     } else {  // fp64 router with fp32 master weights

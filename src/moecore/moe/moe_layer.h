@@ -26,7 +26,13 @@
 namespace moecore {
 
 // The process groups an MoE layer talks over (null: one rank).
+// token_group (TP x CP): the ranks that share each sequence (sequence and context parallelism
+// give each a part of its tokens). Balancing-loss counts are summed over it and the losses use
+// its total token count, so they equal the single-rank losses; each rank's loss value (and
+// gradient) is its share: its tokens' terms, summed over the group by the trainer for the log.
 struct MoeParallel {
+  comm::Communicator* token_group = nullptr;
+  DenseParallel dense;                      // the shared expert's tensor parallelism
   comm::Communicator* ep = nullptr;         // expert-parallel group (this rank holds E / |ep| experts)
   comm::Communicator* etp = nullptr;        // expert-tensor-parallel group (a 1 / |etp| slice of each FFN)
   comm::Communicator* tp_ep = nullptr;      // the ETP x EP group (allgather dispatcher with ETP)
@@ -75,6 +81,8 @@ class MoeLayer {
  private:
   Tensor router_logits(const Tensor& x, bool training, uint64_t rng_seed, Ctx& ctx) const;
   Tensor balancing_counts(const Tensor& aux_scores, int64_t batch, bool training);
+  // z-loss = coeff * mean over the sequences' tokens: this rank's share uses coeff / N.
+  double z_loss_coeff() const { return moe_.z_loss_coeff / static_cast<double>(token_ranks_); }
 
   MoeConfig moe_;
   int64_t hidden_ = 0;
@@ -92,6 +100,7 @@ class MoeLayer {
   MoeStepStats stats_;
   Tensor global_counts_;  // global_aux_loss: counts summed over this step's micro-batches [1, E]
   int64_t global_micro_ = 0;
+  int64_t token_ranks_ = 1;  // N = |token_group|
 };
 
 }  // namespace moecore

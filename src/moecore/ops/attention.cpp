@@ -18,15 +18,19 @@ AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, const 
   check_dtype(op, "q", q, {DType::F32, DType::F64, DType::BF16});
   MC_CHECK(!(q.device().is_cuda() && q.dtype() == DType::F64), op, ": f64 is CPU-only");
   MC_CHECK(q.ndim() == 4, op, ": 'q' must be [B, S, Hq, D], got shape ", shape_str(q.shape()));
-  MC_CHECK(k.ndim() == 4, op, ": 'k' must be [B, S, Hkv, D], got shape ", shape_str(k.shape()));
-  const AttentionDims d{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
-  MC_CHECK(d.batch > 0 && d.seq > 0 && d.q_heads > 0 && d.head_dim > 0 && d.kv_heads > 0, op,
+  MC_CHECK(k.ndim() == 4, op, ": 'k' must be [B, Sk, Hkv, D], got shape ", shape_str(k.shape()));
+  const AttentionDims d{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), k.size(1)};
+  MC_CHECK(d.batch > 0 && d.seq > 0 && d.kv_seq > 0 && d.q_heads > 0 && d.head_dim > 0 && d.kv_heads > 0, op,
            ": every dimension must be positive; 'q' has shape ", shape_str(q.shape()), " and 'k' ",
            shape_str(k.shape()));
-  const char* names[] = {"batch size B", "sequence length S", nullptr, "head dim D"};
-  for (int i : {0, 1, 3})
+  const char* names[] = {"batch size B", nullptr, nullptr, "head dim D"};
+  for (int i : {0, 3})
     MC_CHECK(k.size(i) == q.size(i), op, ": ", names[i], " differs: 'q' has shape ", shape_str(q.shape()),
              " but 'k' has shape ", shape_str(k.shape()));
+  // Keys may outnumber queries (the queries are the last Sq positions), never the reverse.
+  MC_CHECK(d.kv_seq >= d.seq, op, ": key/value sequence length Sk = ", d.kv_seq,
+           " must be >= query sequence length Sq = ", d.seq, ": 'q' has shape ", shape_str(q.shape()),
+           " but 'k' has shape ", shape_str(k.shape()));
   MC_CHECK(d.q_heads % d.kv_heads == 0, op, ": query heads Hq = ", d.q_heads,
            " must be a multiple of kv heads Hkv = ", d.kv_heads, " ('q' ", shape_str(q.shape()), ", 'k' ",
            shape_str(k.shape()), ")");

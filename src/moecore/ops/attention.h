@@ -1,17 +1,22 @@
 // Causal scaled-dot-product attention with grouped-query heads (GQA), forward and backward.
 //
 // Shapes (row-major, contiguous):
-//   q, out, dout, dq  [B, S, Hq, D]     k, v, dk, dv  [B, S, Hkv, D]     lse  [B, Hq, S]
-// Hq % Hkv == 0; query head h reads kv head h / (Hq / Hkv) (a group of Hq / Hkv query heads
-// shares one kv head). Causal: query s attends to keys t <= s.
+//   q, out, dout, dq  [B, Sq, Hq, D]     k, v, dk, dv  [B, Sk, Hkv, D]     lse  [B, Hq, Sq]
+// with Sk >= Sq. Hq % Hkv == 0; query head h reads kv head h / (Hq / Hkv) (a group of Hq / Hkv
+// query heads shares one kv head).
+// Causal with bottom-right alignment (flash-attention's): the Sq queries are the LAST Sq
+// positions of the Sk keys, so with o = Sk - Sq query s attends to keys t <= s + o. Sk == Sq
+// is ordinary causal attention (t <= s). Sk > Sq is context parallelism: a rank holds the
+// query chunk at global offset o and the keys [0, o + Sq) gathered from the other ranks.
 //
 // Forward, with c = softmax_scale (callers pass 1 / sqrt(D)):
-//   s_t     = c * q_s . k_t                         for t <= s
-//   lse_s   = log sum_{t<=s} exp(s_t)               (kept for the backward)
-//   out_s   = sum_{t<=s} exp(s_t - lse_s) v_t
-// Backward (flash-attention form; P recomputed from lse, nothing of size S x S is stored):
-//   P  = exp(c Q K^T - lse)   dV = P^T dO   dP = dO V^T   Dr = rowsum(dO * O)
-//   dS = P * (dP - Dr)        dQ = c dS K   dK = c dS^T Q
+//   s_t     = c * q_s . k_t                         for t <= s + o
+//   lse_s   = log sum_{t<=s+o} exp(s_t)             (kept for the backward)
+//   out_s   = sum_{t<=s+o} exp(s_t - lse_s) v_t
+// Backward (flash-attention form; P recomputed from lse, nothing of size Sq x Sk is stored):
+//   P  = exp(c Q K^T - lse) (0 where t > s + o)     dV = P^T dO   dP = dO V^T
+//   Dr = rowsum(dO * O)   dS = P * (dP - Dr)        dQ = c dS K   dK = c dS^T Q
+// Key t gets gradient from the queries s >= t - o (keys t <= o from every query).
 // dk and dv of a kv head sum over the query heads of its group. dq, dk, dv are overwritten.
 //
 // Dtypes: q, k, v, out, dout, dq, dk, dv share one dtype: f32 or bf16 (CPU and CUDA), f64
@@ -20,10 +25,10 @@
 //
 // Backends: the CPU evaluates the formulas row by row (OpenMP over (b, head, s)), any D.
 // CUDA (D in {32, 64, 128}) has two paths, both deterministic (no atomics):
-//   gemm  (default where supported: f32 or bf16, S <= kAttentionGemmMaxSeq) cuBLAS
-//         tensor-core GEMMs per (b, head) over block-lower-triangular causal blocks, with an
-//         fp32 score buffer [B*Hq, S, S] per call (chunked over (b, h) to stay under
-//         MOECORE_ATTENTION_SCORE_MB, default 2048 MiB) and fused row kernels for the masked
+//   gemm  (default where supported: f32 or bf16, Sk <= kAttentionGemmMaxSeq) cuBLAS
+//         tensor-core GEMMs per (b, head) over block-lower-triangular causal blocks (shifted
+//         right by o = Sk - Sq), with an fp32 score buffer [B*Hq, Sq, Sk] per call (chunked
+//         over (b, h) to stay under MOECORE_ATTENTION_SCORE_MB, default 2048 MiB) and fused row kernels for the masked
 //         softmax / lse (forward) and P, dS = P (dP - Dr) (backward; P recomputed from lse).
 //         The forward's P is rounded to the input dtype before P V (bf16 for bf16 inputs);
 //         the backward's P and dS enter their GEMMs as hi + lo bf16 pairs (fp32-accurate
@@ -31,9 +36,9 @@
 //         dK/dV of a kv head sum the group's query heads in a fixed order. For f32 the GEMMs
 //         run in true fp32 (no TF32). See attention_gemm_cuda.cu.
 //   tiled fused flash-attention kernels on CUDA cores (fp32 FMA): one block per (b, q head,
-//         64-query tile) with online softmax over 64-key tiles held in shared memory;
-//         backward computes Dr, then dQ per query tile and dK/dV per (key tile, kv head).
-//         No S x S buffer; slower (~20 TFLOP/s). See attention_cuda.cu.
+//         64-query tile) with online softmax over the 64-key tiles it sees (up to s + o),
+//         held in shared memory; backward computes Dr, then dQ per query tile and dK/dV per (key tile, kv head).
+//         No Sq x Sk buffer; slower (~20 TFLOP/s). See attention_cuda.cu.
 // The environment variable MOECORE_ATTENTION=auto|tiled|gemm (read at every call) forces a
 // path; auto (or unset) takes gemm where supported, else tiled; gemm where unsupported is an
 // error.
@@ -48,10 +53,15 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& dout, double softmax_scale, Tensor& dq, Tensor& dk, Tensor& dv);
 
-// Sizes as validated by the public functions.
+// Sizes as validated by the public functions. `seq` is the query length Sq; `kv_seq` the key /
+// value length Sk >= Sq (the public functions always set it; 0, the default of a five-value
+// initializer, means Sk = Sq).
 struct AttentionDims {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
-  int64_t group() const { return q_heads / kv_heads; }  // query heads per kv head
+  int64_t kv_seq = 0;
+  int64_t group() const { return q_heads / kv_heads; }      // query heads per kv head
+  int64_t keys() const { return kv_seq > 0 ? kv_seq : seq; }  // Sk
+  int64_t offset() const { return keys() - seq; }            // o = Sk - Sq: query s sees keys t <= s + o
 };
 
 namespace cpu {
@@ -61,7 +71,8 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d);
 }  // namespace cpu
 namespace cuda {
-inline constexpr int64_t kAttentionGemmMaxSeq = 16384;  // the GEMM path's row kernels stage rows in smem
+// The GEMM path's row kernels stage score rows (Sk long) in shared memory: Sk <= this.
+inline constexpr int64_t kAttentionGemmMaxSeq = 16384;
 enum class AttentionPath { Tiled, Gemm };
 // The path the dispatcher takes for these sizes (MOECORE_ATTENTION, else gemm where supported).
 AttentionPath attention_path(const AttentionDims& d, DType dtype);

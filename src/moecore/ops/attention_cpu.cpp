@@ -1,6 +1,7 @@
 // CPU attention: the formulas of attention.h evaluated row by row in Compute<T>. Each
 // parallel iteration owns the rows it writes (dq per query row, dk/dv per key row), so there
-// are no shared accumulators and results do not depend on the thread count.
+// are no shared accumulators and results do not depend on the thread count. With o = Sk - Sq
+// (attention.h), query s sees keys t <= s + o and key t is seen by queries s >= t - o.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -13,12 +14,12 @@ namespace moecore::ops::cpu {
 
 namespace {
 
-// Element offsets: q-like [B, S, H, D] and lse [B, Hq, S].
+// Element offsets: q-like [B, Sq, Hq, D], kv-like [B, Sk, Hkv, D] and lse [B, Hq, Sq].
 struct Layout {
-  int64_t S, Hq, Hkv, D;
-  int64_t q(int64_t b, int64_t s, int64_t h) const { return ((b * S + s) * Hq + h) * D; }
-  int64_t kv(int64_t b, int64_t t, int64_t h) const { return ((b * S + t) * Hkv + h) * D; }
-  int64_t row(int64_t b, int64_t h, int64_t s) const { return (b * Hq + h) * S + s; }
+  int64_t Sq, Sk, Hq, Hkv, D;
+  int64_t q(int64_t b, int64_t s, int64_t h) const { return ((b * Sq + s) * Hq + h) * D; }
+  int64_t kv(int64_t b, int64_t t, int64_t h) const { return ((b * Sk + t) * Hkv + h) * D; }
+  int64_t row(int64_t b, int64_t h, int64_t s) const { return (b * Hq + h) * Sq + s; }
 };
 
 template <typename T>
@@ -38,12 +39,12 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double
     const T *pq = q.data<T>(), *pk = k.data<T>(), *pv = v.data<T>();
     T* po = out.data<T>();
     C* plse = lse.data<C>();
-    const Layout L{d.seq, d.q_heads, d.kv_heads, d.head_dim};
-    const int64_t B = d.batch, S = d.seq, Hq = d.q_heads, D = d.head_dim, G = d.group();
+    const Layout L{d.seq, d.keys(), d.q_heads, d.kv_heads, d.head_dim};
+    const int64_t B = d.batch, S = d.seq, Hq = d.q_heads, D = d.head_dim, G = d.group(), o = d.offset();
     const C c = static_cast<C>(scale);
 #pragma omp parallel
     {
-      std::vector<C> p(S), acc(D);  // scores of one row, its output accumulator
+      std::vector<C> p(d.keys()), acc(D);  // scores of one row, its output accumulator
 #pragma omp for collapse(3) schedule(dynamic, 16)
       for (int64_t b = 0; b < B; ++b)
         for (int64_t h = 0; h < Hq; ++h)
@@ -51,14 +52,14 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double
             const T* qs = pq + L.q(b, s, h);
             const int64_t hk = h / G;
             C mx = -std::numeric_limits<C>::infinity();
-            for (int64_t t = 0; t <= s; ++t) {
+            for (int64_t t = 0; t <= s + o; ++t) {
               p[t] = c * dot(qs, pk + L.kv(b, t, hk), D);
               mx = std::max(mx, p[t]);
             }
             C sum = 0;
-            for (int64_t t = 0; t <= s; ++t) sum += (p[t] = std::exp(p[t] - mx));
+            for (int64_t t = 0; t <= s + o; ++t) sum += (p[t] = std::exp(p[t] - mx));
             std::fill(acc.begin(), acc.end(), C(0));
-            for (int64_t t = 0; t <= s; ++t) {
+            for (int64_t t = 0; t <= s + o; ++t) {
               const T* vt = pv + L.kv(b, t, hk);
               for (int64_t i = 0; i < D; ++i) acc[i] += p[t] * load(vt[i]);
             }
@@ -79,8 +80,9 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
     const T *pq = q.data<T>(), *pk = k.data<T>(), *pv = v.data<T>(), *po = out.data<T>(), *pdo = dout.data<T>();
     const C* plse = lse.data<C>();
     T *pdq = dq.data<T>(), *pdk = dk.data<T>(), *pdv = dv.data<T>();
-    const Layout L{d.seq, d.q_heads, d.kv_heads, d.head_dim};
-    const int64_t B = d.batch, S = d.seq, Hq = d.q_heads, Hkv = d.kv_heads, D = d.head_dim, G = d.group();
+    const Layout L{d.seq, d.keys(), d.q_heads, d.kv_heads, d.head_dim};
+    const int64_t B = d.batch, S = d.seq, Sk = d.keys(), Hq = d.q_heads, Hkv = d.kv_heads, D = d.head_dim,
+                  G = d.group(), o = d.offset();
     const C c = static_cast<C>(scale);
 
     // Dr[b, h, s] = dO_s . O_s (from the stored, possibly rounded, output).
@@ -98,7 +100,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
       ds = p * (dp - dr[L.row(b, h, s)]);
     };
 
-    // dQ_s = c sum_{t<=s} dS[s, t] K_t, one query row per iteration.
+    // dQ_s = c sum_{t<=s+o} dS[s, t] K_t, one query row per iteration.
 #pragma omp parallel
     {
       std::vector<C> acc(D);
@@ -107,7 +109,7 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
         for (int64_t h = 0; h < Hq; ++h)
           for (int64_t s = 0; s < S; ++s) {
             std::fill(acc.begin(), acc.end(), C(0));
-            for (int64_t t = 0; t <= s; ++t) {
+            for (int64_t t = 0; t <= s + o; ++t) {
               C p, ds;
               p_and_ds(b, h, s, t, p, ds);
               const T* kt = pk + L.kv(b, t, h / G);
@@ -118,18 +120,18 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
           }
     }
 
-    // dK_t = c sum_{h in group} sum_{s>=t} dS[s, t] Q_s;  dV_t = sum_h sum_{s>=t} P[s, t] dO_s.
+    // dK_t = c sum_{h in group} sum_{s>=t-o} dS[s, t] Q_s;  dV_t = sum_h sum_{s>=t-o} P[s, t] dO_s.
 #pragma omp parallel
     {
       std::vector<C> acc_k(D), acc_v(D);
 #pragma omp for collapse(3) schedule(dynamic, 16)
       for (int64_t b = 0; b < B; ++b)
         for (int64_t hk = 0; hk < Hkv; ++hk)
-          for (int64_t t = 0; t < S; ++t) {
+          for (int64_t t = 0; t < Sk; ++t) {
             std::fill(acc_k.begin(), acc_k.end(), C(0));
             std::fill(acc_v.begin(), acc_v.end(), C(0));
             for (int64_t h = hk * G; h < (hk + 1) * G; ++h)
-              for (int64_t s = t; s < S; ++s) {
+              for (int64_t s = std::max<int64_t>(0, t - o); s < S; ++s) {
                 C p, ds;
                 p_and_ds(b, h, s, t, p, ds);
                 const T* qs = pq + L.q(b, s, h);

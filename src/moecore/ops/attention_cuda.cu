@@ -8,13 +8,17 @@
 // shared memory as fp32; a tile that lanes read by column (one row per lane) is padded to
 // D + 1 floats a row so that the 32 lanes hit 32 different banks.
 //
+// Keys may outnumber queries (Sk >= Sq, attention.h): with o = Sk - Sq, query qi sees keys
+// ki <= qi + o, so "the diagonal" below is the key tile holding the tile's last query + o
+// (for Sk == Sq every loop bound and mask is the one of plain causal attention).
+//
 //   forward  grid (query tiles, Hq, B): Q tile resident; loop over key tiles 0..diagonal
 //            with online softmax (running max m, running sum l, rescaled accumulators).
 //   backward 1. Dr = rowsum(dO * O), one warp per row.
 //            2. dQ  grid (query tiles, Hq, B): loop over key tiles 0..diagonal.
 //            3. dK, dV grid (key tiles, Hkv, B): loop over the group's query heads and the
-//               query tiles from the diagonal on. Each block owns the rows it writes: no
-//               atomics, deterministic results.
+//               query tiles from the one holding the key tile's first key - o on. Each block
+//               owns the rows it writes: no atomics, deterministic results.
 //
 // This file also holds the dispatcher (cuda::attention_forward / attention_backward): the
 // GEMM path of attention_gemm_cuda.cu where it applies, else these kernels; the environment
@@ -36,9 +40,15 @@ constexpr int kRows = kTile / (kThreads / 32);      // rows of the tile per warp
 constexpr unsigned kFull = 0xffffffffu;
 
 struct Geometry {
-  int S, Hq, Hkv, group;
+  int S, Hq, Hkv, group;  // S: queries Sq
   float scale;
+  int Sk, off;            // keys Sk >= S and off = Sk - S: query qi sees keys ki <= qi + off
 };
+
+// The last key tile that the query tile starting at q0 sees.
+__device__ __forceinline__ int last_key_tile(const Geometry& g, int q0) {
+  return min(q0 + kTile - 1 + g.off, g.Sk - 1) / kTile;
+}
 
 // Copies rows [row0, row0 + kTile) of a [S, stride] matrix (only the D columns starting at
 // `src`) into dst[kTile][ld] as fp32, with zeros past row S.
@@ -65,8 +75,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* q,
   const int q0 = tile * kTile;
   const int64_t q_stride = static_cast<int64_t>(g.Hq) * D, kv_stride = static_cast<int64_t>(g.Hkv) * D;
   const T* qb = q + (static_cast<int64_t>(b) * g.S * g.Hq + h) * D;
-  const T* kb = k + (static_cast<int64_t>(b) * g.S * g.Hkv + hk) * D;
-  const T* vb = v + (static_cast<int64_t>(b) * g.S * g.Hkv + hk) * D;
+  const T* kb = k + (static_cast<int64_t>(b) * g.Sk * g.Hkv + hk) * D;
+  const T* vb = v + (static_cast<int64_t>(b) * g.Sk * g.Hkv + hk) * D;
 
   load_tile<T, D>(sq, D, qb, q_stride, q0, g.S);
   float o[kRows][P], m[kRows], l[kRows];
@@ -78,11 +88,12 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* q,
     for (int i = 0; i < P; ++i) o[r][i] = 0.0f;
   }
 
-  for (int kt = 0; kt <= tile; ++kt) {
+  const int kt_end = last_key_tile(g, q0);
+  for (int kt = 0; kt <= kt_end; ++kt) {
     const int k0 = kt * kTile;
     __syncthreads();  // the previous K/V tiles are no longer read
-    load_tile<T, D>(sk, D + 1, kb, kv_stride, k0, g.S);
-    load_tile<T, D>(sv, D, vb, kv_stride, k0, g.S);
+    load_tile<T, D>(sk, D + 1, kb, kv_stride, k0, g.Sk);
+    load_tile<T, D>(sv, D, vb, kv_stride, k0, g.Sk);
     __syncthreads();
 
     // s[r][j]: score of query row r0 + r with key column lane + 32 j.
@@ -107,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* q,
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int ki = k0 + lane + 32 * j;
-        s[r][j] = (ki <= qi && ki < g.S) ? s[r][j] * g.scale : -INFINITY;
+        s[r][j] = (ki <= qi + g.off && ki < g.Sk) ? s[r][j] * g.scale : -INFINITY;
       }
       const float m_new = fmaxf(m[r], warp_max(fmaxf(s[r][0], s[r][1])));
       const float corr = expf(m[r] - m_new);
@@ -183,8 +194,8 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const T* q, cons
   const int q0 = tile * kTile;
   const int64_t q_stride = static_cast<int64_t>(g.Hq) * D, kv_stride = static_cast<int64_t>(g.Hkv) * D;
   const int64_t q_base = (static_cast<int64_t>(b) * g.S * g.Hq + h) * D;
-  const T* kb = k + (static_cast<int64_t>(b) * g.S * g.Hkv + hk) * D;
-  const T* vb = v + (static_cast<int64_t>(b) * g.S * g.Hkv + hk) * D;
+  const T* kb = k + (static_cast<int64_t>(b) * g.Sk * g.Hkv + hk) * D;
+  const T* vb = v + (static_cast<int64_t>(b) * g.Sk * g.Hkv + hk) * D;
   const int64_t row_base = (static_cast<int64_t>(b) * g.Hq + h) * g.S;
 
   load_tile<T, D>(sq, D, q + q_base, q_stride, q0, g.S);
@@ -199,11 +210,12 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const T* q, cons
     for (int i = 0; i < P; ++i) acc[r][i] = 0.0f;
   }
 
-  for (int kt = 0; kt <= tile; ++kt) {
+  const int kt_end = last_key_tile(g, q0);
+  for (int kt = 0; kt <= kt_end; ++kt) {
     const int k0 = kt * kTile;
     __syncthreads();
-    load_tile<T, D>(sk, D + 1, kb, kv_stride, k0, g.S);
-    load_tile<T, D>(sv, D + 1, vb, kv_stride, k0, g.S);
+    load_tile<T, D>(sk, D + 1, kb, kv_stride, k0, g.Sk);
+    load_tile<T, D>(sv, D + 1, vb, kv_stride, k0, g.Sk);
     __syncthreads();
 
     float s[kRows][2], dp[kRows][2];
@@ -222,14 +234,14 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const T* q, cons
         dp[r][1] += dov * vb2;
       }
     }
-    // s becomes dS = P (dP - Dr), with P = 0 above the diagonal and past S.
+    // s becomes dS = P (dP - Dr), with P = 0 above the (shifted) diagonal and past Sk.
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int qi = q0 + r0 + r;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int ki = k0 + lane + 32 * j;
-        const float p = (ki <= qi && ki < g.S) ? expf(s[r][j] * g.scale - row_lse[r]) : 0.0f;
+        const float p = (ki <= qi + g.off && ki < g.Sk) ? expf(s[r][j] * g.scale - row_lse[r]) : 0.0f;
         s[r][j] = p * (dp[r][j] - row_dr[r]);
       }
     }
@@ -262,11 +274,11 @@ __global__ void __launch_bounds__(kThreads) attention_dq_kernel(const T* q, cons
 }
 
 // dK, dV for one (b, kv head, key tile): sums over the group's query heads and the query
-// tiles from the diagonal to the end.
+// tiles from the first that sees the tile (the one holding k0 - off) to the end.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(const T* q, const T* k, const T* v, const T* dout,
                                                                  const float* lse, const float* dr, T* dk, T* dv,
-                                                                 Geometry g) {
+                                                                 int num_q_tiles, Geometry g) {
   constexpr int P = D / 32;
   extern __shared__ float smem[];
   float* sk = smem;                    // [kTile][D]      by row (broadcast)
@@ -280,12 +292,12 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(const T* q, con
   const int hk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * kRows;
   const int k0 = tile * kTile;
-  const int num_tiles = gridDim.x;
+  const int qt_begin = max(0, k0 - g.off) / kTile;  // k0 - off < S: every key is seen by a query
   const int64_t q_stride = static_cast<int64_t>(g.Hq) * D, kv_stride = static_cast<int64_t>(g.Hkv) * D;
-  const int64_t kv_base = (static_cast<int64_t>(b) * g.S * g.Hkv + hk) * D;
+  const int64_t kv_base = (static_cast<int64_t>(b) * g.Sk * g.Hkv + hk) * D;
 
-  load_tile<T, D>(sk, D, k + kv_base, kv_stride, k0, g.S);
-  load_tile<T, D>(sv, D, v + kv_base, kv_stride, k0, g.S);
+  load_tile<T, D>(sk, D, k + kv_base, kv_stride, k0, g.Sk);
+  load_tile<T, D>(sv, D, v + kv_base, kv_stride, k0, g.Sk);
   float acc_k[kRows][P], acc_v[kRows][P];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
@@ -295,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(const T* q, con
   for (int h = hk * g.group; h < (hk + 1) * g.group; ++h) {
     const int64_t q_base = (static_cast<int64_t>(b) * g.S * g.Hq + h) * D;
     const int64_t row_base = (static_cast<int64_t>(b) * g.Hq + h) * g.S;
-    for (int qt = tile; qt < num_tiles; ++qt) {
+    for (int qt = qt_begin; qt < num_q_tiles; ++qt) {
       const int q0 = qt * kTile;
       __syncthreads();
       load_tile<T, D>(sq, D + 1, q + q_base, q_stride, q0, g.S);
@@ -324,7 +336,8 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(const T* q, con
           dp[r][1] += vv * db;
         }
       }
-      // s becomes P, dp becomes dS; zero where the query is before the key or past S.
+      // s becomes P, dp becomes dS; zero where the key is past the query's last (qi + off) or
+      // the query past S.
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int col = lane + 32 * j, qi = q0 + col;
@@ -332,7 +345,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(const T* q, con
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           const int ki = k0 + r0 + r;
-          const float p = (qi >= ki && qi < g.S) ? expf(s[r][j] * g.scale - col_lse) : 0.0f;
+          const float p = (qi + g.off >= ki && qi < g.S) ? expf(s[r][j] * g.scale - col_lse) : 0.0f;
           s[r][j] = p;
           dp[r][j] = p * (dp[r][j] - col_dr);
         }
@@ -366,7 +379,7 @@ __global__ void __launch_bounds__(kThreads) attention_dkv_kernel(const T* q, con
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int ki = k0 + r0 + r;
-    if (ki >= g.S) continue;
+    if (ki >= g.Sk) continue;
     const int64_t off = kv_base + static_cast<int64_t>(ki) * kv_stride;
 #pragma unroll
     for (int i = 0; i < P; ++i) {
@@ -403,13 +416,14 @@ void dispatch(DType dtype, int64_t head_dim, const char* op, F&& f) {
 }
 
 Geometry geometry(const AttentionDims& d, double scale) {
-  MC_CHECK(d.seq < (int64_t(1) << 30) && d.q_heads <= 65535 && d.batch <= 65535, "attention: sizes ", d.batch,
-           " x ", d.seq, " x ", d.q_heads, " exceed the CUDA kernels' grid limits");
+  MC_CHECK(d.keys() < (int64_t(1) << 30) && d.q_heads <= 65535 && d.batch <= 65535, "attention: sizes ", d.batch,
+           " x ", d.seq, " (keys ", d.keys(), ") x ", d.q_heads, " exceed the CUDA kernels' grid limits");
   return {static_cast<int>(d.seq), static_cast<int>(d.q_heads), static_cast<int>(d.kv_heads),
-          static_cast<int>(d.group()), static_cast<float>(scale)};
+          static_cast<int>(d.group()), static_cast<float>(scale), static_cast<int>(d.keys()),
+          static_cast<int>(d.offset())};
 }
 
-unsigned num_tiles(const AttentionDims& d) { return static_cast<unsigned>((d.seq + kTile - 1) / kTile); }
+unsigned num_tiles(int64_t n) { return static_cast<unsigned>((n + kTile - 1) / kTile); }
 
 }  // namespace
 
@@ -421,7 +435,7 @@ void attention_forward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, 
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     const size_t smem = sizeof(float) * kTile * (2 * D + (D + 1));
-    launch(attention_forward_kernel<T, D>, dim3(num_tiles(d), d.q_heads, d.batch), smem, stream, q.data<T>(),
+    launch(attention_forward_kernel<T, D>, dim3(num_tiles(d.seq), d.q_heads, d.batch), smem, stream, q.data<T>(),
            k.data<T>(), v.data<T>(), out.data<T>(), lse.data<float>(), g);
   });
 }
@@ -440,11 +454,11 @@ void attention_backward_tiled(const Tensor& q, const Tensor& k, const Tensor& v,
     launch(attention_dr_kernel<T, D>, dim3(dr_blocks), 0, stream, out.data<T>(), dout.data<T>(), dr.data<float>(),
            rows, g);
     const size_t smem = sizeof(float) * (2 * kTile * D + 2 * kTile * (D + 1));
-    launch(attention_dq_kernel<T, D>, dim3(num_tiles(d), d.q_heads, d.batch), smem, stream, q.data<T>(),
+    launch(attention_dq_kernel<T, D>, dim3(num_tiles(d.seq), d.q_heads, d.batch), smem, stream, q.data<T>(),
            k.data<T>(), v.data<T>(), dout.data<T>(), lse.data<float>(), dr.data<float>(), dq.data<T>(), g);
-    launch(attention_dkv_kernel<T, D>, dim3(num_tiles(d), d.kv_heads, d.batch), smem + sizeof(float) * 2 * kTile,
-           stream, q.data<T>(), k.data<T>(), v.data<T>(), dout.data<T>(), lse.data<float>(), dr.data<float>(),
-           dk.data<T>(), dv.data<T>(), g);
+    launch(attention_dkv_kernel<T, D>, dim3(num_tiles(d.keys()), d.kv_heads, d.batch),
+           smem + sizeof(float) * 2 * kTile, stream, q.data<T>(), k.data<T>(), v.data<T>(), dout.data<T>(),
+           lse.data<float>(), dr.data<float>(), dk.data<T>(), dv.data<T>(), static_cast<int>(num_tiles(d.seq)), g);
   });
 }
 
@@ -456,8 +470,8 @@ AttentionPath attention_path(const AttentionDims& d, DType dtype) {
   if (choice == "tiled") return AttentionPath::Tiled;
   if (choice == "gemm") {
     MC_CHECK(attention_gemm_supported(d, dtype), "attention: MOECORE_ATTENTION=gemm but the GEMM path does not "
-             "support S = ", d.seq, ", D = ", d.head_dim, ", dtype ", dtype_name(dtype), " (S <= ",
-             kAttentionGemmMaxSeq, ", f32 or bf16)");
+             "support Sq = ", d.seq, ", Sk = ", d.keys(), ", D = ", d.head_dim, ", dtype ", dtype_name(dtype),
+             " (Sk <= ", kAttentionGemmMaxSeq, ", f32 or bf16)");
     return AttentionPath::Gemm;
   }
   MC_FAIL("attention: MOECORE_ATTENTION must be auto, tiled or gemm; got '", choice, "'");

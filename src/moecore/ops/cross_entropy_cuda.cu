@@ -5,6 +5,9 @@
 // dlogits is logits: each element is read and written by the same thread).
 // Out-of-range targets: the block records its row with atomicMin in a device flag (integer,
 // so the first bad row is found deterministically); the host reads the flag after the kernel.
+// Vocabulary-parallel pieces: the part forward is the forward's kernel writing lse_part and the
+// in-part target logit; the backward takes the part's offset; logsumexp_combine and
+// combined_loss are one thread per token (the P parts are read in order: deterministic).
 #include <cstdint>
 
 #include "moecore/ops/cross_entropy.h"
@@ -81,23 +84,78 @@ __global__ void cross_entropy_forward_kernel(const T* logits, const int32_t* tar
   }
 }
 
+// This part's classes are [vocab_start, vocab_start + classes) of vocab_total (the whole
+// vocabulary: 0 and classes). Writes lse_part and the target's logit (0 when the target is
+// ignored or in another part).
+template <typename T>
+__global__ void cross_entropy_part_forward_kernel(const T* logits, const int32_t* targets, float* lse_part,
+                                                  float* target_logit, int64_t classes, int64_t vocab_start,
+                                                  int64_t vocab_total, int* bad_row) {
+  const int64_t row = blockIdx.x;
+  const T* xr = logits + row * classes;
+  MaxSum acc{-INFINITY, 0.0f};
+  for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
+    const float x = load(xr[c]);
+    if (x > acc.m) {
+      acc.s = acc.s * expf(acc.m - x) + 1.0f;
+      acc.m = x;
+    } else if (acc.m != -INFINITY) {
+      acc.s += expf(x - acc.m);
+    }
+  }
+  acc = block_combine(acc);
+  if (threadIdx.x == 0) {
+    lse_part[row] = acc.m + logf(acc.s);
+    const int32_t t = targets[row];
+    const int64_t local = static_cast<int64_t>(t) - vocab_start;
+    if (t >= vocab_total) {
+      atomicMin(bad_row, static_cast<int>(row));
+      target_logit[row] = NAN;
+    } else {
+      target_logit[row] = t >= 0 && local >= 0 && local < classes ? load(xr[local]) : 0.0f;
+    }
+  }
+}
+
 // No __restrict__: dlogits may be logits.
 template <typename T>
 __global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* targets, const float* lse,
-                                              const float* dloss, T* dlogits, int64_t classes, int* bad_row) {
+                                              const float* dloss, T* dlogits, int64_t classes, int64_t vocab_start,
+                                              int64_t vocab_total, int* bad_row) {
   const int64_t row = blockIdx.x;
   const int64_t o = row * classes;
   const int32_t t = targets[row];
-  if (t >= classes && threadIdx.x == 0) atomicMin(bad_row, static_cast<int>(row));
-  if (t < 0 || t >= classes) {
+  if (t >= vocab_total && threadIdx.x == 0) atomicMin(bad_row, static_cast<int>(row));
+  if (t < 0 || t >= vocab_total) {
     for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) dlogits[o + c] = store<T>(0.0f);
     return;
   }
+  const int64_t local = static_cast<int64_t>(t) - vocab_start;  // outside [0, classes): another part's
   const float l = lse[row], g = dloss[row];
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
     const float p = expf(load(logits[o + c]) - l);
-    dlogits[o + c] = store<T>(g * (c == t ? p - 1.0f : p));
+    dlogits[o + c] = store<T>(g * (c == local ? p - 1.0f : p));
   }
+}
+
+__global__ void logsumexp_combine_kernel(const float* parts, float* lse, int64_t num_parts, int64_t rows) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    float m = -INFINITY;
+    for (int64_t p = 0; p < num_parts; ++p) m = fmaxf(m, parts[p * rows + r]);
+    if (isinf(m)) {  // every part empty (-inf), or an infinite part: the max is the answer
+      lse[r] = m;
+      continue;
+    }
+    float sum = 0.0f;
+    for (int64_t p = 0; p < num_parts; ++p) sum += expf(parts[p * rows + r] - m);
+    lse[r] = m + logf(sum);
+  }
+}
+
+__global__ void combined_loss_kernel(const float* lse, const float* target_logit, const int32_t* targets,
+                                     float* loss, int64_t rows) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x)
+    loss[r] = targets[r] >= 0 ? lse[r] - target_logit[r] : 0.0f;
 }
 
 // A one-element device flag for the first bad row, reset on the op's stream.
@@ -132,7 +190,8 @@ int64_t cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tenso
 }
 
 int64_t cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const Tensor& dloss,
-                               Tensor& dlogits, int64_t rows, int64_t classes) {
+                               Tensor& dlogits, int64_t rows, int64_t classes, int64_t vocab_start,
+                               int64_t vocab_total) {
   if (rows == 0) return -1;
   MC_CHECK(rows < kNoBadRow, "cross_entropy_backward: too many rows (", rows, ") for one launch");
   cudaStream_t s = prepare(logits);
@@ -141,10 +200,44 @@ int64_t cross_entropy_backward(const Tensor& logits, const Tensor& targets, cons
     using T = decltype(tag);
     cross_entropy_backward_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
         logits.data<T>(), targets.data<int32_t>(), lse.data<float>(), dloss.data<float>(), dlogits.data<T>(),
-        classes, flag.data<int32_t>());
+        classes, vocab_start, vocab_total, flag.data<int32_t>());
   });
   MC_CUDA_CHECK_LAUNCH();
   return read_flag(flag);
+}
+
+int64_t cross_entropy_part_forward(const Tensor& logits, const Tensor& targets, Tensor& lse_part,
+                                   Tensor& target_logit, int64_t rows, int64_t classes, int64_t vocab_start,
+                                   int64_t vocab_total) {
+  if (rows == 0) return -1;
+  MC_CHECK(rows < kNoBadRow, "cross_entropy_part_forward: too many rows (", rows, ") for one launch");
+  cudaStream_t s = prepare(logits);
+  Tensor flag = make_flag(logits, s);
+  dispatch_cuda_floating(logits.dtype(), "cross_entropy_part_forward", [&](auto tag) {
+    using T = decltype(tag);
+    cross_entropy_part_forward_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
+        logits.data<T>(), targets.data<int32_t>(), lse_part.data<float>(), target_logit.data<float>(), classes,
+        vocab_start, vocab_total, flag.data<int32_t>());
+  });
+  MC_CUDA_CHECK_LAUNCH();
+  return read_flag(flag);
+}
+
+void logsumexp_combine(const Tensor& parts, Tensor& lse, int64_t num_parts, int64_t rows) {
+  if (rows == 0) return;
+  cudaStream_t s = prepare(parts);
+  logsumexp_combine_kernel<<<grid_for(rows), kThreads, 0, s>>>(parts.data<float>(), lse.data<float>(), num_parts,
+                                                                rows);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_combined_loss(const Tensor& lse, const Tensor& target_logit, const Tensor& targets, Tensor& loss,
+                                 int64_t rows) {
+  if (rows == 0) return;
+  cudaStream_t s = prepare(lse);
+  combined_loss_kernel<<<grid_for(rows), kThreads, 0, s>>>(lse.data<float>(), target_logit.data<float>(),
+                                                            targets.data<int32_t>(), loss.data<float>(), rows);
+  MC_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace moecore::ops::cuda

@@ -1,5 +1,7 @@
 #include "moecore/ops/embedding.h"
 
+#include <cstdint>
+
 #include "moecore/ops/common.h"
 
 namespace moecore::ops {
@@ -27,29 +29,48 @@ void check_bad_position(const char* op, const Tensor& ids, int64_t bad, int64_t 
           " rows (expected 0 <= id < ", vocab, ")");
 }
 
+// The part [vocab_start, vocab_start + rows) of a vocab_total-row vocabulary (vocab_total = -1:
+// the whole vocabulary, which needs vocab_start = 0).
+EmbeddingPart make_part(const char* op, int64_t rows, int64_t vocab_start, int64_t vocab_total) {
+  if (vocab_total < 0) {
+    MC_CHECK(vocab_total == -1 && vocab_start == 0, op, ": vocab_start = ", vocab_start, ", vocab_total = ",
+             vocab_total, "; expected vocab_total >= 0, or vocab_total = -1 (the whole vocabulary) with "
+             "vocab_start = 0");
+    return {0, rows, rows};
+  }
+  MC_CHECK(vocab_start >= 0 && vocab_start + rows <= vocab_total, op, ": the part [", vocab_start, ", ",
+           vocab_start + rows, ") of ", rows, " rows does not fit in a vocabulary of ", vocab_total,
+           " rows (expected 0 <= vocab_start and vocab_start + V <= vocab_total)");
+  MC_CHECK(vocab_total <= INT32_MAX, op, ": vocab_total = ", vocab_total, " does not fit i32 ids");
+  return {vocab_start, rows, vocab_total};
+}
+
 }  // namespace
 
-void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out) {
+void embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out, int64_t vocab_start,
+                       int64_t vocab_total) {
   constexpr const char* op = "embedding_forward";
   check_matrix(op, "table", table);
   check_ids(op, ids);
   check_contiguous(op, "out", out);
   check_same_device(op, table, ids);
   check_same_device(op, table, out);
-  const int64_t vocab = table.size(0), hidden = table.size(1), tokens = ids.size(0);
+  const int64_t hidden = table.size(1), tokens = ids.size(0);
+  const EmbeddingPart part = make_part(op, table.size(0), vocab_start, vocab_total);
   check_shape(op, "out", out, {tokens, hidden});
   MC_CHECK(out.dtype() == table.dtype(), op, ": 'out' has dtype ", dtype_name(out.dtype()),
            "; expected table's dtype ", dtype_name(table.dtype()));
   int64_t bad = -1;
   if (table.device().is_cpu()) {
-    bad = cpu::embedding_forward(table, ids, out, vocab, tokens, hidden);
+    bad = cpu::embedding_forward(table, ids, out, part, tokens, hidden);
   } else {
-    MC_CUDA_BACKEND(op, bad = cuda::embedding_forward(table, ids, out, vocab, tokens, hidden));
+    MC_CUDA_BACKEND(op, bad = cuda::embedding_forward(table, ids, out, part, tokens, hidden));
   }
-  check_bad_position(op, ids, bad, vocab);
+  check_bad_position(op, ids, bad, part.total);
 }
 
-void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, int64_t vocab_start,
+                        int64_t vocab_total) {
   constexpr const char* op = "embedding_backward";
   check_ids(op, ids);
   check_matrix(op, "dout", dout);
@@ -61,14 +82,14 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   MC_CHECK(dtable.ndim() == 2 && dtable.size(1) == hidden, op, ": argument 'dtable' has shape ",
            shape_str(dtable.shape()), "; expected [V, ", hidden, "] (dout's hidden size)");
   check_dtype(op, "dtable", dtable, {dout.dtype() == DType::F64 ? DType::F64 : DType::F32});
-  const int64_t vocab = dtable.size(0);
+  const EmbeddingPart part = make_part(op, dtable.size(0), vocab_start, vocab_total);
   int64_t bad = -1;
   if (ids.device().is_cpu()) {
-    bad = cpu::embedding_backward(ids, dout, dtable, vocab, tokens, hidden);
+    bad = cpu::embedding_backward(ids, dout, dtable, part, tokens, hidden);
   } else {
-    MC_CUDA_BACKEND(op, bad = cuda::embedding_backward(ids, dout, dtable, vocab, tokens, hidden));
+    MC_CUDA_BACKEND(op, bad = cuda::embedding_backward(ids, dout, dtable, part, tokens, hidden));
   }
-  check_bad_position(op, ids, bad, vocab);
+  check_bad_position(op, ids, bad, part.total);
 }
 
 }  // namespace moecore::ops

@@ -1,14 +1,17 @@
 // CUDA embedding.
-//   forward:  one 256-thread block per token copies its table row (ids checked in the kernel;
-//             the first bad position goes to a device flag through integer atomicMin).
+//   forward:  one 256-thread block per token copies its table row, or writes zeros for an id
+//             of another vocabulary part (ids checked in the kernel; the first bad position
+//             goes to a device flag through integer atomicMin).
 //   backward: deterministic, no float atomics, O(T * H) plus a sort:
 //             1. a kernel checks ids (flag read on the host before dtable is touched) and
-//                writes positions 0..T-1;
-//             2. cub's stable radix sort orders (id, position) pairs by id, so each id's
-//                tokens stay in increasing t;
-//             3. grid (T, column chunks): block i owns the run of equal ids starting at sorted
-//                position i (other blocks exit) and adds the run's dout rows to dtable's row,
-//                starting from dtable's value, in increasing t: the CPU's order exactly.
+//                writes positions 0..T-1 and sort keys: the local row id - vocab_start, or
+//                V (one past the part's rows) for ids of other parts;
+//             2. cub's stable radix sort orders (key, position) pairs by key, so each row's
+//                tokens stay in increasing t (and other parts' tokens gather at the end);
+//             3. grid (T, column chunks): block i owns the run of equal keys starting at sorted
+//                position i (other blocks exit, as does the run of key V) and adds the run's
+//                dout rows to dtable's row, starting from dtable's value, in increasing t: the
+//                CPU's order exactly.
 #include <cub/device/device_radix_sort.cuh>
 
 #include <cstdint>
@@ -24,33 +27,39 @@ constexpr int kThreads = 256;
 constexpr int kNoBadPosition = 0x7F7F7F7F;  // cudaMemsetAsync byte pattern 0x7F
 
 template <typename T>
-__global__ void embedding_forward_kernel(const T* table, const int32_t* ids, T* out, int64_t vocab, int64_t hidden,
-                                         int* bad) {
+__global__ void embedding_forward_kernel(const T* table, const int32_t* ids, T* out, EmbeddingPart part,
+                                         int64_t hidden, int* bad) {
   const int64_t t = blockIdx.x;
   const int32_t id = ids[t];
+  const int64_t row = id - part.start;
   T* dst = out + t * hidden;
-  if (id < 0 || id >= vocab) {
-    if (threadIdx.x == 0) atomicMin(bad, static_cast<int>(t));
+  if (id < 0 || id >= part.total || row < 0 || row >= part.rows) {  // invalid, or another part's
+    if (threadIdx.x == 0 && (id < 0 || id >= part.total)) atomicMin(bad, static_cast<int>(t));
     for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = store<T>(0.0f);
     return;
   }
-  const T* src = table + static_cast<int64_t>(id) * hidden;
+  const T* src = table + row * hidden;
   for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = src[c];
 }
 
-__global__ void check_ids_and_iota_kernel(const int32_t* ids, int32_t* positions, int64_t tokens, int64_t vocab,
-                                          int* bad) {
+__global__ void check_ids_and_iota_kernel(const int32_t* ids, uint32_t* keys, int32_t* positions, int64_t tokens,
+                                          EmbeddingPart part, int* bad) {
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < tokens; t += int64_t(gridDim.x) * blockDim.x) {
     positions[t] = static_cast<int32_t>(t);
-    if (ids[t] < 0 || ids[t] >= vocab) atomicMin(bad, static_cast<int>(t));
+    const int32_t id = ids[t];
+    if (id < 0 || id >= part.total) atomicMin(bad, static_cast<int>(t));
+    const int64_t row = id - part.start;
+    keys[t] = static_cast<uint32_t>(row >= 0 && row < part.rows ? row : part.rows);
   }
 }
 
 template <typename T>
 __global__ void embedding_accumulate_kernel(const uint32_t* sorted_ids, const int32_t* sorted_positions,
-                                            const T* dout, float* dtable, int64_t tokens, int64_t hidden) {
+                                            const T* dout, float* dtable, int64_t tokens, int64_t hidden,
+                                            uint32_t other_parts) {
   const int64_t i = blockIdx.x;
   const uint32_t id = sorted_ids[i];
+  if (id == other_parts) return;                 // tokens of other vocabulary parts
   if (i > 0 && sorted_ids[i - 1] == id) return;  // not the start of a run
   float* row = dtable + static_cast<int64_t>(id) * hidden;
   for (int64_t c = blockIdx.y * int64_t(blockDim.x) + threadIdx.x; c < hidden; c += int64_t(gridDim.y) * blockDim.x) {
@@ -75,7 +84,7 @@ int64_t read_flag(const Tensor& flag) {
 
 }  // namespace
 
-int64_t embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out, int64_t vocab, int64_t tokens,
+int64_t embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out, EmbeddingPart part, int64_t tokens,
                           int64_t hidden) {
   if (tokens == 0) return -1;
   MC_CHECK(tokens < kNoBadPosition, "embedding_forward: too many tokens (", tokens, ") for one launch");
@@ -84,37 +93,39 @@ int64_t embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out, i
   dispatch_cuda_floating(table.dtype(), "embedding_forward", [&](auto tag) {
     using T = decltype(tag);
     embedding_forward_kernel<T><<<static_cast<unsigned>(tokens), kThreads, 0, s>>>(
-        table.data<T>(), ids.data<int32_t>(), out.data<T>(), vocab, hidden, flag.data<int32_t>());
+        table.data<T>(), ids.data<int32_t>(), out.data<T>(), part, hidden, flag.data<int32_t>());
   });
   MC_CUDA_CHECK_LAUNCH();
   return read_flag(flag);
 }
 
-int64_t embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, int64_t vocab, int64_t tokens,
+int64_t embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, EmbeddingPart part, int64_t tokens,
                            int64_t hidden) {
   if (tokens == 0) return -1;
   MC_CHECK(tokens < kNoBadPosition, "embedding_backward: too many tokens (", tokens, ") for one launch");
   const Device dev = ids.device();
   cudaStream_t s = prepare(ids);
 
-  // 1. Validate ids before dtable is modified; write the positions to sort.
+  // 1. Validate ids before dtable is modified; write the keys and positions to sort.
   Tensor flag = make_flag(ids, s);
+  Tensor keys = Tensor::empty({tokens}, DType::I32, dev);
   Tensor positions = Tensor::empty({tokens}, DType::I32, dev);
-  check_ids_and_iota_kernel<<<grid_for(tokens), kThreads, 0, s>>>(ids.data<int32_t>(), positions.data<int32_t>(),
-                                                                    tokens, vocab, flag.data<int32_t>());
+  auto* keys_in = reinterpret_cast<uint32_t*>(keys.data<int32_t>());
+  check_ids_and_iota_kernel<<<grid_for(tokens), kThreads, 0, s>>>(ids.data<int32_t>(), keys_in,
+                                                                    positions.data<int32_t>(), tokens, part,
+                                                                    flag.data<int32_t>());
   MC_CUDA_CHECK_LAUNCH();
   const int64_t bad = read_flag(flag);
   if (bad >= 0 || hidden == 0) return bad;
 
-  // 2. Stable sort by id. Ids are now known to be in [0, vocab): sort them as unsigned keys
-  //    over just the bits vocab - 1 needs.
+  // 2. Stable sort by key. Keys are in [0, V] (V = the part's rows): sort them over just the
+  //    bits V needs.
   int end_bit = 1;
-  while (end_bit < 32 && (int64_t(1) << end_bit) < vocab) ++end_bit;
+  while (end_bit < 32 && (int64_t(1) << end_bit) <= part.rows) ++end_bit;
   const int n = static_cast<int>(tokens);
-  Tensor sorted_ids = Tensor::empty({tokens}, DType::I32, dev);
+  Tensor sorted_keys = Tensor::empty({tokens}, DType::I32, dev);
   Tensor sorted_positions = Tensor::empty({tokens}, DType::I32, dev);
-  const auto* keys_in = reinterpret_cast<const uint32_t*>(ids.data<int32_t>());
-  auto* keys_out = reinterpret_cast<uint32_t*>(sorted_ids.data<int32_t>());
+  auto* keys_out = reinterpret_cast<uint32_t*>(sorted_keys.data<int32_t>());
   size_t temp_bytes = 0;
   MC_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out, positions.data<int32_t>(),
                                                 sorted_positions.data<int32_t>(), n, 0, end_bit, s));
@@ -129,7 +140,8 @@ int64_t embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable
   dispatch_cuda_floating(dout.dtype(), "embedding_backward", [&](auto tag) {
     using T = decltype(tag);
     embedding_accumulate_kernel<T><<<grid, kThreads, 0, s>>>(keys_out, sorted_positions.data<int32_t>(),
-                                                             dout.data<T>(), dtable.data<float>(), tokens, hidden);
+                                                             dout.data<T>(), dtable.data<float>(), tokens, hidden,
+                                                             static_cast<uint32_t>(part.rows));
   });
   MC_CUDA_CHECK_LAUNCH();
   return -1;

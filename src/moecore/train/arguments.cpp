@@ -7,6 +7,7 @@
 #include "moecore/comm/bootstrap.h"
 #include "moecore/core/system_info.h"
 #include "moecore/data/tokenizer.h"
+#include "moecore/parallel/parallel_config.h"
 #include "moecore/train/pipeline.h"
 
 namespace moecore {
@@ -90,7 +91,10 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_string("tensorboard-dir", &a.tensorboard_dir, "write TensorBoard event files here");
   f.add_string("metrics-file", &a.metrics_file, "JSONL metrics file (default: <save>/metrics.jsonl when --save is set)");
   f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda:<local rank> when present)");
-  f.add_int("tensor-model-parallel-size", &a.tp, "tensor parallelism (only 1 in this version)");
+  f.add_int("tensor-model-parallel-size", &a.tp,
+            "tensor parallelism: ranks that split attention heads, MLP features and the vocabulary");
+  f.add_bool("sequence-parallel", &a.sequence_parallel,
+             "with tensor parallelism: norms, residuals and MoE layers on 1/TP of each sequence (needed with MoE)");
   f.add_int("pipeline-model-parallel-size", &a.pp, "pipeline stages (1F1B schedule; divides the ranks and --num-layers)");
   f.add_int("num-layers-per-virtual-pipeline-stage", &a.layers_per_virtual_stage,
             "layers per virtual pipeline stage (each rank holds several model chunks; 0: none)");
@@ -100,7 +104,8 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
             "layers of the first pipeline stage (uneven stages: the other stages share the rest evenly; 0: even)");
   f.add_int("decoder-last-pipeline-num-layers", &a.last_stage_layers,
             "layers of the last pipeline stage (uneven stages: the other stages share the rest evenly; 0: even)");
-  f.add_int("context-parallel-size", &a.cp, "context parallelism (only 1 in this version)");
+  f.add_int("context-parallel-size", &a.cp,
+            "context parallelism: ranks that split each sequence (2 x CP chunks, load-balanced for causal attention)");
   f.add_int("expert-model-parallel-size", &a.ep, "expert parallelism: ranks that split the experts (divides the world)");
   f.add_int("expert-tensor-parallel-size", &a.etp, "expert tensor parallelism: ranks that split each expert's FFN");
   f.add_bool("use-distributed-optimizer", &a.use_distributed_optimizer,
@@ -323,16 +328,41 @@ void finalize_train_args(TrainArgs& a) {
   a.local_rank = env.local_rank;
   for (const auto& [flag, size] : {std::pair<const char*, int64_t>{"--tensor-model-parallel-size", a.tp},
                                    {"--pipeline-model-parallel-size", a.pp}, {"--context-parallel-size", a.cp},
-                                   {"--expert-model-parallel-size", a.ep}, {"--expert-tensor-parallel-size", a.etp}}) {
+                                   {"--expert-model-parallel-size", a.ep}, {"--expert-tensor-parallel-size", a.etp}})
     MC_CHECK(size >= 1, flag, " ", size, " must be >= 1");
-    MC_CHECK(size == 1 || std::string(flag) == "--expert-model-parallel-size" ||
-                 std::string(flag) == "--pipeline-model-parallel-size" || std::string(flag) == "--expert-tensor-parallel-size",
-             flag, " ", size,
-             " is not available in this version: it runs data, pipeline, expert and expert-tensor parallelism "
-             "(--pipeline-model-parallel-size, --expert-model-parallel-size, --expert-tensor-parallel-size)");
-  }
-  MC_CHECK(a.world % a.pp == 0, "--pipeline-model-parallel-size ", a.pp, " does not divide the ", a.world,
+  MC_CHECK(a.ep == 1 || e.num_experts > 0, "--expert-model-parallel-size ", a.ep, " needs an MoE model (--num-experts)");
+  MC_CHECK(a.etp == 1 || e.num_experts > 0, "--expert-tensor-parallel-size ", a.etp, " needs an MoE model (--num-experts)");
+  MC_CHECK(a.world % (a.tp * a.cp * a.pp) == 0, "--tensor-model-parallel-size ", a.tp, " x --context-parallel-size ",
+           a.cp, " x --pipeline-model-parallel-size ", a.pp, " does not divide the ", a.world,
            " launched ranks; expected a divisor of the world size");
+  MC_CHECK(a.world % (a.etp * a.ep * a.pp) == 0, "--expert-model-parallel-size ", a.ep,
+           " x --expert-tensor-parallel-size ", a.etp, " x --pipeline-model-parallel-size ", a.pp, " does not divide the ",
+           a.world, " launched ranks; expected a divisor of the world size");
+  {  // The layout as process groups (Megatron's rules: order, pp placement, sizes vs the model).
+    parallel::ParallelConfig layout;
+    layout.world = a.world;
+    layout.tp = a.tp;
+    layout.cp = a.cp;
+    layout.pp = a.pp;
+    layout.ep = a.ep;
+    layout.etp = a.etp;
+    parallel::validate(layout, parallel::ModelDims{});
+  }
+  MC_CHECK(m.num_attention_heads % a.tp == 0 && m.kv_heads() % a.tp == 0, "--tensor-model-parallel-size ", a.tp,
+           " must divide --num-attention-heads ", m.num_attention_heads, " and the ", m.kv_heads(),
+           " query groups (--num-query-groups)");
+  MC_CHECK(m.vocab_size % a.tp == 0, "--tensor-model-parallel-size ", a.tp, " does not divide the vocabulary of ",
+           m.vocab_size, " (--vocab-size, or the tokenizer's padded by --make-vocab-size-divisible-by)");
+  MC_CHECK(m.ffn_hidden_size % a.tp == 0 && e.shared_expert_size % a.tp == 0, "--tensor-model-parallel-size ", a.tp,
+           " must divide --ffn-hidden-size ", m.ffn_hidden_size, " and --moe-shared-expert-intermediate-size ",
+           e.shared_expert_size);
+  MC_CHECK(a.cp == 1 || m.seq_length % (2 * a.cp) == 0, "--seq-length ", m.seq_length,
+           " must be divisible by 2 x --context-parallel-size = ", 2 * a.cp, " (two chunks per rank)");
+  if (a.tp == 1) a.sequence_parallel = false;  // Megatron: nothing to split over one rank
+  MC_CHECK(!a.sequence_parallel || (m.seq_length / a.cp) % a.tp == 0, "--sequence-parallel: --seq-length ",
+           m.seq_length, " / --context-parallel-size ", a.cp, " must be divisible by --tensor-model-parallel-size ", a.tp);
+  MC_CHECK(e.num_experts == 0 || a.tp == 1 || a.sequence_parallel, "MoE layers with --tensor-model-parallel-size ",
+           a.tp, " need --sequence-parallel (as in Megatron-Core)");
   const bool uneven = a.first_stage_layers != 0 || a.last_stage_layers != 0;
   MC_CHECK(uneven || a.model.num_layers % a.pp == 0, "--num-layers ", a.model.num_layers,
            " is not divisible by --pipeline-model-parallel-size ", a.pp,
@@ -361,11 +391,6 @@ void finalize_train_args(TrainArgs& a) {
            " is not available in this version");
   MC_CHECK(!(a.overlap_grad_reduce && a.use_distributed_optimizer), "--overlap-grad-reduce with "
            "--use-distributed-optimizer is not available in this version; pass one of them");
-  MC_CHECK(a.ep == 1 || e.num_experts > 0, "--expert-model-parallel-size ", a.ep, " needs an MoE model (--num-experts)");
-  MC_CHECK(a.etp == 1 || e.num_experts > 0, "--expert-tensor-parallel-size ", a.etp, " needs an MoE model (--num-experts)");
-  MC_CHECK(a.data_parallel_size() % (a.ep * a.etp) == 0, "--expert-model-parallel-size ", a.ep,
-           " x --expert-tensor-parallel-size ", a.etp, " does not divide the ", a.data_parallel_size(),
-           " data-parallel ranks (", a.world, " launched / ", a.pp, " pipeline stages); expected a divisor");
   MC_CHECK(a.etp == 1 || e.ffn_hidden_size % a.etp == 0, "--moe-ffn-hidden-size ", e.ffn_hidden_size,
            " is not divisible by --expert-tensor-parallel-size ", a.etp);
   MC_CHECK(e.num_experts % a.ep == 0, "--num-experts ", e.num_experts, " is not divisible by --expert-model-parallel-size ",

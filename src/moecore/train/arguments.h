@@ -39,11 +39,11 @@ struct TrainArgs {
   int64_t save_interval = 0;
   std::string device_text;  // "" = cuda when present, else cpu
   bool override_opt_param_scheduler = false;  // resume with other learning-rate settings
-  // Parallelism (Megatron's flags). The launched ranks (mpirun/srun) form world = DP x PP
-  // (pipeline stages of equal layer counts unless uneven, pp slowest in the order), with expert parallelism
-  // folded over each stage's data-parallel ranks (EP divides DP; EDP = DP / EP). TP, CP and ETP
-  // are validated and refused above 1 until the 4-D parallelism work implements them.
+  // Parallelism (Megatron's flags, Parallel Folding). The launched ranks (mpirun/srun/torchrun)
+  // form world = TP x CP x DP x PP for attention and the dense layers and, independently,
+  // world = ETP x EP x EDP x PP for the experts (parallel/rank_generator.h, order tp-cp-ep-dp-pp).
   int64_t tp = 1, pp = 1, cp = 1, ep = 1, etp = 1;
+  bool sequence_parallel = false;  // with tp > 1
   int64_t layers_per_virtual_stage = 0, virtual_stages_per_rank = 0;  // 0: no virtual stages
   // --decoder-first/last-pipeline-num-layers: uneven stages (0: not given; stage_layers in pipeline.h)
   int64_t first_stage_layers = 0, last_stage_layers = 0;
@@ -62,7 +62,7 @@ struct TrainArgs {
   int64_t make_vocab_size_divisible_by = 128;
 
   int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }  // over all DP ranks
-  int64_t data_parallel_size() const { return world / pp; }
+  int64_t data_parallel_size() const { return world / (pp * tp * cp); }
   // Model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage or
   // --num-virtual-stages-per-pipeline-rank; 1 without virtual stages).
   int64_t virtual_stages() const {

@@ -19,14 +19,9 @@ double squares(const Tensor& t) {
 // A host scalar summed over a group (f64 through MPI, f32 through NCCL).
 double sum_over(comm::Communicator* c, double v) {
   if (!c) return v;
-  if (c->device().is_cpu()) {
-    Tensor t = Tensor::from_vector(std::vector<double>{v}, {1});
-    c->all_reduce(t, comm::ReduceOp::Sum);
-    return t.to_vector<double>()[0];
-  }
-  Tensor t = Tensor::from_vector(std::vector<float>{static_cast<float>(v)}, {1}).to(c->device());
-  c->all_reduce(t, comm::ReduceOp::Sum);
-  return t.to_vector<float>()[0];
+  std::vector<double> values = {v};
+  comm::all_reduce_host(*c, values);
+  return values[0];
 }
 
 void scale(Tensor& t, double factor) {
@@ -146,7 +141,20 @@ void Optimizer::reduce_range(bool expert, Range r) {
   if (expert) {
     if (groups_.edp) groups_.edp->all_reduce(slice, comm::ReduceOp::Sum);
   } else if (groups_.dp) {
-    groups_.dp->all_reduce(slice, comm::ReduceOp::Avg);
+    groups_.dp->all_reduce(slice, dense_averages() ? comm::ReduceOp::Avg : comm::ReduceOp::Sum);
+  }
+}
+
+void Optimizer::reduce_tensor_parallel(int64_t layer) {
+  if (!groups_.tp) return;
+  const auto& params = store_.all();
+  tp_done_.resize(params.size(), false);
+  const std::string prefix = layer >= 0 ? "decoder.layers." + std::to_string(layer) + "." : "";
+  for (size_t i = 0; i < params.size(); ++i) {
+    Param& p = *params[i];
+    if (!p.trainable || !p.tp_partial_grad || tp_done_[i] || p.name.rfind(prefix, 0) != 0) continue;
+    groups_.tp->all_reduce(p.grad, comm::ReduceOp::Sum);
+    tp_done_[i] = true;
   }
 }
 
@@ -157,6 +165,36 @@ void Optimizer::reduce_tied_embedding() {
 }
 
 double Optimizer::dense_squares(const Tensor& t, int64_t t_begin) {
+  if (groups_.tp) {
+    // Per parameter: a TP part counts fully, a replicated parameter 1 / TP (every TP rank holds
+    // it), the tied copy of the last stage not at all. One device result per parameter, read once.
+    const int64_t n = t.numel(), end = t_begin + n;
+    std::vector<double> weights;
+    std::vector<Overlap> ranges;
+    for (const auto& p : store_.all()) {
+      if (!p->trainable || p->expert) continue;
+      const int64_t offset = store_.grad_offset(*p);
+      const Overlap o = overlap(offset, numel(*p), t_begin, end);
+      if (o.empty() || (!tied_counted_ && offset == tied_.begin)) continue;
+      ranges.push_back(o);
+      weights.push_back(p->part_size > 1 ? 1.0 : 1.0 / static_cast<double>(groups_.tp->size()));
+    }
+    if (ranges.empty()) return 0.0;
+    Tensor results = Tensor::zeros({static_cast<int64_t>(ranges.size())}, t.dtype(), t.device());
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      Tensor out = results.slice(0, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
+      ops::sum_squares(t.slice(0, ranges[i].lo - t_begin, ranges[i].hi - t_begin), out);
+    }
+    std::vector<double> v;
+    if (t.dtype() == DType::F64) {
+      v = results.to_vector<double>();
+    } else {
+      for (float f : results.to_vector<float>()) v.push_back(f);
+    }
+    double total = 0;
+    for (size_t i = 0; i < v.size(); ++i) total += weights[i] * v[i];
+    return total;
+  }
   if (tied_counted_ || tied_.end <= tied_.begin) return squares(t);
   // Leave out the tied copy's elements (the first stage counts them).
   const int64_t n = t.numel();
@@ -166,6 +204,7 @@ double Optimizer::dense_squares(const Tensor& t, int64_t t_begin) {
 
 void Optimizer::layer_ready(int64_t layer) {
   if (!overlap_) return;
+  reduce_tensor_parallel(layer);  // on the compute stream, before the data-parallel reduction
   const size_t l = static_cast<size_t>(layer);
   const Range dense = l < layer_dense_.size() ? layer_dense_[l] : Range{};
   const Range expert = l < layer_expert_.size() ? layer_expert_[l] : Range{};
@@ -185,6 +224,10 @@ void Optimizer::layer_ready(int64_t layer) {
 
 void Optimizer::reduce_gradients() {
   const double expert_scale = 1.0 / static_cast<double>(groups_.dp_size);
+  // Dense: an average over DP; with CP a sum over DP x CP, then this factor.
+  const double dense_scale = dense_averages() ? 1.0 : 1.0 / static_cast<double>(groups_.dp_size);
+  reduce_tensor_parallel(-1);
+  tp_done_.assign(tp_done_.size(), false);
   if (overlap_) {
     // Everything not reduced during the backward: the complement of the done ranges.
     for (bool expert : {false, true}) {
@@ -220,11 +263,15 @@ void Optimizer::reduce_gradients() {
     done_dense_.clear();
     done_expert_.clear();
     scale(store_.expert_grad_buffer(), expert_scale);
+    scale(store_.grad_buffer(), dense_scale);
     return;
   }
   reduce_tied_embedding();
   if (!distributed_) {
-    if (groups_.dp && store_.grad_buffer().numel() > 0) groups_.dp->all_reduce(store_.grad_buffer(), comm::ReduceOp::Avg);
+    if (groups_.dp && store_.grad_buffer().numel() > 0) {
+      groups_.dp->all_reduce(store_.grad_buffer(), dense_averages() ? comm::ReduceOp::Avg : comm::ReduceOp::Sum);
+      scale(store_.grad_buffer(), dense_scale);
+    }
     if (store_.expert_grad_buffer().numel() > 0) {
       if (groups_.edp) groups_.edp->all_reduce(store_.expert_grad_buffer(), comm::ReduceOp::Sum);
       scale(store_.expert_grad_buffer(), expert_scale);
@@ -236,26 +283,26 @@ void Optimizer::reduce_gradients() {
     Tensor& buffer = expert ? store_.expert_grad_buffer() : store_.grad_buffer();
     if (buffer.numel() == 0) continue;
     if (s.group) s.group->reduce_scatter(buffer, s.grad, comm::ReduceOp::Sum);  // else s.grad is the buffer
-    scale(s.grad, expert ? expert_scale : 1.0 / static_cast<double>(s.group ? s.group->size() : 1));
+    scale(s.grad, expert ? expert_scale : 1.0 / static_cast<double>(groups_.dp_size));
   }
 }
 
 double Optimizer::grad_norm_sq() {
   if (!distributed_)
-    return sum_over(groups_.pp, dense_squares(store_.grad_buffer(), 0) +
+    return sum_over(groups_.pp, sum_over(groups_.tp, dense_squares(store_.grad_buffer(), 0)) +
                                     sum_over(groups_.ep, sum_over(groups_.etp, squares(store_.expert_grad_buffer()))));
-  const double dense = sum_over(dense_.group, dense_squares(dense_.grad, dense_.begin));
+  const double dense = sum_over(groups_.tp, sum_over(dense_.group, dense_squares(dense_.grad, dense_.begin)));
   return sum_over(groups_.pp,
                   dense + sum_over(groups_.ep, sum_over(groups_.etp, sum_over(expert_.group, squares(expert_.grad)))));
 }
 
 double Optimizer::params_norm_sq() {
   if (sharded_masters_) {
-    const double dense = sum_over(dense_.group, dense_squares(dense_.master, dense_.begin));
+    const double dense = sum_over(groups_.tp, sum_over(dense_.group, dense_squares(dense_.master, dense_.begin)));
     return sum_over(groups_.pp,
                     dense + sum_over(groups_.ep, sum_over(groups_.etp, sum_over(expert_.group, squares(expert_.master)))));
   }
-  return sum_over(groups_.pp, dense_squares(store_.master_buffer(), 0) +
+  return sum_over(groups_.pp, sum_over(groups_.tp, dense_squares(store_.master_buffer(), 0)) +
                                   sum_over(groups_.ep, sum_over(groups_.etp, squares(store_.expert_master_buffer()))));
 }
 
@@ -309,12 +356,15 @@ void Optimizer::skip() { store_.zero_grad(); }
 
 Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
   Tensor mine = local.contiguous();
-  if (p.etp_size > 1) {  // this rank's experts whole: every ETP part, assembled
+  if (p.part_size > 1) {  // this rank's experts (or dense tensor) whole: every ETP (TP) part, assembled
     Shape parts_shape = p.shape;
-    parts_shape[0] *= p.etp_size;
+    parts_shape[0] *= p.part_size;
     Tensor parts = Tensor::empty(parts_shape, local.dtype(), local.device());
-    groups_.etp->all_gather(mine, parts);
-    mine = etp_assemble(p, parts).to(local.device());
+    comm::Communicator* group = p.expert ? groups_.etp : groups_.tp;
+    MC_CHECK(group && group->size() == p.part_size, "'", p.name, "' is split in ", p.part_size,
+             " parts but its group has ", group ? group->size() : 1, " ranks");
+    group->all_gather(mine, parts);
+    mine = part_assemble(p, parts).to(local.device());
   }
   if (!is_expert_group_split(p)) return mine;
   Tensor full = Tensor::empty(p.full_shape(), local.dtype(), local.device());
@@ -359,8 +409,8 @@ std::vector<NamedTensor> Optimizer::full_state(bool keep) {
 void Optimizer::load(const TensorFetch& fetch, bool model_only) {
   // This rank's rows of a full tensor, on the model's device.
   auto local_rows = [&](const Param& p, const Tensor& full) {
-    const Tensor rows = full.slice(0, p.row_offset, p.row_offset + p.shape[0]).contiguous();
-    return (p.etp_size > 1 ? etp_take(p, rows) : rows).to(store_.device());
+    const Tensor rows = p.expert ? full.slice(0, p.row_offset, p.row_offset + p.shape[0]).contiguous() : full;
+    return (p.part_size > 1 ? part_take(p, rows) : rows).to(store_.device());
   };
   for (const auto& p : store_.all()) {
     const DType dt = store_.master_dtype();

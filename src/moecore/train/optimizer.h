@@ -2,7 +2,12 @@
 // norm, AdamW, and the full (layout-independent) state for checkpoints.
 //
 // Gradients live in two flat buffers of the ParamStore (dense, expert; model/params.h).
-//   dense  gradients: averaged over the data-parallel group (DP; x CP once CP exists)
+//   dense  gradients: summed over the DP x CP group and divided by DP (an average over DP: each
+//                     CP rank holds its chunks' part of the whole-sequence loss gradient).
+//                     Tensor parallelism: parameters marked tp_partial_grad (sequence-parallel
+//                     norms, router, row-parallel biases, q/k norms) are first summed over TP
+//                     (before the data-parallel reduction, for --overlap-grad-reduce as each
+//                     layer finishes, on the compute stream).
 //   expert gradients: summed over the expert-data-parallel group (EDP) and scaled by 1 / DP:
 //                     each expert already received the tokens of its whole EP group through
 //                     the dispatcher, so EDP x EP = DP ranks' tokens enter once (Megatron's
@@ -30,7 +35,8 @@
 // scale. Each element is reduced exactly once (checked).
 //
 // Norms: the squared gradient norm sums each element of the model once: dense from the
-// reduced dense gradients (or shards, summed over DP), experts summed over EP (and EDP shards).
+// reduced dense gradients (or shards, summed over DP), experts summed over EP (and EDP shards);
+// with TP, split dense parameters are summed over TP and replicated ones counted once.
 // Tied embeddings (groups.embedding): reduce_gradients() first sums the word-embedding gradient
 // of the first and last stage over the embedding group (before the data-parallel reduction, on
 // the whole local gradient: the stages' shard layouts differ), so both copies take the same step;
@@ -50,7 +56,8 @@
 namespace moecore {
 
 struct OptimizerGroups {
-  comm::Communicator* dp = nullptr;   // dense parameters' data-parallel group (null: one rank)
+  comm::Communicator* dp = nullptr;   // dense parameters' gradient group: DP x CP (null: one rank)
+  comm::Communicator* tp = nullptr;   // the tensor-parallel group (null: TP = 1)
   comm::Communicator* edp = nullptr;  // expert parameters' data-parallel group (null: one rank)
   comm::Communicator* ep = nullptr;   // the expert-parallel group (null: every expert here)
   comm::Communicator* pp = nullptr;   // the pipeline group: norms sum over the stages
@@ -58,7 +65,7 @@ struct OptimizerGroups {
   // Tied embeddings with pipeline stages: the first (rank 0) and last (rank 1) stage of this
   // pipeline, both holding embedding.word_embeddings.weight (null: not on such a stage).
   comm::Communicator* embedding = nullptr;
-  int64_t dp_size = 1;
+  int64_t dp_size = 1;  // DP: dense gradients are summed over `dp` and divided by it
 };
 
 struct AdamHyper {
@@ -126,7 +133,14 @@ class Optimizer {
   Range tied_{};
   bool tied_counted_ = true;
   void reduce_tied_embedding();
-  double dense_squares(const Tensor& t, int64_t t_begin);  // t = dense elements [t_begin, ...)
+  // TP: sums the tp_partial_grad gradients of decoder layer `layer` (-1: every parameter not done yet).
+  void reduce_tensor_parallel(int64_t layer);
+  std::vector<bool> tp_done_;  // per store parameter, this step
+  // Squares of t = dense elements [t_begin, ...), counting what this rank must count; with TP the
+  // caller sums the result over TP (replicated parameters enter with weight 1 / TP).
+  double dense_squares(const Tensor& t, int64_t t_begin);
+  // Dense reductions are plain averages (the gradient group is the DP group itself).
+  bool dense_averages() const { return !groups_.dp || groups_.dp->size() == groups_.dp_size; }
 };
 
 }  // namespace moecore

@@ -74,7 +74,7 @@ double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
   const ModelConfig& cfg = model.config();
   // Shape and dtype of every transfer: the hidden states of one micro-batch.
   const Batch probe = step.batch(0);
-  const Shape act_shape{probe.tokens.numel(), cfg.hidden_size};
+  const Shape act_shape{model.hidden_rows(probe.tokens), cfg.hidden_size};
   const Device dev = probe.tokens.device();
   const DType act_dtype = model.compute_dtype();
 
@@ -141,7 +141,7 @@ double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
 namespace {
 
 Tensor hidden_like(const GPTModel& m, const Batch& b) {
-  return Tensor::empty({b.tokens.numel(), m.config().hidden_size}, m.compute_dtype(), b.tokens.device());
+  return Tensor::empty({m.hidden_rows(b.tokens), m.config().hidden_size}, m.compute_dtype(), b.tokens.device());
 }
 
 }  // namespace
@@ -323,7 +323,7 @@ double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineSt
   const GPTModel& any = *chunks[0];
   auto hidden = [&](int64_t m) {
     const Batch& b = batches[static_cast<size_t>(m)];
-    return Tensor::empty({b.tokens.numel(), any.config().hidden_size}, any.compute_dtype(), b.tokens.device());
+    return Tensor::empty({any.hidden_rows(b.tokens), any.config().hidden_size}, any.compute_dtype(), b.tokens.device());
   };
   std::vector<std::vector<GPTModel::Ctx>> ctx(static_cast<size_t>(v), std::vector<GPTModel::Ctx>(static_cast<size_t>(micro)));
   // Received tensors waiting for their operation: inputs [chunk][micro], output gradients [chunk][micro].

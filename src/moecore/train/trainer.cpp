@@ -19,6 +19,7 @@
 #include "moecore/ops/elementwise.h"
 #include "moecore/train/data_source.h"
 #include "moecore/model/gpt.h"
+#include "moecore/model/tensor_parallel.h"
 #include "moecore/ops/adamw.h"
 #include "moecore/ops/reduce.h"
 #include "moecore/train/checkpoint.h"
@@ -69,33 +70,13 @@ AllocatorStats memory_stats(Device d) {
 // Data-parallel helpers: a null communicator means one rank.
 double average_over_ranks(comm::Communicator* c, double v) {
   if (!c) return v;
-  // MPI reduces f64 exactly; NCCL here takes f32 (the loss for the log, not for the update).
-  const DType dt = c->device().is_cpu() ? DType::F64 : DType::F32;
-  Tensor t = Tensor::empty({1}, dt, c->device());
-  if (dt == DType::F64) {
-    t.copy_from(Tensor::from_vector(std::vector<double>{v}, {1}));
-  } else {
-    t.copy_from(Tensor::from_vector(std::vector<float>{static_cast<float>(v)}, {1}).to(c->device()));
-  }
-  c->all_reduce(t, comm::ReduceOp::Avg);
-  return dt == DType::F64 ? t.to_vector<double>()[0] : t.to_vector<float>()[0];
+  std::vector<double> values = {v};
+  comm::all_reduce_host(*c, values, comm::ReduceOp::Avg);  // f64 through MPI, f32 through NCCL (for the log)
+  return values[0];
 }
 
 void sum_over_ranks(comm::Communicator* c, std::vector<double>& v) {
-  if (!c || v.empty()) return;
-  Tensor t = Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
-  if (c->device().is_cuda()) {
-    Tensor f = Tensor::empty(t.shape(), DType::F32, Device::cpu());
-    ops::cast(t, f);
-    t = f.to(c->device());  // token counts: exact in f32 up to 2^24
-  }
-  c->all_reduce(t, comm::ReduceOp::Sum);
-  if (t.dtype() == DType::F64) {
-    v = t.to_vector<double>();
-  } else {
-    const std::vector<float> f = t.to_vector<float>();
-    for (size_t i = 0; i < v.size(); ++i) v[i] = f[i];
-  }
+  if (c) comm::all_reduce_host(*c, v);  // token counts: exact in f32 up to 2^24
 }
 
 // Every rank must run the same configuration: compare a hash of the flag values.
@@ -207,6 +188,8 @@ int run_training(const TrainArgs& args) {
   layout_cfg.ep = args.ep;
   layout_cfg.pp = args.pp;
   layout_cfg.etp = args.etp;
+  layout_cfg.tp = args.tp;
+  layout_cfg.cp = args.cp;
   const parallel::ProcessGroupLayout layout = parallel::layout_for_rank(layout_cfg, args.rank);
   // own: a communicator of its own even when the group is the whole world (EP all-to-alls run on
   // the compute stream while --overlap-grad-reduce uses the world on the communication stream;
@@ -221,8 +204,16 @@ int run_training(const TrainArgs& args) {
   // Every rank creates its groups in the same order (NCCL bootstraps them collectively).
   comm::Communicator* dp = group(layout.dp, false);
   comm::Communicator* pp = group(layout.pp, true);
+  // Tensor and context parallelism: their own communicators (sequence-parallel and attention
+  // collectives run on the compute stream); dense gradients reduce over DP x CP.
+  comm::Communicator* tp = group(layout.tp, true);
+  comm::Communicator* cp = group(layout.cp, true);
+  comm::Communicator* dp_cp = args.cp > 1 ? group(layout.dp_cp, false) : dp;
+  // The ranks sharing each sequence (MoE balancing counts): TP x CP.
+  comm::Communicator* token_group = args.tp > 1 && args.cp > 1 ? group(layout.tp_cp, true) : (tp ? tp : cp);
   OptimizerGroups groups;
-  groups.dp = dp;
+  groups.dp = dp_cp;
+  groups.tp = tp;
   groups.ep = group(layout.ep, true);
   groups.edp = group(layout.expt_dp, false);
   groups.pp = pp;
@@ -233,6 +224,8 @@ int run_training(const TrainArgs& args) {
   const int64_t stage = layout.pp_rank, stages = args.pp;
   const bool logger = args.rank == args.world - 1;  // Megatron logs from the last rank (last stage)
   const bool writer = args.rank == 0;               // and saves from the first
+  // The ranks that keep checkpoint tensors: the first of each stage's TP, CP and DP groups.
+  const bool keeper = dp_rank == 0 && layout.tp_rank == 0 && layout.cp_rank == 0;
   // Tied embeddings across pipeline stages: the first and last stage of each pipeline group sum
   // their word-embedding gradients (Megatron's embedding group). Every rank splits (NCCL over TCP
   // splits collectively over the world); a middle stage gets a group of its own, unused.
@@ -276,10 +269,15 @@ int run_training(const TrainArgs& args) {
   moe_par.aux_group = dp;
   moe_par.etp = groups.etp;
   moe_par.tp_ep = tp_ep;
+  moe_par.token_group = token_group;
+  DenseParallel dense_par;
+  dense_par.tp = tp;
+  dense_par.cp = cp;
+  dense_par.sequence_parallel = args.sequence_parallel;
   std::vector<std::unique_ptr<GPTModel>> chunk_models;
   std::vector<GPTModel*> chunks;
   for (const PipelineStage& st : chunk_stages) {
-    chunk_models.push_back(std::make_unique<GPTModel>(cfg, store, moe_par, st));
+    chunk_models.push_back(std::make_unique<GPTModel>(cfg, store, moe_par, st, dense_par));
     chunks.push_back(chunk_models.back().get());
   }
   GPTModel& model = *chunks.front();
@@ -315,6 +313,12 @@ int run_training(const TrainArgs& args) {
   }
 
   const int64_t micro = args.num_microbatches() / dp_size;  // micro-batches of this rank per step
+  // Context parallelism: this rank's two chunks of every sequence.
+  auto context_parallel_batch = [&](Batch b) {
+    if (args.cp == 1) return b;
+    return Batch{context_parallel_slice(b.tokens, args.cp, layout.cp_rank),
+                 context_parallel_slice(b.labels, args.cp, layout.cp_rank)};
+  };
   const int64_t tokens_per_step = args.global_batch_size * cfg.seq_length;
   const double flops_per_step = model_flops_per_step(cfg, tokens_per_step);
   // The whole model's parameter count, whichever experts, expert slices and stage this rank holds
@@ -344,6 +348,10 @@ int run_training(const TrainArgs& args) {
                 : micro % stages == 0 ? "virtual stages, interleaved 1F1B"
                                       : "virtual stages, all-forward-all-backward: micro-batches not divisible by the stages",
                 static_cast<long long>(dp_size));
+  if (logger && (args.tp > 1 || args.cp > 1))
+    std::printf("moecore train: tensor-parallel size %lld (%s), context-parallel size %lld\n",
+                static_cast<long long>(args.tp), args.sequence_parallel ? "sequence parallel" : "no sequence parallelism",
+                static_cast<long long>(args.cp));
   if (logger && (args.ep > 1 || args.etp > 1 || args.use_distributed_optimizer))
     std::printf("moecore train: expert-parallel size %lld (%lld experts per rank, %s dispatcher), expert-tensor-parallel "
                 "size %lld, expert-data-parallel size %lld, %s optimizer; %lld parameters on this rank\n",
@@ -367,11 +375,11 @@ int run_training(const TrainArgs& args) {
     if (args.save.empty()) return;
     // Collective (experts gathered over ETP and EP, Adam shards over DP); only the first
     // data-parallel rank of each stage keeps the tensors.
-    std::vector<NamedTensor> tensors = optimizer.full_state(dp_rank == 0);
+    std::vector<NamedTensor> tensors = optimizer.full_state(keeper);
     // The first data-parallel rank of every stage sends its stage's tensors to the writer.
     if (pp) {  // the tied word-embedding copy of the last stage stays out (the first stage's is written)
       std::erase_if(tensors, [&](const NamedTensor& t) { return !saves(t.name); });
-      if (dp_rank == 0) tensors = gather_stages(*pp, std::move(tensors));
+      if (keeper) tensors = gather_stages(*pp, std::move(tensors));
     }
     if (writer) {
       save_checkpoint(args.save, tensors, state);
@@ -387,8 +395,8 @@ int run_training(const TrainArgs& args) {
     // Megatron's order: micro-batch m of the step is [dp rank 0's samples | dp rank 1's | ...];
     // its seed is the same on every pipeline stage and equals the single-rank run's.
     auto batch_of = [&](int64_t m) {
-      return data.train->batch(state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size,
-                               args.micro_batch_size, dev);
+      return context_parallel_batch(data.train->batch(state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size,
+                                                      args.micro_batch_size, dev));
     };
     auto rng_of = [&](int64_t m) {
       return static_cast<uint64_t>(args.seed) * 0x100000001B3ull + static_cast<uint64_t>((it * micro + m) * dp_size + dp_rank);
@@ -418,9 +426,17 @@ int run_training(const TrainArgs& args) {
       }
     }
     optimizer.reduce_gradients();
-    if (dp) {
-      for (MoeLayer* l : moe_layers) {
-        MoeStepStats& s = l->mutable_stats();
+    for (MoeLayer* l : moe_layers) {
+      MoeStepStats& s = l->mutable_stats();
+      // Each rank of a sequence's TP x CP group holds its tokens' share of the counts and losses.
+      if (token_group) {
+        std::vector<double> shares = {s.aux_loss, s.z_loss};
+        comm::all_reduce_host(*token_group, shares);
+        s.aux_loss = shares[0];
+        s.z_loss = shares[1];
+        comm::all_reduce_host(*token_group, s.tokens_per_expert);
+      }
+      if (dp) {
         sum_over_ranks(dp, s.tokens_per_expert);  // the expert bias follows the global counts
         s.aux_loss = average_over_ranks(dp, s.aux_loss);
         s.z_loss = average_over_ranks(dp, s.z_loss);
@@ -558,7 +574,7 @@ int run_training(const TrainArgs& args) {
     if (args.eval_interval > 0 && data.valid && (it % args.eval_interval == 0 || it == args.train_iters)) {
       double vsum = 0;
       for (int64_t e = 0; e < args.eval_iters; ++e) {
-        const Batch b = data.valid->batch(e * args.micro_batch_size, args.micro_batch_size, dev);
+        const Batch b = context_parallel_batch(data.valid->batch(e * args.micro_batch_size, args.micro_batch_size, dev));
         GPTModel::Ctx ctx;
         if (!pp) {
           vsum += model.forward(b.tokens, b.labels, false, 0, ctx);

@@ -1,0 +1,67 @@
+// Tensor, sequence and context parallelism of the dense (attention) part of the model:
+// Megatron-Core's tensor_parallel mappings and its load-balanced context-parallel split.
+//
+// Token layouts. Activations are [T, H], T = B * s tokens, batch-major (each sequence's tokens
+// contiguous).
+//   Context parallelism (CP ranks, --context-parallel-size): every sequence of S tokens is cut
+//   into 2 CP chunks of c = S / (2 CP); rank r keeps chunks r and 2 CP - 1 - r, in that order
+//   (causal attention then costs the same on every rank), so its tokens are [B, 2c].
+//   Sequence parallelism (--sequence-parallel, TP ranks): outside attention and the MLP's
+//   column/row-parallel pair each TP rank keeps the slice [t s/TP, (t+1) s/TP) of every
+//   sequence's (CP-local) tokens, i.e. [B, s/TP]; norms, residuals and the MoE layer run on it.
+// Regions around a column-parallel ... row-parallel pair (Megatron's f and g):
+//   enter_*  before the column-parallel layer: forward identity (no SP) or all-gather along the
+//            sequence (SP); backward all-reduce (no SP) or reduce-scatter along the sequence.
+//   exit_*   after the row-parallel layer (its output is a partial sum over TP): forward
+//            all-reduce (no SP) or reduce-scatter along the sequence; backward identity or
+//            all-gather.
+// With B > 1 a sequence gather is an all-gather into [TP, B, s/TP, ...] reordered to
+// [B, s, ...] (and the reverse before a reduce-scatter): one extra copy; none for B = 1.
+#pragma once
+
+#include <cstdint>
+
+#include "moecore/comm/communicator.h"
+#include "moecore/core/tensor.h"
+
+namespace moecore {
+
+// Rows [B*s, ...] of the ranks of `group`, each holding [B, s] of every sequence -> [B*n*s, ...]
+// in sequence order (rank r's slice at [r s, (r+1) s) of each sequence).
+Tensor gather_sequence(comm::Communicator& group, const Tensor& x, int64_t batch);
+// The reverse, summed: x [B*n*s, ...] (every rank a partial sum) -> this rank's [B*s, ...].
+Tensor reduce_scatter_sequence(comm::Communicator& group, const Tensor& x, int64_t batch);
+// This rank's slice [B, s/n] of x [B*s, ...] (no communication).
+Tensor split_sequence(const Tensor& x, int64_t batch, int64_t parts, int64_t part);
+
+struct DenseParallel {
+  comm::Communicator* tp = nullptr;  // tensor-parallel group (null: TP = 1)
+  comm::Communicator* cp = nullptr;  // context-parallel group (null: CP = 1)
+  bool sequence_parallel = false;    // with TP > 1
+  int64_t tp_size() const { return tp ? tp->size() : 1; }
+  int64_t tp_rank() const { return tp ? tp->rank() : 0; }
+  int64_t cp_size() const { return cp ? cp->size() : 1; }
+  int64_t cp_rank() const { return cp ? cp->rank() : 0; }
+  bool sp() const { return sequence_parallel && tp != nullptr; }
+  // Tokens of this rank between the blocks, given the CP-local tokens of the micro-batch.
+  int64_t local_tokens(int64_t cp_tokens) const { return sp() ? cp_tokens / tp_size() : cp_tokens; }
+
+  Tensor enter_forward(const Tensor& x, int64_t batch) const;
+  Tensor enter_backward(const Tensor& dx, int64_t batch) const;
+  Tensor exit_forward(const Tensor& y, int64_t batch) const;
+  Tensor exit_backward(const Tensor& dy, int64_t batch) const;
+};
+
+// Context parallelism: the global position of this rank's chunk i (0 or 1) of c tokens.
+inline int64_t cp_chunk_start(int64_t chunk_len, int64_t cp_size, int64_t cp_rank, int chunk) {
+  return (chunk == 0 ? cp_rank : 2 * cp_size - 1 - cp_rank) * chunk_len;
+}
+// This rank's tokens of t [B, S] (any dtype, any device): [B, 2c], chunks r and 2CP-1-r.
+Tensor context_parallel_slice(const Tensor& t, int64_t cp_size, int64_t cp_rank);
+
+// Sequence ranges of [B, S, ...] tensors (dimension 1) as packed tensors, and back.
+Tensor seq_range(const Tensor& t, int64_t begin, int64_t end);        // -> [B, end - begin, ...]
+void seq_assign(Tensor& dst, int64_t begin, const Tensor& src);        // dst[:, begin:begin+L] = src
+void seq_accumulate(Tensor& dst, int64_t begin, const Tensor& src);    // dst[:, begin:begin+L] += src
+
+}  // namespace moecore
