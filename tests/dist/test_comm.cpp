@@ -148,6 +148,12 @@ void reduce_scatter_case(Communicator& c, uint64_t key, ReduceOp op) {
   c.reduce_scatter(in, out, op);
   expect_reduced(host<T>(out), op, key, all_ranks(c.size()), c.rank() * rows * cols,
                  std::string("reduce_scatter ") + dtype_name(dtype_of<T>));
+  // In place: the output is this rank's own rows of the input (NCCL's in-place form).
+  Tensor own = in.slice(0, c.rank() * rows, (c.rank() + 1) * rows);
+  in.copy_from(make<T>(key, c.rank(), {c.size() * rows, cols}, c.device()));  // the inputs again
+  c.reduce_scatter(in, own, op);
+  expect_reduced(host<T>(own), op, key, all_ranks(c.size()), c.rank() * rows * cols,
+                 std::string("in-place reduce_scatter ") + dtype_name(dtype_of<T>));
 }
 
 void check_reduce_scatter(Communicator& c) {

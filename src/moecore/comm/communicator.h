@@ -6,7 +6,8 @@
 // Shapes (all tensors contiguous, one dtype per call, n = size()):
 //   all_reduce(t, op)                t: any shape, reduced element-wise in place
 //   reduce_scatter(in, out, op)      in: [n*R, ...], out: [R, ...]; rank r gets reduced rows
-//                                    [r*R, (r+1)*R) of in
+//                                    [r*R, (r+1)*R) of in. out may be exactly those rows of in
+//                                    (in place); no other overlap
 //   all_gather(in, out)              in: [R, ...], out: [n*R, ...]; rows [r*R, (r+1)*R) of out
 //                                    come from rank r
 //   all_to_all(in, sc, out, rc)      in: [sum(sc), ...], out: [sum(rc), ...] (same trailing

@@ -254,9 +254,19 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op)
     const float scale = op == ReduceOp::Avg ? static_cast<float>(size_) : 1.0f;
     p.finish = [s_out, out, scale] { f32_to_bf16(s_out, out, scale); };
   } else {
-    MC_MPI_CHECK(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), n, mpi_type(in.dtype()), mpi_op(op, in.dtype()), comm_,
-                                           &p.request));
-    if (op == ReduceOp::Avg) p.finish = [out, size = size_] { divide(out, size); };
+    // In place (out = this rank's rows of in): MPI forbids overlapping buffers, so the result
+    // goes through a temporary.
+    const char* in_begin = static_cast<const char*>(in.data_ptr());
+    const char* out_begin = static_cast<const char*>(out.data_ptr());
+    const bool aliased = out_begin >= in_begin && out_begin < in_begin + in.nbytes();
+    Tensor result = aliased ? Tensor::empty(out.shape(), out.dtype()) : out;
+    MC_MPI_CHECK(MPI_Ireduce_scatter_block(in.data_ptr(), result.data_ptr(), n, mpi_type(in.dtype()),
+                                           mpi_op(op, in.dtype()), comm_, &p.request));
+    p.keep_alive.push_back(result);
+    p.finish = [out, result, aliased, avg = op == ReduceOp::Avg, size = size_]() mutable {
+      if (aliased) out.copy_from(result);
+      if (avg) divide(out, size);
+    };
   }
   issue(std::move(p));
 }

@@ -89,8 +89,9 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     const int64_t size = buffer.numel() / n;
     s.begin = r * size;
     s.end = s.begin + size;
-    // A group of one owns the whole buffer: its shard is the gradient buffer itself (no copy).
-    s.grad = s.group ? Tensor::zeros({size}, store_.master_dtype(), store_.device()) : buffer.slice(0, s.begin, s.end);
+    // The shard's gradients are this rank's slice of the gradient buffer: the reduce-scatter runs
+    // in place (no second copy of the shard; a group of one needs no communication at all).
+    s.grad = buffer.slice(0, s.begin, s.end);
     s.exp_avg = Tensor::zeros({size}, store_.master_dtype(), store_.device());
     s.exp_avg_sq = Tensor::zeros({size}, store_.master_dtype(), store_.device());
   }
@@ -282,7 +283,8 @@ void Optimizer::reduce_gradients() {
     Shard& s = expert ? expert_ : dense_;
     Tensor& buffer = expert ? store_.expert_grad_buffer() : store_.grad_buffer();
     if (buffer.numel() == 0) continue;
-    if (s.group) s.group->reduce_scatter(buffer, s.grad, comm::ReduceOp::Sum);  // else s.grad is the buffer
+    // In place; the buffer outside the shard keeps partial sums until zero_grad().
+    if (s.group) s.group->reduce_scatter(buffer, s.grad, comm::ReduceOp::Sum);
     scale(s.grad, expert ? expert_scale : 1.0 / static_cast<double>(groups_.dp_size));
   }
 }
