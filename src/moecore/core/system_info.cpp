@@ -65,10 +65,11 @@ nlohmann::json system_info() {
   return j;
 }
 
-int configure_host_threads(int local_ranks) {
+int configure_host_threads(int local_ranks, bool gpu) {
   if (local_ranks > 1) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int share = std::max(1, cores / local_ranks);
+    int share = std::max(1, cores / local_ranks);
+    if (gpu) share = std::min(share, kGpuRankHostThreads);
     if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(share);
     if (!std::getenv("OPENBLAS_NUM_THREADS")) openblas_set_num_threads(share);
   }

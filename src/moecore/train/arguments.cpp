@@ -322,7 +322,6 @@ void finalize_train_args(TrainArgs& a) {
   MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");
   // Ranks: data parallelism over every process the launcher started (world = DP).
   const comm::LaunchEnv env = comm::read_launch_env();
-  configure_host_threads(env.local_world);
   a.world = env.world;
   a.rank = env.rank;
   a.local_rank = env.local_rank;
@@ -415,6 +414,7 @@ void finalize_train_args(TrainArgs& a) {
                                                   : parse_device(a.device_text);
   // torchrun starts no MPI: its ranks talk through NCCL only, one GPU per local rank.
   comm::check_torchrun_devices(env, static_cast<int>(gpus), a.device, !a.device_text.empty());
+  configure_host_threads(env.local_world, a.device.is_cuda());
   // --bf16 on the CPU: bf16 weights and activations with fp32 masters and accumulation, as on a GPU
   // (slow; for testing the mixed-precision paths without one).
   MC_CHECK(!(e.router_fp64 && a.device.is_cuda()), "--moe-router-dtype fp64 is CPU-only; the GPU router runs in fp32");
