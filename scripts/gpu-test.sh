@@ -15,11 +15,22 @@ if ! cmake --build "$build" -j "$jobs" >"$build/build.log" 2>&1; then
 fi
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 log="$build/gpu-test.log"
-(cd "$build" && ctest -L gpu --output-on-failure --timeout 600) 2>&1 | tee "$log"
-total=$(grep -Eo "out of [0-9]+" "$log" | tail -1 | grep -Eo "[0-9]+")
-failed=$(grep -Eo "[0-9]+ tests failed" "$log" | tail -1 | grep -Eo "^[0-9]+")
+# With several GPUs the tests run as that many shards in parallel (ctest -I start,,stride), one
+# GPU each (CUDA_VISIBLE_DEVICES); GPU_TEST_SHARDS=1 runs them one after another on GPU 0.
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+shards=${GPU_TEST_SHARDS:-$gpus}
+[ "$shards" -ge 1 ] 2>/dev/null || shards=1
+total=0; failed=0; skipped=0
+for i in $(seq 1 "$shards"); do
+  (cd "$build" && CUDA_VISIBLE_DEVICES=$((i - 1)) ctest -L gpu -I "$i,,$shards" --output-on-failure --timeout 600) \
+    > "$log.$i" 2>&1 &
+done
+wait
+cat "$log".* > "$log"; rm -f "$log".*
+grep -E "Test +#|tests passed|tests failed|\*\*\*Failed|Skipped" "$log"
+for n in $(grep -Eo "out of [0-9]+" "$log" | grep -Eo "[0-9]+"); do total=$((total + n)); done
+for n in $(grep -Eo "[0-9]+ tests failed" "$log" | grep -Eo "^[0-9]+"); do failed=$((failed + n)); done
 skipped=$(grep -c "\*\*\*Skipped\| Skipped " "$log")
-total=${total:-0}; failed=${failed:-0}
 passed=$((total - failed - skipped))
 echo "gpu-test: ${passed} passed, ${failed} failed, ${skipped} skipped on ${card:-no GPU}"
 [ "$total" -gt 0 ] && [ "$failed" -eq 0 ] && [ "$skipped" -eq 0 ]
