@@ -20,7 +20,15 @@ gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMOECORE_CUDA=ON >/dev/null || exit 1
 cmake --build "$build" -j "$(nproc)" --target moecore_app moecore_dist_tests bench_comm >"$build/build-dist.log" 2>&1 ||
   { grep -E "error" -A3 "$build/build-dist.log" | head -40; echo "gpu-dist: build failed"; exit 1; }
-mpi() { local np=$1; shift; mpirun --allow-run-as-root -np "$np" -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 -x MOECORE_COMM_TIMERS "$@"; }
+# OMP_NUM_THREADS=4 per rank unless perf_default_threads=1 (then moecore's own default).
+mpi() {
+  local np=$1; shift
+  if [ "${perf_default_threads:-0}" = 1 ]; then
+    env -u OMP_NUM_THREADS -u OPENBLAS_NUM_THREADS mpirun --allow-run-as-root -np "$np" -x NCCL_NVLS_ENABLE -x MOECORE_COMM_TIMERS "$@"
+  else
+    mpirun --allow-run-as-root -np "$np" -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 -x MOECORE_COMM_TIMERS "$@"
+  fi
+}
 export MOECORE_COMM_TIMERS=${MOECORE_COMM_TIMERS:-0}
 passed=0; failed=0
 step() {  # name command...
@@ -65,6 +73,9 @@ if [ "$what" != check ]; then
   perf "PP=2 (1F1B)" 2 mixtral-small --pipeline-model-parallel-size 2
   perf "TP=2 +SP" 2 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel
   perf "CP=2" 2 mixtral-small --context-parallel-size 2
+  perf "DP=2, micro-batch 2 (the tokens per rank and micro-batch of TP=2/CP=2 with 4)" 2 mixtral-small --micro-batch-size 2
+  perf "CP=2, micro-batch 8 (DP=2's tokens per rank and micro-batch)" 2 mixtral-small --context-parallel-size 2 --micro-batch-size 8
+  perf "TP=2 +SP, micro-batch 8" 2 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 8
   perf "TP=2 +SP, EP=2 alltoall (folded)" 2 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
   if [ "$gpus" -ge 4 ]; then
     perf "DP=4" 4 mixtral-small
@@ -80,6 +91,9 @@ if [ "$what" != check ]; then
     perf "TP=2 +SP, CP=2, EP=4 alltoall" 4 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
     perf "16 layers, PP=4 (1F1B)" 4 mixtral-small --num-layers 16 --pipeline-model-parallel-size 4
     perf "16 layers, PP=4 x 2 virtual stages" 4 mixtral-small --num-layers 16 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2
+    perf "16 layers, PP=4 (1F1B), 16 micro-batches" 4 mixtral-small --num-layers 16 --pipeline-model-parallel-size 4 --micro-batch-size 1
+    perf "16 layers, PP=4 x 2 virtual stages (interleaved), 16 micro-batches" 4 mixtral-small --num-layers 16 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 --micro-batch-size 1
+    perf_default_threads=1 perf "EP=4 alltoall, default host threads" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
     MOECORE_COMM_TIMERS=1 perf "EP=4 alltoall, dispatch timers on" 4 mixtral-small --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
     perf "one GPU" 1 finegrained-small --micro-batch-size 4
     perf "EP=4 alltoall" 4 finegrained-small --micro-batch-size 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
