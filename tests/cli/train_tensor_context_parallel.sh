@@ -10,7 +10,8 @@
 #   Dense (biases, LayerNorm, learned positions, GQA 4/2, qk-layernorm, tied embeddings): TP2
 #   without SP, TP2+SP CP2, CP2 with DP2, bf16 with the distributed optimizer.
 # A checkpoint saved by TP2+SP CP2 EP2 resumes on one rank and on TP2 PP2, and one rank's on
-# TP2+SP CP2, to the uninterrupted single-rank losses. Refusals name their flags.
+# TP2+SP CP2, to the uninterrupted single-rank losses; `moecore generate` reads the TP/CP
+# checkpoint on one rank (the same greedy tokens). Refusals name their flags.
 set -euo pipefail
 bin=$1; src=$2; mpiexec=$3
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -56,7 +57,8 @@ layouts moe "" -- "2 $tp" "2 --context-parallel-size 2" "4 $tp --context-paralle
   "4 $tp --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather" \
   "8 $tp --context-parallel-size 2 --pipeline-model-parallel-size 2 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall" \
   "4 $tp --overlap-grad-reduce" "4 --context-parallel-size 2 --use-distributed-optimizer" \
-  "4 --context-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce"
+  "4 --context-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce" \
+  "2 --context-parallel-size 2 --overlap-grad-reduce" "2 $tp --overlap-grad-reduce"
 for extra in "--moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 1e-3" \
              "--moe-router-load-balancing-type global_aux_loss" \
              "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-router-score-function sigmoid --moe-router-enable-expert-bias"; do
@@ -88,7 +90,15 @@ run save 4 "${moe[@]}" "${sched[@]}" --train-iters 2 $tp --context-parallel-size
   --moe-token-dispatcher-type alltoall --save "$dir/ckpt-tp"
 resume_check "TP2+SP CP2 EP2 checkpoint" "$dir/ckpt-tp" 1
 resume_check "TP2+SP CP2 EP2 checkpoint" "$dir/ckpt-tp" 4 $tp --pipeline-model-parallel-size 2
+# generation reads the TP2+SP CP2 checkpoint on one rank: the same tokens as from the one-rank
+# checkpoint of the same run (greedy)
+"$bin" generate --load "$dir/ckpt-tp" --prompt-ids "1 2 3" --max-new-tokens 8 --temperature 0 --device cpu \
+  > "$dir/gen-tp.txt" 2>&1 || { cat "$dir/gen-tp.txt"; echo "FAIL: generate from a TP/CP checkpoint"; exit 1; }
 run save 1 "${moe[@]}" "${sched[@]}" --train-iters 2 --save "$dir/ckpt-one"
+"$bin" generate --load "$dir/ckpt-one" --prompt-ids "1 2 3" --max-new-tokens 8 --temperature 0 --device cpu \
+  > "$dir/gen-one.txt" 2>&1 || { cat "$dir/gen-one.txt"; exit 1; }
+cmp -s "$dir/gen-tp.txt" "$dir/gen-one.txt" || { diff "$dir/gen-tp.txt" "$dir/gen-one.txt"; echo "FAIL: generations differ"; exit 1; }
+echo "generate from the TP2+SP CP2 checkpoint: the one-rank checkpoint's tokens"
 resume_check "single-rank checkpoint" "$dir/ckpt-one" 4 $tp --context-parallel-size 2
 # refusals name the flag
 refuse() {  # expected-text np flags...

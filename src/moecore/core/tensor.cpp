@@ -1,5 +1,6 @@
 #include "moecore/core/tensor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -238,9 +239,17 @@ void Tensor::copy_from(const Tensor& src) {
              " needs contiguous tensors (or row-pitched ones on one device), got ", src.describe(), " into ",
              describe());
     const size_t es = dtype_size(dtype_);
-    MC_CUDA_CHECK(cudaMemcpy2DAsync(data_ptr(), static_cast<size_t>(d.pitch) * es, src.data_ptr(),
-                                    static_cast<size_t>(s.pitch) * es, static_cast<size_t>(d.width) * es,
-                                    static_cast<size_t>(d.rows), cudaMemcpyDeviceToDevice, stream));
+    const size_t dp = static_cast<size_t>(d.pitch) * es, sp = static_cast<size_t>(s.pitch) * es;
+    const size_t width = static_cast<size_t>(d.width) * es;
+    if (std::max(dp, sp) < (size_t{1} << 31)) {  // cudaMemcpy2D's pitch limit (cudaDevAttrMaxPitch)
+      MC_CUDA_CHECK(cudaMemcpy2DAsync(data_ptr(), dp, src.data_ptr(), sp, width, static_cast<size_t>(d.rows),
+                                      cudaMemcpyDeviceToDevice, stream));
+      return;
+    }
+    for (int64_t r = 0; r < d.rows; ++r)  // huge pitches: one copy per row
+      MC_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(data_ptr()) + static_cast<size_t>(r) * dp,
+                                    static_cast<const char*>(src.data_ptr()) + static_cast<size_t>(r) * sp, width,
+                                    cudaMemcpyDeviceToDevice, stream));
     return;
   }
   if (dd.is_cuda() && sd.is_cuda() && dd.index != sd.index) {

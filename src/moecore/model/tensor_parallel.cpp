@@ -13,7 +13,9 @@ Shape with_rows(const Tensor& t, int64_t rows) {
 }  // namespace
 
 Tensor gather_sequence(comm::Communicator& group, const Tensor& x, int64_t batch) {
-  const int64_t n = group.size(), rows = x.size(0), width = x.numel() / rows * (rows / batch);
+  const int64_t n = group.size(), rows = x.size(0);
+  MC_CHECK(rows % batch == 0, "gather_sequence: ", x.describe(), " does not split into ", batch, " sequences");
+  const int64_t width = x.numel() / rows * (rows / batch);
   Tensor gathered = Tensor::empty(with_rows(x, rows * n), x.dtype(), x.device());
   group.all_gather(x.contiguous(), gathered);
   if (batch == 1 || n == 1) return gathered;
@@ -46,15 +48,6 @@ Tensor reduce_scatter_sequence(comm::Communicator& group, const Tensor& x, int64
   Tensor out = Tensor::empty(with_rows(x, rows / n), x.dtype(), x.device());
   group.reduce_scatter(send, out, comm::ReduceOp::Sum);
   return out;
-}
-
-Tensor split_sequence(const Tensor& x, int64_t batch, int64_t parts, int64_t part) {
-  const int64_t rows = x.size(0);
-  MC_CHECK(rows % (parts * batch) == 0, "split_sequence: ", x.describe(), " does not split into ", batch,
-           " sequences of ", parts, " parts");
-  const int64_t width = x.numel() / rows * (rows / batch / parts);
-  return x.contiguous().view({batch, parts, width}).slice(1, part, part + 1).contiguous().view(
-      with_rows(x, rows / parts));
 }
 
 Tensor DenseParallel::enter_forward(const Tensor& x, int64_t batch) const {

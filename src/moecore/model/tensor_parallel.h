@@ -31,8 +31,6 @@ namespace moecore {
 Tensor gather_sequence(comm::Communicator& group, const Tensor& x, int64_t batch);
 // The reverse, summed: x [B*n*s, ...] (every rank a partial sum) -> this rank's [B*s, ...].
 Tensor reduce_scatter_sequence(comm::Communicator& group, const Tensor& x, int64_t batch);
-// This rank's slice [B, s/n] of x [B*s, ...] (no communication).
-Tensor split_sequence(const Tensor& x, int64_t batch, int64_t parts, int64_t part);
 
 struct DenseParallel {
   comm::Communicator* tp = nullptr;  // tensor-parallel group (null: TP = 1)

@@ -211,11 +211,17 @@ TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::st
   TrainArgs a;
   cli::FlagSet flags("moecore generate", "");
   register_train_flags(flags, a);
+  // Run-specific flags do not describe the model, and neither does the parallel layout: the
+  // checkpoint holds full tensors, read here by one rank.
+  static const char* const kNotModel[] = {"config", "load", "save", "tensorboard-dir", "metrics-file", "device",
+                                          "tensor-model-parallel-size", "sequence-parallel", "context-parallel-size",
+                                          "pipeline-model-parallel-size", "num-layers-per-virtual-pipeline-stage",
+                                          "num-virtual-stages-per-pipeline-rank", "decoder-first-pipeline-num-layers",
+                                          "decoder-last-pipeline-num-layers", "expert-model-parallel-size",
+                                          "expert-tensor-parallel-size", "use-distributed-optimizer",
+                                          "overlap-grad-reduce"};
   for (const auto& [name, value] : saved) {
-    // Run-specific flags do not describe the model.
-    if (name == "config" || name == "load" || name == "save" || name == "tensorboard-dir" ||
-        name == "metrics-file" || name == "device")
-      continue;
+    if (std::find(std::begin(kNotModel), std::end(kNotModel), name) != std::end(kNotModel)) continue;
     flags.set(name, value, origin);
   }
   a.flag_values = flags.values();
@@ -352,9 +358,11 @@ void finalize_train_args(TrainArgs& a) {
            " query groups (--num-query-groups)");
   MC_CHECK(m.vocab_size % a.tp == 0, "--tensor-model-parallel-size ", a.tp, " does not divide the vocabulary of ",
            m.vocab_size, " (--vocab-size, or the tokenizer's padded by --make-vocab-size-divisible-by)");
-  MC_CHECK(m.ffn_hidden_size % a.tp == 0 && e.shared_expert_size % a.tp == 0, "--tensor-model-parallel-size ", a.tp,
-           " must divide --ffn-hidden-size ", m.ffn_hidden_size, " and --moe-shared-expert-intermediate-size ",
-           e.shared_expert_size);
+  bool dense_layers = false;  // the dense FFN size matters only where a layer is dense
+  for (int64_t i = 0; i < m.num_layers; ++i) dense_layers = dense_layers || !m.is_moe(i);
+  MC_CHECK((!dense_layers || m.ffn_hidden_size % a.tp == 0) && e.shared_expert_size % a.tp == 0,
+           "--tensor-model-parallel-size ", a.tp, " must divide --ffn-hidden-size ", m.ffn_hidden_size,
+           " (dense layers) and --moe-shared-expert-intermediate-size ", e.shared_expert_size);
   MC_CHECK(a.cp == 1 || m.seq_length % (2 * a.cp) == 0, "--seq-length ", m.seq_length,
            " must be divisible by 2 x --context-parallel-size = ", 2 * a.cp, " (two chunks per rank)");
   if (a.tp == 1) a.sequence_parallel = false;  // Megatron: nothing to split over one rank

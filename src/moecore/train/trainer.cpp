@@ -283,7 +283,9 @@ int run_training(const TrainArgs& args) {
   GPTModel& model = *chunks.front();
   const auto [dense_multiple, expert_multiple] = Optimizer::shard_multiples(groups, args.use_distributed_optimizer);
   store.initialize(dense_multiple, expert_multiple);
-  Optimizer optimizer(store, groups, args.use_distributed_optimizer, args.overlap_grad_reduce && dp != nullptr);
+  // Overlap needs a data-parallel reduction to overlap (over DP x CP, or experts over EDP).
+  Optimizer optimizer(store, groups, args.use_distributed_optimizer,
+                      args.overlap_grad_reduce && (groups.dp != nullptr || groups.edp != nullptr));
   TrainingState state;
   if (!args.load.empty() && !checkpoint_exists(args.load)) {
     // Megatron's behaviour for the first run of a job that passes --load and --save alike.
