@@ -216,14 +216,26 @@ INSTANTIATE_TEST_SUITE_P(Paths, GpuAttentionPaths, ::testing::ValuesIn(path_case
 TEST(GpuAttentionGemm, AutoPicksGemmWhereSupported) {
   MC_REQUIRE_CUDA();
   ScopedEnv env("MOECORE_ATTENTION", "auto");
-  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::BF16), ops::cuda::AttentionPath::Gemm);
-  EXPECT_EQ(ops::cuda::attention_path({1, ops::cuda::kAttentionGemmMaxSeq + 64, 2, 1, 64}, DType::BF16),
+  // Where the flash path does not apply (f32, or D = 32): gemm within its key limit, else tiled.
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::F32), ops::cuda::AttentionPath::Gemm);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 32}, DType::BF16), ops::cuda::AttentionPath::Gemm);
+  EXPECT_EQ(ops::cuda::attention_path({1, ops::cuda::kAttentionGemmMaxSeq + 64, 2, 1, 64}, DType::F32),
             ops::cuda::AttentionPath::Tiled);
   // The limit is on the keys: few queries against too many keys take the tiled path.
-  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq + 64}, DType::BF16),
+  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq + 64}, DType::F32),
             ops::cuda::AttentionPath::Tiled);
-  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq}, DType::BF16),
+  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq}, DType::F32),
             ops::cuda::AttentionPath::Gemm);
+}
+
+TEST(GpuAttentionFlashPath, AutoPicksFlashWhereSupported) {
+  MC_REQUIRE_CUDA();
+  ScopedEnv env("MOECORE_ATTENTION", "auto");
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::BF16), ops::cuda::AttentionPath::Flash);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 16, 64}, DType::BF16), ops::cuda::AttentionPath::Flash);
+  // No key limit on the flash path.
+  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq + 64}, DType::BF16),
+            ops::cuda::AttentionPath::Flash);
 }
 
 TEST(GpuAttentionGemm, LongSequenceBf16MatchesCpu) {
@@ -271,7 +283,7 @@ TEST(GpuAttentionGemm, UnknownPathIsAClearError) {
     ops::attention_forward(q, k, k, 0.1, out, lse);
     FAIL() << "MOECORE_ATTENTION=fast did not raise";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("MOECORE_ATTENTION must be auto, tiled or gemm; got 'fast'"),
+    EXPECT_NE(std::string(e.what()).find("MOECORE_ATTENTION must be auto, tiled, gemm or flash; got 'fast'"),
               std::string::npos)
         << e.what();
   }
@@ -364,4 +376,78 @@ TEST(GpuAttentionKvLongerGemm, KeysShorterThanQueriesIsAClearError) {
               std::string::npos)
         << e.what();
   }
+}
+
+// The flash path (fused tensor-core kernels, bf16, D in {64, 128}) forced through
+// MOECORE_ATTENTION=flash against the CPU, forward and backward, with the bf16 tolerances of
+// the other paths. Shapes: S = 2048 (32 key tiles, 16 query tiles of 128 in the forward);
+// odd sizes that end in partial tiles (77; 130 queries against 300 keys: offset 170 is not a
+// multiple of any tile); GQA 8:2 and MHA; Sq = 5 against 77 keys; D = 64 and 128.
+struct FlashCase {
+  int64_t B, Sq, Sk, Hq, Hkv, D;
+};
+
+class GpuAttentionFlash : public ::testing::TestWithParam<FlashCase> {};
+
+TEST_P(GpuAttentionFlash, MatchesCpu) {
+  MC_REQUIRE_CUDA();
+  const FlashCase c = GetParam();
+  ScopedEnv env("MOECORE_ATTENTION", "flash");
+  EXPECT_EQ(ops::cuda::attention_path({c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk}, DType::BF16),
+            ops::cuda::AttentionPath::Flash);
+  check_against_cpu(DType::BF16, c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionFlash,
+                         ::testing::Values(FlashCase{1, 2048, 2048, 2, 2, 128}, FlashCase{2, 77, 77, 8, 2, 64},
+                                           FlashCase{2, 77, 77, 8, 2, 128}, FlashCase{2, 130, 300, 8, 2, 64},
+                                           FlashCase{2, 130, 300, 8, 2, 128}, FlashCase{1, 1000, 1234, 8, 2, 128},
+                                           FlashCase{2, 5, 77, 8, 2, 64}, FlashCase{2, 200, 200, 4, 4, 128},
+                                           FlashCase{1, 1024, 1024, 8, 2, 64}),
+                         [](const ::testing::TestParamInfo<FlashCase>& i) {
+                           const FlashCase& c = i.param;
+                           return "B" + std::to_string(c.B) + "_Sq" + std::to_string(c.Sq) + "_Sk" +
+                                  std::to_string(c.Sk) + "_H" + std::to_string(c.Hq) + "_" + std::to_string(c.Hkv) +
+                                  "_D" + std::to_string(c.D);
+                         });
+
+TEST(GpuAttentionFlashPath, BackwardIsDeterministic) {
+  MC_REQUIRE_CUDA();
+  ScopedEnv env("MOECORE_ATTENTION", "flash");
+  for (int64_t D : {64, 128}) {
+    const int64_t B = 2, Sq = 333, Sk = 700, Hq = 8, Hkv = 2;
+    Tensor q = random_tensor({B, Sq, Hq, D}, DType::BF16, kCuda);
+    Tensor k = random_tensor({B, Sk, Hkv, D}, DType::BF16, kCuda);
+    Tensor v = random_tensor(k.shape(), DType::BF16, kCuda), dout = random_tensor(q.shape(), DType::BF16, kCuda);
+    Tensor out = Tensor::empty(q.shape(), DType::BF16, kCuda), lse = Tensor::empty({B, Hq, Sq}, DType::F32, kCuda);
+    ops::attention_forward(q, k, v, 0.1, out, lse);
+    std::vector<std::vector<double>> runs[2];
+    for (auto& r : runs) {
+      Tensor g[3] = {Tensor::empty(q.shape(), DType::BF16, kCuda), Tensor::empty(k.shape(), DType::BF16, kCuda),
+                     Tensor::empty(k.shape(), DType::BF16, kCuda)};
+      ops::attention_backward(q, k, v, out, lse, dout, 0.1, g[0], g[1], g[2]);
+      for (const Tensor& x : g) r.push_back(to_doubles(x));
+    }
+    for (int i = 0; i < 3; ++i)
+      EXPECT_EQ(runs[0][i], runs[1][i]) << "D = " << D << ": gradient " << "qkv"[i] << " changed between runs";
+  }
+}
+
+TEST(GpuAttentionFlashPath, UnsupportedDtypeOrHeadDimIsAClearError) {
+  MC_REQUIRE_CUDA();
+  ScopedEnv env("MOECORE_ATTENTION", "flash");
+  Tensor q = Tensor::zeros({1, 8, 2, 64}, DType::F32, kCuda), k = Tensor::zeros({1, 8, 1, 64}, DType::F32, kCuda);
+  Tensor out = Tensor::zeros(q.shape(), DType::F32, kCuda), lse = Tensor::zeros({1, 2, 8}, DType::F32, kCuda);
+  try {
+    ops::attention_forward(q, k, k, 0.1, out, lse);
+    FAIL() << "MOECORE_ATTENTION=flash with f32 did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MOECORE_ATTENTION=flash but the flash path does not support dtype f32, "
+                                         "D = 64 (bf16 with D = 64 or 128)"),
+              std::string::npos)
+        << e.what();
+  }
+  // D = 32 is on the other paths only.
+  EXPECT_THROW(ops::cuda::attention_path({1, 8, 2, 1, 32}, DType::BF16), Error);
+  EXPECT_EQ(ops::cuda::attention_path({1, 8, 2, 1, 128}, DType::BF16), ops::cuda::AttentionPath::Flash);
 }

@@ -24,8 +24,20 @@
 // for f64); bf16 rounding happens only when outputs are stored.
 //
 // Backends: the CPU evaluates the formulas row by row (OpenMP over (b, head, s)), any D.
-// CUDA (D in {32, 64, 128}) has two paths, both deterministic (no atomics):
-//   gemm  (default where supported: f32 or bf16, Sk <= kAttentionGemmMaxSeq) cuBLAS
+// CUDA has three paths, all deterministic (no atomics):
+//   flash (default where supported: bf16, D in {64, 128}; any Sq <= Sk, any group) fused
+//         flash-attention kernels on tensor cores (mma.sync m16n8k16 bf16 -> fp32, ldmatrix):
+//         forward per (b, q head, 128-query tile) with online softmax over the 64-key tiles up
+//         to the shifted diagonal; backward computes Dr, then dK/dV per (b, kv head, 64-key
+//         tile) over the group's query heads and the query tiles that see it, and dQ per
+//         (b, q head, 64-query tile). No Sq x Sk buffer. The forward's P is rounded to bf16
+//         before P V; the backward's P and dS enter their products as hi + lo bf16 pairs
+//         (MOECORE_ATTENTION_FLASH_SPLIT=0: one bf16 each, faster, less accurate); scores,
+//         statistics and accumulation are fp32. H200, B4 Hq16 S2048 D128: fwd 0.41 ms
+//         (169 TFLOP/s), bwd 1.39 ms (124 TFLOP/s); gemm 1.30 / 3.38 ms. See
+//         attention_flash_cuda.cu.
+//   gemm  (default where flash is not supported: f32 or bf16, D in {32, 64, 128}, Sk <=
+//         kAttentionGemmMaxSeq) cuBLAS
 //         tensor-core GEMMs per (b, head) over block-lower-triangular causal blocks (shifted
 //         right by o = Sk - Sq), with an fp32 score buffer [B*Hq, Sq, Sk] per call (chunked
 //         over (b, h) to stay under MOECORE_ATTENTION_SCORE_MB, default 2048 MiB) and fused row kernels for the masked
@@ -35,13 +47,14 @@
 //         gradients); scores, softmax statistics and accumulation are fp32;
 //         dK/dV of a kv head sum the group's query heads in a fixed order. For f32 the GEMMs
 //         run in true fp32 (no TF32). See attention_gemm_cuda.cu.
-//   tiled fused flash-attention kernels on CUDA cores (fp32 FMA): one block per (b, q head,
+//   tiled (D in {32, 64, 128}, f32 or bf16, any length) fused flash-attention kernels on CUDA
+//         cores (fp32 FMA): one block per (b, q head,
 //         64-query tile) with online softmax over the 64-key tiles it sees (up to s + o),
 //         held in shared memory; backward computes Dr, then dQ per query tile and dK/dV per (key tile, kv head).
 //         No Sq x Sk buffer; slower (~20 TFLOP/s). See attention_cuda.cu.
-// The environment variable MOECORE_ATTENTION=auto|tiled|gemm (read at every call) forces a
-// path; auto (or unset) takes gemm where supported, else tiled; gemm where unsupported is an
-// error.
+// The environment variable MOECORE_ATTENTION=auto|tiled|gemm|flash (read at every call)
+// forces a path; auto (or unset) takes flash where supported, else gemm where supported, else
+// tiled; gemm or flash where unsupported is an error.
 #pragma once
 
 #include "moecore/core/tensor.h"
@@ -73,11 +86,15 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 namespace cuda {
 // The GEMM path's row kernels stage score rows (Sk long) in shared memory: Sk <= this.
 inline constexpr int64_t kAttentionGemmMaxSeq = 16384;
-enum class AttentionPath { Tiled, Gemm };
-// The path the dispatcher takes for these sizes (MOECORE_ATTENTION, else gemm where supported).
+enum class AttentionPath { Tiled, Gemm, Flash };
+// The path the dispatcher takes for these sizes (MOECORE_ATTENTION, else the auto choice).
 AttentionPath attention_path(const AttentionDims& d, DType dtype);
 bool attention_gemm_supported(const AttentionDims& d, DType dtype);
-// Dispatchers: attention_path() chooses between the _tiled and _gemm implementations below.
+// The flash path: bf16 and D in {64, 128} (any Sq <= Sk, any GQA group).
+bool attention_flash_supported(const AttentionDims& d, DType dtype);
+// False when MOECORE_ATTENTION_FLASH_SPLIT=0 (the flash backward rounds dS to one bf16).
+bool attention_flash_split_ds();
+// Dispatchers: attention_path() chooses between the _tiled, _gemm and _flash implementations.
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse,
                        const AttentionDims& d);
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
@@ -92,6 +109,11 @@ void attention_forward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, d
 void attention_backward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                              const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
                              const AttentionDims& d);
+void attention_forward_flash(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
+                             Tensor& lse, const AttentionDims& d);
+void attention_backward_flash(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                              const AttentionDims& d);
 }  // namespace cuda
 
 }  // namespace moecore::ops

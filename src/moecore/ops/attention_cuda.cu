@@ -21,8 +21,9 @@
 //               owns the rows it writes: no atomics, deterministic results.
 //
 // This file also holds the dispatcher (cuda::attention_forward / attention_backward): the
-// GEMM path of attention_gemm_cuda.cu where it applies, else these kernels; the environment
-// variable MOECORE_ATTENTION=auto|tiled|gemm overrides the choice (see attention.h).
+// flash path of attention_flash_cuda.cu where it applies, else the GEMM path of
+// attention_gemm_cuda.cu, else these kernels; the environment variable
+// MOECORE_ATTENTION=auto|tiled|gemm|flash overrides the choice (see attention.h).
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -465,8 +466,12 @@ void attention_backward_tiled(const Tensor& q, const Tensor& k, const Tensor& v,
 AttentionPath attention_path(const AttentionDims& d, DType dtype) {
   const char* env = std::getenv("MOECORE_ATTENTION");
   const std::string choice = env ? env : "";
-  if (choice.empty() || choice == "auto")
+  if (choice.empty() || choice == "auto") {
+    // flash where supported (bf16, D 64/128): measured 3.2x (fwd) / 2.4x (bwd) faster than
+    // gemm at mixtral-small on an H200 (attention.h); then gemm, then tiled.
+    if (attention_flash_supported(d, dtype)) return AttentionPath::Flash;
     return attention_gemm_supported(d, dtype) ? AttentionPath::Gemm : AttentionPath::Tiled;
+  }
   if (choice == "tiled") return AttentionPath::Tiled;
   if (choice == "gemm") {
     MC_CHECK(attention_gemm_supported(d, dtype), "attention: MOECORE_ATTENTION=gemm but the GEMM path does not "
@@ -474,23 +479,30 @@ AttentionPath attention_path(const AttentionDims& d, DType dtype) {
              " (Sk <= ", kAttentionGemmMaxSeq, ", f32 or bf16)");
     return AttentionPath::Gemm;
   }
-  MC_FAIL("attention: MOECORE_ATTENTION must be auto, tiled or gemm; got '", choice, "'");
+  if (choice == "flash") {
+    MC_CHECK(attention_flash_supported(d, dtype), "attention: MOECORE_ATTENTION=flash but the flash path does not "
+             "support dtype ", dtype_name(dtype), ", D = ", d.head_dim, " (bf16 with D = 64 or 128)");
+    return AttentionPath::Flash;
+  }
+  MC_FAIL("attention: MOECORE_ATTENTION must be auto, tiled, gemm or flash; got '", choice, "'");
 }
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse,
                        const AttentionDims& d) {
-  if (attention_path(d, q.dtype()) == AttentionPath::Gemm)
-    attention_forward_gemm(q, k, v, scale, out, lse, d);
-  else
-    attention_forward_tiled(q, k, v, scale, out, lse, d);
+  switch (attention_path(d, q.dtype())) {
+    case AttentionPath::Flash: attention_forward_flash(q, k, v, scale, out, lse, d); return;
+    case AttentionPath::Gemm: attention_forward_gemm(q, k, v, scale, out, lse, d); return;
+    case AttentionPath::Tiled: attention_forward_tiled(q, k, v, scale, out, lse, d); return;
+  }
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d) {
-  if (attention_path(d, q.dtype()) == AttentionPath::Gemm)
-    attention_backward_gemm(q, k, v, out, lse, dout, scale, dq, dk, dv, d);
-  else
-    attention_backward_tiled(q, k, v, out, lse, dout, scale, dq, dk, dv, d);
+  switch (attention_path(d, q.dtype())) {
+    case AttentionPath::Flash: attention_backward_flash(q, k, v, out, lse, dout, scale, dq, dk, dv, d); return;
+    case AttentionPath::Gemm: attention_backward_gemm(q, k, v, out, lse, dout, scale, dq, dk, dv, d); return;
+    case AttentionPath::Tiled: attention_backward_tiled(q, k, v, out, lse, dout, scale, dq, dk, dv, d); return;
+  }
 }
 
 }  // namespace moecore::ops::cuda
