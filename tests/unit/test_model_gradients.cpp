@@ -177,3 +177,53 @@ TEST(ModelGradients, MoeSinkhornGelu) {
   c.moe.aux_loss_coeff = 0.0;
   check_model_gradients(c);
 }
+
+// The fused output layer (the loss and its backward computed chunk by chunk in the forward, no
+// [T, V] logits kept) gives the plain path's loss and every gradient, tied or untied, with
+// ignored labels and chunks that do not divide the tokens; a different grad_scale in backward()
+// than the one given before the forward is refused.
+TEST(ModelGradients, FusedOutputLayerEqualsThePlainOne) {
+  for (bool untie : {false, true}) {
+    ModelConfig cfg = moe_config();
+    cfg.untie_embeddings = untie;
+    finalize_model_config(cfg, "1");
+    const MockData data(cfg.vocab_size, cfg.seq_length, 3, "train");
+    Batch b = data.batch(0, 2, Device::cpu());
+    b.labels.data<int32_t>()[3] = -1;  // an ignored token
+    std::vector<std::vector<double>> grads[2];
+    double loss[2] = {0, 0};
+    for (int fused = 0; fused < 2; ++fused) {
+      ParamStore store(Device::cpu(), DType::F64, DType::F64, 42);
+      GPTModel model(cfg, store);
+      store.initialize();
+      model.set_head_chunk_rows(3);  // 10 tokens: chunks of 3, 3, 3, 1
+      GPTModel::Ctx ctx;
+      if (fused) ctx.fused_head_scale = 0.5;
+      loss[fused] = model.forward(b.tokens, b.labels, true, 7, ctx);
+      EXPECT_EQ(ctx.logits.defined(), !fused) << "the fused path keeps no logits";
+      model.backward(0.5, ctx);
+      for (const auto& p : store.all())
+        if (p->trainable) grads[fused].push_back(p->grad.to_vector<double>());
+    }
+    EXPECT_NEAR(loss[1], loss[0], 1e-13 * std::fabs(loss[0]));
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    for (size_t i = 0; i < grads[0].size(); ++i)
+      for (size_t j = 0; j < grads[0][i].size(); ++j)
+        ASSERT_NEAR(grads[1][i][j], grads[0][i][j], 1e-12 + 1e-10 * std::fabs(grads[0][i][j])) << "tensor " << i;
+  }
+  ModelConfig cfg = moe_config();
+  finalize_model_config(cfg, "1");
+  ParamStore store(Device::cpu(), DType::F64, DType::F64, 42);
+  GPTModel model(cfg, store);
+  store.initialize();
+  const Batch b = MockData(cfg.vocab_size, cfg.seq_length, 3, "train").batch(0, 2, Device::cpu());
+  GPTModel::Ctx ctx;
+  ctx.fused_head_scale = 0.5;
+  model.forward(b.tokens, b.labels, true, 7, ctx);
+  try {
+    model.backward(0.25, ctx);
+    FAIL() << "a different grad_scale was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("differs from the fused output layer's"), std::string::npos) << e.what();
+  }
+}

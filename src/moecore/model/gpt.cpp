@@ -1,7 +1,11 @@
 #include "moecore/model/gpt.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
+#include "moecore/ops/common.h"
 #include "moecore/ops/cross_entropy.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/embedding.h"
@@ -87,6 +91,11 @@ std::vector<int64_t> GPTModel::moe_layer_numbers() const {
   return out;
 }
 
+bool fused_head_enabled() {
+  const char* env = std::getenv("MOECORE_FUSED_HEAD");
+  return !(env && std::strcmp(env, "0") == 0);
+}
+
 std::vector<int32_t> GPTModel::local_positions(int64_t batch, int64_t cp_seq) const {
   const int64_t cp = dense_.cp_size(), c = cp_seq / 2;
   const int64_t tp = dense_.sp() ? dense_.tp_size() : 1, local = cp_seq / tp, first = dense_.sp() ? dense_.tp_rank() * local : 0;
@@ -141,29 +150,94 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
   return stage_.has_head ? final_norm_.forward(h, ctx.final_norm) : h;
 }
 
+void GPTModel::loss_rows(const Tensor& logits, const Tensor& labels, Tensor& loss, Tensor& lse) const {
+  if (!dense_.tp) {
+    ops::cross_entropy_forward(logits, labels, loss, lse);
+    return;
+  }
+  // Vocabulary-parallel: each rank's logsumexp and target logit, combined over TP.
+  comm::Communicator& tp = *dense_.tp;
+  const int64_t n = logits.size(0);
+  const DType stat = lse.dtype();
+  const Device dev = logits.device();
+  Tensor lse_part = Tensor::empty({n}, stat, dev), target_logit = Tensor::empty({n}, stat, dev);
+  ops::cross_entropy_part_forward(logits, labels, vocab_start_, cfg_.vocab_size, lse_part, target_logit);
+  Tensor parts = Tensor::empty({tp.size() * n}, stat, dev);
+  tp.all_gather(lse_part, parts);
+  tp.all_reduce(target_logit, comm::ReduceOp::Sum);
+  ops::logsumexp_combine(parts.view({tp.size(), n}), lse);
+  ops::cross_entropy_combined_loss(lse, target_logit, labels, loss);
+}
+
+void GPTModel::loss_rows_backward(Tensor& logits, const Tensor& labels, const Tensor& lse, double dloss_value) const {
+  Tensor dloss = Tensor::empty({logits.size(0)}, lse.dtype(), logits.device());
+  ops::fill(dloss, dloss_value);
+  if (dense_.tp) {  // in place; the one-hot only where the target is in this rank's rows
+    ops::cross_entropy_backward(logits, labels, lse, dloss, logits, vocab_start_, cfg_.vocab_size);
+  } else {
+    ops::cross_entropy_backward(logits, labels, lse, dloss, logits);
+  }
+}
+
+int64_t GPTModel::count_labels(Ctx& ctx) const {
+  // Checked here, on the host, so the loss ops need not synchronise for their own range check
+  // (they run inside ops::TargetsValidated).
+  ctx.num_labels = 0;
+  const std::vector<int32_t> labels = ctx.labels.to_vector<int32_t>();
+  for (size_t i = 0; i < labels.size(); ++i) {
+    MC_CHECK(labels[i] < cfg_.vocab_size, "labels[", i, "] = ", labels[i], " is out of range for the vocabulary of ",
+             cfg_.vocab_size, " (expected < ", cfg_.vocab_size, ", or negative to ignore the token)");
+    ctx.num_labels += labels[i] >= 0 ? 1 : 0;
+  }
+  return ctx.num_labels;
+}
+
 double GPTModel::head_forward(const Tensor& h, Ctx& ctx) {
   const Tensor x = dense_.enter_forward(h, ctx.batch);  // every token of the (CP-local) sequences
   const int64_t n = x.size(0);
   ctx.logits = head_.forward(x, ctx.head);
   const DType stat = compute_ == DType::F64 ? DType::F64 : DType::F32;
+  Tensor loss = Tensor::empty({n}, stat, h.device());
+  ctx.lse = Tensor::empty({n}, stat, h.device());
+  count_labels(ctx);
+  const ops::TargetsValidated checked;
+  loss_rows(ctx.logits, ctx.labels, loss, ctx.lse);
+  Tensor total = Tensor::empty({1}, stat, h.device());
+  ops::sum_all(loss, total);
+  return stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
+}
+
+double GPTModel::head_forward_fused(const Tensor& h, double grad_scale, Ctx& ctx) {
+  const Tensor x = dense_.enter_forward(h, ctx.batch);
+  const int64_t n = x.size(0);
+  const DType stat = compute_ == DType::F64 ? DType::F64 : DType::F32;
   const Device dev = h.device();
-  Tensor loss = Tensor::empty({n}, stat, dev);
-  ctx.lse = Tensor::empty({n}, stat, dev);
-  if (!dense_.tp) {
-    ops::cross_entropy_forward(ctx.logits, ctx.labels, loss, ctx.lse);
-  } else {
-    // Vocabulary-parallel: each rank's logsumexp and target logit, combined over TP.
-    comm::Communicator& tp = *dense_.tp;
-    Tensor lse_part = Tensor::empty({n}, stat, dev), target_logit = Tensor::empty({n}, stat, dev);
-    ops::cross_entropy_part_forward(ctx.logits, ctx.labels, vocab_start_, cfg_.vocab_size, lse_part, target_logit);
-    Tensor parts = Tensor::empty({tp.size() * n}, stat, dev);
-    tp.all_gather(lse_part, parts);
-    tp.all_reduce(target_logit, comm::ReduceOp::Sum);
-    ops::logsumexp_combine(parts.view({tp.size(), n}), ctx.lse);
-    ops::cross_entropy_combined_loss(ctx.lse, target_logit, ctx.labels, loss);
+  // The gradient of the mean needs the whole sequences' label count first.
+  int64_t labelled = count_labels(ctx);
+  if (dense_.cp) {
+    std::vector<double> v = {static_cast<double>(labelled)};
+    comm::all_reduce_host(*dense_.cp, v);
+    labelled = static_cast<int64_t>(v[0] + 0.5);
   }
-  ctx.num_labels = 0;
-  for (int32_t l : ctx.labels.to_vector<int32_t>()) ctx.num_labels += l >= 0 ? 1 : 0;
+  ctx.fused_head_scale = grad_scale;
+  const double dloss = labelled > 0 ? grad_scale / static_cast<double>(labelled) : 0.0;
+  const int64_t chunk =
+      head_chunk_rows_ > 0 ? head_chunk_rows_ : std::max<int64_t>(1, kFusedHeadChunkElements / std::max<int64_t>(1, head_.out));
+  Tensor loss = Tensor::empty({n}, stat, dev);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), dev);
+  const ops::TargetsValidated checked;  // count_labels checked them
+  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+    const int64_t r1 = std::min(n, r0 + chunk);
+    const Tensor labels = ctx.labels.slice(0, r0, r1);
+    Linear::Ctx head_ctx;
+    Tensor logits = head_.forward(x.slice(0, r0, r1), head_ctx);
+    Tensor lse = Tensor::empty({r1 - r0}, stat, dev);
+    Tensor loss_rows_out = loss.slice(0, r0, r1);
+    loss_rows(logits, labels, loss_rows_out, lse);
+    loss_rows_backward(logits, labels, lse, dloss);
+    dx.slice(0, r0, r1).copy_from(head_.backward(logits, head_ctx));  // dW accumulates here
+  }
+  ctx.d_head_input = dense_.enter_backward(dx, ctx.batch);
   Tensor total = Tensor::empty({1}, stat, dev);
   ops::sum_all(loss, total);
   return stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
@@ -191,7 +265,9 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
     return 0.0;
   }
   ctx.labels = labels.view({labels.numel()});
-  double sum = head_forward(h, ctx);
+  const bool fused = training && ctx.fused_head_scale > 0 && fused_head_enabled();
+  double sum = fused ? head_forward_fused(h, ctx.fused_head_scale, ctx) : head_forward(h, ctx);
+  if (!fused) ctx.fused_head_scale = 0;
   if (dense_.cp) {  // the whole sequences' loss: sums and label counts of every chunk
     std::vector<double> v = {sum, static_cast<double>(ctx.num_labels)};
     comm::all_reduce_host(*dense_.cp, v);
@@ -202,15 +278,17 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
 }
 
 Tensor GPTModel::head_backward(double grad_scale, Ctx& ctx) {
-  MC_CHECK(ctx.logits.defined(), "GPTModel::backward without a forward");
-  const int64_t n = ctx.logits.size(0);
-  Tensor dloss = Tensor::empty({n}, ctx.lse.dtype(), ctx.logits.device());
-  ops::fill(dloss, ctx.num_labels > 0 ? grad_scale / static_cast<double>(ctx.num_labels) : 0.0);
-  if (dense_.tp) {  // in place; the one-hot only where the target is in this rank's rows
-    ops::cross_entropy_backward(ctx.logits, ctx.labels, ctx.lse, dloss, ctx.logits, vocab_start_, cfg_.vocab_size);
-  } else {
-    ops::cross_entropy_backward(ctx.logits, ctx.labels, ctx.lse, dloss, ctx.logits);
+  if (ctx.d_head_input.defined()) {  // fused: the output layer's backward ran in the forward
+    MC_CHECK(grad_scale == ctx.fused_head_scale, "GPTModel::backward: grad_scale ", grad_scale,
+             " differs from the fused output layer's ", ctx.fused_head_scale, " given before the forward");
+    const Tensor dx = ctx.d_head_input;
+    ctx.d_head_input = Tensor();
+    return final_norm_.backward(dx, ctx.final_norm);
   }
+  MC_CHECK(ctx.logits.defined(), "GPTModel::backward without a forward");
+  const ops::TargetsValidated checked;  // count_labels checked them in the forward
+  loss_rows_backward(ctx.logits, ctx.labels, ctx.lse,
+                     ctx.num_labels > 0 ? grad_scale / static_cast<double>(ctx.num_labels) : 0.0);
   const Tensor dx = dense_.enter_backward(head_.backward(ctx.logits, ctx.head), ctx.batch);
   ctx.logits = ctx.lse = Tensor();
   return final_norm_.backward(dx, ctx.final_norm);

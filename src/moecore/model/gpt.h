@@ -25,6 +25,9 @@ struct PipelineStage {
   bool has_embedding = true, has_head = true;
 };
 
+// MOECORE_FUSED_HEAD unset or not "0".
+bool fused_head_enabled();
+
 class GPTModel {
  public:
   // par: the expert-parallel and balancing groups of the MoE layers (default: one rank);
@@ -48,6 +51,12 @@ class GPTModel {
     Linear::Ctx head;
     Tensor logits, lse;  // [T, V] (V / TP under TP), [T] (the whole vocabulary's)
     Tensor hidden_out;   // a stage without the head: its output [T, H] for the next stage
+    // Fused output layer (training): set fused_head_scale to the grad_scale that backward() will
+    // get, before forward(); the forward then runs the output layer, the loss and their backward
+    // chunk by chunk (no [T, V] logits kept) and keeps only the gradient of the final norm's
+    // output (d_head_input). 0: the plain path. MOECORE_FUSED_HEAD=0 turns the fusion off.
+    double fused_head_scale = 0;
+    Tensor d_head_input;
   };
 
   // tokens and labels [B, S] i32 on the model's device (labels < 0 are ignored). Returns the mean
@@ -69,6 +78,9 @@ class GPTModel {
                   const Tensor& d_hidden_out = Tensor());
   // Logits [B*S, V] in the compute dtype, no loss (generation; one rank).
   Tensor logits(const Tensor& tokens);
+  // Rows per chunk of the fused output layer (tests; 0: kFusedHeadChunkElements / vocabulary rows).
+  void set_head_chunk_rows(int64_t rows) { head_chunk_rows_ = rows; }
+  static constexpr int64_t kFusedHeadChunkElements = int64_t{1} << 25;  // logits per chunk (64 MiB in bf16)
   // Rows of the hidden states passed between pipeline stages for these (CP-local) tokens.
   int64_t hidden_rows(const Tensor& tokens) const { return dense_.local_tokens(tokens.numel()); }
 
@@ -84,7 +96,13 @@ class GPTModel {
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
   // (CP-local) tokens; ctx.num_labels counts them.
   double head_forward(const Tensor& h, Ctx& ctx);
+  double head_forward_fused(const Tensor& h, double grad_scale, Ctx& ctx);
   Tensor head_backward(double grad_scale, Ctx& ctx);
+  // Per-token loss and logsumexp of logits rows (vocabulary-parallel under TP), and its backward
+  // in place (dloss_value: d(objective)/d(each labelled token's loss)).
+  void loss_rows(const Tensor& logits, const Tensor& labels, Tensor& loss, Tensor& lse) const;
+  void loss_rows_backward(Tensor& logits, const Tensor& labels, const Tensor& lse, double dloss_value) const;
+  int64_t count_labels(Ctx& ctx) const;  // labelled tokens of ctx.labels (host read)
   // The global positions of this rank's tokens after the CP and SP splits, [T_local].
   std::vector<int32_t> local_positions(int64_t batch, int64_t cp_seq) const;
 
@@ -92,6 +110,7 @@ class GPTModel {
   PipelineStage stage_;
   DenseParallel dense_;
   int64_t vocab_start_ = 0;  // this rank's first vocabulary row (TP)
+  int64_t head_chunk_rows_ = 0;
   Param* word_embeddings_ = nullptr;
   Param* position_embeddings_ = nullptr;
   std::vector<Norm> attn_norm_, mlp_norm_;

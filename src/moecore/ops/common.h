@@ -21,6 +21,19 @@ void check_same_shape(const char* op, const char* name_a, const Tensor& a, const
 void check_shape(const char* op, const char* name, const Tensor& t, const Shape& expected);
 [[noreturn]] void fail_no_cuda(const char* op);
 
+// A scope in which the caller vouches that every class target passed to the cross-entropy ops is
+// in range (it validated them on the host): their CUDA backends skip the device->host read of
+// the out-of-range flag, one synchronisation per call (the model reads its labels to the host
+// once per micro-batch anyway and checks them there). Thread-local; scopes nest.
+class TargetsValidated {
+ public:
+  TargetsValidated();
+  ~TargetsValidated();
+  TargetsValidated(const TargetsValidated&) = delete;
+  TargetsValidated& operator=(const TargetsValidated&) = delete;
+  static bool active();
+};
+
 // Calls f(T{}) with T the C++ type of a floating dtype (float, double, bf16, fp8e4m3, fp8e5m2).
 template <typename F>
 void dispatch_floating(DType t, const char* op, F&& f) {

@@ -17,7 +17,9 @@
 // computed for every row, ignored ones included.
 // A target >= V raises an Error naming the row and the value. The CPU checks before computing;
 // CUDA kernels record the first bad row in a device flag that is read after the kernel (one
-// device-to-host synchronisation per call), then the same Error is raised.
+// device-to-host synchronisation per call), then the same Error is raised; inside an
+// ops::TargetsValidated scope (ops/common.h: the caller checked the targets on the host) the
+// flag is not read and the call does not synchronise.
 //
 // Vocabulary-parallel (Megatron's vocab_parallel_cross_entropy): a rank holds the logits of
 // the classes [vocab_start, vocab_start + V) of vocab_total classes (0 <= vocab_start,

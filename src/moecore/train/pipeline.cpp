@@ -102,6 +102,7 @@ double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
     const Batch b = m == 0 ? probe : step.batch(m);
     in_flight.emplace_back();
     InFlight& f = in_flight.back();
+    f.ctx.fused_head_scale = step.grad_scale;  // the last stage runs the output layer's backward at once
     loss_sum += model.forward(b.tokens, b.labels, true, step.rng(m), f.ctx, input);
     f.output = f.ctx.hidden_out;
   };
@@ -188,6 +189,7 @@ double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& 
         }
       }
       GPTModel::Ctx& cx = ctx[static_cast<size_t>(c)][static_cast<size_t>(m)];
+      cx.fused_head_scale = step.grad_scale;
       loss_sum += model.forward(b.tokens, b.labels, true, step.rng(m), cx, input);
       if (last_vstage) continue;
       if (last_rank) {
@@ -344,6 +346,7 @@ double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineSt
       const Batch& b = batches[static_cast<size_t>(o.micro)];
       if (o.forward) {
         Tensor& in = inputs[static_cast<size_t>(o.chunk)][static_cast<size_t>(o.micro)];
+        cx.fused_head_scale = step.grad_scale;
         loss_sum += model.forward(b.tokens, b.labels, true, step.rng(o.micro), cx, in);
         in = Tensor();
         if (vs < vstages - 1) produced = cx.hidden_out;

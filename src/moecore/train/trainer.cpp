@@ -423,6 +423,7 @@ int run_training(const TrainArgs& args) {
       for (int64_t m = 0; m < micro; ++m) {
         const Batch b = batch_of(m);
         GPTModel::Ctx ctx;
+        ctx.fused_head_scale = 1.0 / static_cast<double>(micro);  // the output layer's backward runs in the forward
         loss_sum += model.forward(b.tokens, b.labels, true, rng_of(m), ctx);
         model.backward(1.0 / static_cast<double>(micro), ctx, m == micro - 1 ? layer_done : std::function<void(int64_t)>());
       }
