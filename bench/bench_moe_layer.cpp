@@ -10,7 +10,10 @@
 // Timing: each iteration (forward + backward) between two CUDA events, `iters` iterations after
 // `warmup`; the median is reported. The grouped GEMM implementation is the process default
 // (MOECORE_GROUPED_GEMM=loop|grouped selects it). Without a CUDA device it prints one line.
-// Flags: --iters N (default 10), --warmup N (default 3), --quick (qwen3 only).
+// Flags: --iters N (default 10), --warmup N (default 3), --quick (qwen3 only),
+// --breakdown: also time each op of one forward + backward separately (the same ops, shapes and
+// dtypes MoeLayer runs, on random data routed by a real router), each op between two CUDA events,
+// median of `iters` after `warmup`; one table per configuration.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -26,6 +29,12 @@
 #include "moecore/model/config.h"
 #include "moecore/model/params.h"
 #include "moecore/moe/moe_layer.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/gemm.h"
+#include "moecore/ops/moe_loss.h"
+#include "moecore/ops/permute.h"
+#include "moecore/ops/router.h"
+#include "moecore/ops/swiglu.h"
 #include "moecore/ops/grouped_gemm.h"
 #include "moecore/ops/random.h"
 
@@ -93,16 +102,121 @@ Result run(const LayerCase& lc, int warmup, int iters) {
   return r;
 }
 
+// Median ms of fn() between two CUDA events (warmup untimed calls first).
+template <typename F>
+double time_op(const Device& dev, int warmup, int iters, F&& fn) {
+  std::vector<double> t;
+  for (int i = 0; i < warmup + iters; ++i) {
+    Event start(dev), stop(dev);
+    start.record();
+    fn();
+    stop.record();
+    stop.synchronize();
+    if (i >= warmup) t.push_back(stop.elapsed_ms_since(start));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// The ops of MoeLayer::forward + backward (moe_layer.cpp, one rank, aux loss, fp32 router, bf16
+// experts), each timed alone. Rows marked "not in layer" are not in the sum: they run only with
+// other settings (z-loss, sinkhorn) or are what the layer ran before (the separate router ops,
+// the host copy of the indices for the per-expert counts, now taken from the routing plan).
+void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& card) {
+  const Device dev = Device::cuda(0);
+  const int64_t T = lc.tokens, H = lc.h, E = lc.experts, k = lc.topk, F = lc.f;
+  const int64_t batch = lc.tokens / 4096;
+  (void)batch;
+  Tensor x = Tensor::empty({T, H}, DType::BF16, dev), dy = Tensor::empty({T, H}, DType::BF16, dev);
+  Tensor wg = Tensor::empty({E, H}, DType::F32, dev), dwg = Tensor::zeros({E, H}, DType::F32, dev);
+  ops::fill_normal(x, 7, rng_key("bd-x"), 0.0, 1.0);
+  ops::fill_normal(dy, 7, rng_key("bd-dy"), 0.0, 1e-3);
+  ops::fill_normal(wg, 7, rng_key("bd-wg"), 0.0, 0.02);
+  ops::RouterConfig rc;
+  rc.num_experts = E;
+  rc.topk = k;
+  Tensor router_in = Tensor::empty({T, H}, DType::F32, dev), logits = Tensor::empty({T, E}, DType::F32, dev);
+  Tensor probs = Tensor::empty({T, k}, DType::F32, dev), indices = Tensor::empty({T, k}, DType::I32, dev);
+  Tensor aux = Tensor::empty({T, E}, DType::F32, dev), counts = Tensor::empty({1, E}, DType::F32, dev);
+  Tensor loss = Tensor::empty({1}, DType::F32, dev);
+  std::vector<std::pair<std::string, double>> rows;
+  auto add = [&](const std::string& name, auto&& fn) { rows.push_back({name, time_op(dev, warmup, iters, fn)}); };
+  // forward
+  add("router input cast bf16->f32", [&] { ops::cast(x, router_in); });
+  add("router gate GEMM fwd (f32)", [&] { ops::gemm(router_in, wg, logits, false, true); });
+  // The layer runs the fused op and the counts of its aux top-k; the three separate ops it
+  // replaces (still used for sinkhorn) are timed for comparison, outside the sum.
+  Tensor aux_idx = Tensor::empty({T, k}, DType::I32, dev);
+  add("router_topk_aux_forward (fused)", [&] {
+    ops::router_topk_aux_forward(logits, Tensor(), rc, probs, indices, aux, aux_idx);
+  });
+  add("topk_counts_from_indices", [&] { ops::topk_counts_from_indices(aux_idx, 1, counts); });
+  add("router_topk_forward (not in layer)", [&] { ops::router_topk_forward(logits, Tensor(), rc, probs, indices); });
+  add("aux_scores_forward (not in layer)", [&] { ops::aux_scores_forward(logits, rc.score, aux); });
+  add("topk_counts (not in layer)", [&] { ops::topk_counts(aux, k, 1, counts); });
+  add("switch_aux_loss_forward", [&] { ops::switch_aux_loss_forward(aux, counts, k, 1e-2, loss); });
+  add("aux loss host read (sync)", [&] { (void)loss.to_vector<float>(); });
+  add("z_loss_forward (not in layer)", [&] { ops::z_loss_forward(logits, 1e-3, loss); });
+  add("indices host copy + count (not in layer)", [&] {
+    const std::vector<int32_t> idx = indices.to_vector<int32_t>();
+    std::vector<double> c(static_cast<size_t>(E), 0.0);
+    for (int32_t v : idx) c[static_cast<size_t>(v)] += 1.0;
+  });
+  ops::MoeRouting r = ops::make_moe_routing(indices, Tensor(), E);
+  add("make_moe_routing (+ host copy)", [&] { r = ops::make_moe_routing(indices, Tensor(), E); });
+  const int64_t R = r.num_rows;
+  Tensor permuted = Tensor::empty({R, H}, DType::BF16, dev);
+  add("moe_permute_forward", [&] { ops::moe_permute_forward(x, r, permuted); });
+  Tensor fc1_out = Tensor::empty({R, 2 * F}, DType::BF16, dev), act = Tensor::empty({R, F}, DType::BF16, dev);
+  ops::fill_normal(fc1_out, 7, rng_key("bd-fc1"), 0.0, 1.0);
+  add("swiglu_forward", [&] { ops::swiglu_forward(fc1_out, act); });
+  Tensor expert_out = Tensor::empty({R, H}, DType::BF16, dev), out = Tensor::empty({T, H}, DType::BF16, dev);
+  ops::fill_normal(expert_out, 7, rng_key("bd-eo"), 0.0, 1.0);
+  add("moe_unpermute_forward (combine)", [&] { ops::moe_unpermute_forward(expert_out, probs, r, out); });
+  // backward
+  Tensor d_eo = Tensor::empty({R, H}, DType::BF16, dev), dprobs = Tensor::empty({T, k}, DType::F32, dev);
+  add("moe_unpermute_backward", [&] { ops::moe_unpermute_backward(expert_out, probs, r, dy, d_eo, dprobs); });
+  Tensor d_fc1 = Tensor::empty({R, 2 * F}, DType::BF16, dev);
+  ops::fill_normal(act, 7, rng_key("bd-da"), 0.0, 1.0);
+  add("swiglu_backward", [&] { ops::swiglu_backward(fc1_out, act, d_fc1); });
+  Tensor dx = Tensor::empty({T, H}, DType::BF16, dev);
+  add("moe_permute_backward", [&] { ops::moe_permute_backward(d_eo, r, dx); });
+  Tensor dlogits = Tensor::empty({T, E}, DType::F32, dev), daux = Tensor::empty({T, E}, DType::F32, dev);
+  add("router_topk_backward", [&] { ops::router_topk_backward(logits, indices, dprobs, rc, dlogits); });
+  add("switch_aux_loss_backward", [&] { ops::switch_aux_loss_backward(counts, k, 1e-2, 1.0, T, daux); });
+  add("aux_scores_backward", [&] { ops::aux_scores_backward(logits, rc.score, daux, dlogits); });
+  add("z_loss_backward (not in layer)", [&] { ops::z_loss_backward(logits, 1e-3, 1.0, dlogits); });
+  add("router gate GEMM wgrad (f32)", [&] { ops::gemm(dlogits, router_in, dwg, true, false, 1.0f, 1.0f); });
+  Tensor d_router_in = Tensor::empty({T, H}, DType::F32, dev);
+  add("router gate GEMM dgrad (f32)", [&] { ops::gemm(dlogits, wg, d_router_in, false, false); });
+  add("router dx cast f32->bf16 + add", [&] {
+    Tensor c = Tensor::empty({T, H}, DType::BF16, dev);
+    ops::cast(d_router_in, c);
+    ops::add(dx, c, dx);
+  });
+  double non_gemm = 0;
+  std::printf("\nNon-GEMM breakdown, %s on %s (median of %d, ms)\n", lc.name.c_str(), card.c_str(), iters);
+  for (const auto& [name, ms] : rows) {
+    std::printf("  %-38s %8.3f\n", name.c_str(), ms);
+    if (name.find("not in layer") == std::string::npos) non_gemm += ms;
+    std::printf("%s\n", nlohmann::json{{"bench", "moe_layer_breakdown"}, {"case", lc.name}, {"op", name}, {"ms", ms}}
+                             .dump().c_str());
+  }
+  std::printf("  %-38s %8.3f\n", "sum (layer ops, router GEMMs included)", non_gemm);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     int64_t iters = 10, warmup = 3;
-    bool quick = false;
+    bool quick = false, want_breakdown = false;
     cli::FlagSet flags("bench_moe_layer", "MoE layer forward+backward time at the issue's two configurations.");
     flags.add_int("iters", &iters, "timed iterations (median reported)");
     flags.add_int("warmup", &warmup, "untimed iterations first");
     flags.add_bool("quick", &quick, "only the qwen3 configuration");
+    flags.add_bool("breakdown", &want_breakdown, "also time each non-GEMM op of the layer separately");
     flags.parse(std::vector<std::string>(argv + 1, argv + argc));
     if (flags.help_requested()) {
       std::printf("%s", flags.help().c_str());
@@ -118,6 +232,8 @@ int main(int argc, char** argv) {
     std::vector<LayerCase> cases = {{"mixtral h4096 f14336 E8 k2 T8192", 4096, 14336, 8, 2, 8192, 28.0, 39.7},
                                     {"qwen3 h2048 f768 E128 k8 T16384", 2048, 768, 128, 8, 16384, 8.0, 19.2}};
     if (quick) cases.erase(cases.begin());
+    if (want_breakdown)
+      for (const LayerCase& lc : cases) breakdown(lc, static_cast<int>(warmup), static_cast<int>(iters), card);
     std::vector<std::pair<LayerCase, Result>> results;
     for (const LayerCase& lc : cases) {
       const Result r = run(lc, static_cast<int>(warmup), static_cast<int>(iters));

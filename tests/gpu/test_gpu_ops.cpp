@@ -238,13 +238,17 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, GpuSoftmax, ::testing::Values(DType::F32, DType
 TEST_P(GpuSoftmax, SwigluForwardAndBackwardMatchCpu) {
   MC_REQUIRE_CUDA();
   const DType t = GetParam();
-  Tensor x = random_tensor({333, 2 * 96}, t, Device::cpu(), -4, 4), dy = random_tensor({333, 96}, t);
-  expect_cuda_matches_cpu({x, dy}, {{{333, 96}, t}, {{333, 192}, t}},
-                          [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-                            ops::swiglu_forward(in[0], out[0]);
-                            ops::swiglu_backward(in[0], in[1], out[1]);
-                          },
-                          {default_tolerance(t)});
+  // F = 96: the 16-byte vector path; F = 37: the scalar path.
+  for (int64_t f : {96, 37}) {
+    SCOPED_TRACE("F=" + std::to_string(f));
+    Tensor x = random_tensor({333, 2 * f}, t, Device::cpu(), -4, 4), dy = random_tensor({333, f}, t);
+    expect_cuda_matches_cpu({x, dy}, {{{333, f}, t}, {{333, 2 * f}, t}},
+                            [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::swiglu_forward(in[0], out[0]);
+                              ops::swiglu_backward(in[0], in[1], out[1]);
+                            },
+                            {default_tolerance(t)});
+  }
 }
 
 // ---- Philox ---------------------------------------------------------------------------

@@ -45,6 +45,9 @@ const std::vector<Case> kCases = {
     {1000, 2, 8, 999, 1.0, true},    // odd H: no 16-byte vectors
     {513, 3, 16, 7, 0.5, false},
     {37, 2, 128, 16, 0, false},      // most experts get no tokens
+    {300, 3, 4, 8200, 0, false},     // long rows: several 16-byte packs per thread
+    {3000, 3, 5000, 8, 1.0, true},   // E above the chunked routing's limit: the per-expert scan
+    {5000, 1, 3, 40, 0.9, false},    // many chunks, few experts, drops
 };
 
 // kept mask (CPU) for a case, or an undefined tensor without dropping; the capacity for padding.

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -121,6 +122,25 @@ TEST(GpuRouter, ForwardMatchesCpu) {
   }
 }
 
+// The fused training forward: router outputs, aux scores and their top-k in one kernel.
+TEST(GpuRouter, AuxForwardMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  for (const Case& c : cases()) {
+    if (c.cfg.sinkhorn) continue;  // not for sinkhorn
+    SCOPED_TRACE(c.name);
+    const int64_t T = c.tokens, E = c.cfg.num_experts, k = c.cfg.topk;
+    std::vector<Tensor> in{router_logits(c)};
+    if (c.bias) in.push_back(random_tensor({E}, DType::F32, Device::cpu(), -0.3, 0.3));
+    const RouterConfig cfg = c.cfg;
+    expect_cuda_matches_cpu(in, {{{T, k}, DType::F32}, {{T, k}, DType::I32}, {{T, E}, DType::F32}, {{T, k}, DType::I32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              ops::router_topk_aux_forward(i[0], i.size() > 1 ? i[1] : Tensor(), cfg, o[0], o[1],
+                                                           o[2], o[3]);
+                            },
+                            {kF32, kExact, kF32, kExact});
+  }
+}
+
 TEST(GpuRouter, BackwardMatchesCpu) {
   MC_REQUIRE_CUDA();
   for (const Case& c : cases()) {
@@ -162,15 +182,24 @@ TEST(GpuMoeLoss, AuxScoresForwardBackwardMatchCpu) {
 
 TEST(GpuMoeLoss, CountsAndSwitchLossMatchCpu) {
   MC_REQUIRE_CUDA();
-  const int64_t T = 512, E = 64, k = 6;
-  for (int64_t G : {1, 4}) {
-    SCOPED_TRACE("G=" + std::to_string(G));
+  // The small case runs in one token chunk; the large one in many (chunked counts and sums).
+  for (const auto& [T, E, k, G] : std::vector<std::array<int64_t, 4>>{
+           {512, 64, 6, 1}, {512, 64, 6, 4}, {4096, 200, 8, 1}, {4096, 200, 8, 2}}) {
+    SCOPED_TRACE("T=" + std::to_string(T) + " E=" + std::to_string(E) + " G=" + std::to_string(G));
     Tensor l = random_tensor({T, E}, DType::F32, Device::cpu(), -4, 4);
     Tensor a = Tensor::empty({T, E}, DType::F32);
     ops::aux_scores_forward(l, RouterScore::Softmax, a);
     expect_cuda_matches_cpu({a}, {{{G, E}, DType::F32}},
                             [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
                               ops::topk_counts(i[0], k, G, o[0]);
+                            },
+                            {kExact});
+    Tensor sel = random_tensor({T, k}, DType::F32, Device::cpu(), 0, static_cast<double>(E) - 0.01);
+    std::vector<int32_t> sv;
+    for (double v : to_doubles(sel)) sv.push_back(static_cast<int32_t>(v));
+    expect_cuda_matches_cpu({Tensor::from_vector(sv, {T, k})}, {{{G, E}, DType::F32}},
+                            [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
+                              ops::topk_counts_from_indices(i[0], G, o[0]);
                             },
                             {kExact});
     Tensor c = random_tensor({G, E}, DType::F32, Device::cpu(), 0, 20);  // fractional counts

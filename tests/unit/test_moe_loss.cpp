@@ -10,6 +10,7 @@
 
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/moe_loss.h"
+#include "moecore/ops/router.h"
 #include "op_harness.h"
 
 using namespace moecore;
@@ -122,6 +123,40 @@ TEST(MoeLoss, CountsMatchReferenceAndSumToTk) {
   // Ties go to the lower expert id: all-equal scores count the first k experts.
   Tensor eq = Tensor::zeros({4, 6}, DType::F32);
   EXPECT_EQ(counts_of(eq, 2, 1).to_vector<float>(), (std::vector<float>{4, 4, 0, 0, 0, 0}));
+}
+
+// topk_counts_from_indices: the counts of a given selection, per group of T/G tokens.
+TEST(MoeLoss, CountsFromIndicesMatchHandCount) {
+  // 6 tokens, k = 2, E = 4, in 2 groups of 3 tokens.
+  const std::vector<int32_t> sel{0, 1, 1, 2, 1, 3, /* group 1 */ 3, 2, 0, 3, 2, 1};
+  Tensor idx = Tensor::from_vector(sel, {6, 2});
+  Tensor c1 = poisoned({1, 4}, DType::F32), c2 = poisoned({2, 4}, DType::F32);
+  ops::topk_counts_from_indices(idx, 1, c1);
+  ops::topk_counts_from_indices(idx, 2, c2);
+  EXPECT_EQ(c1.to_vector<float>(), (std::vector<float>{2, 4, 3, 3}));
+  EXPECT_EQ(c2.to_vector<float>(), (std::vector<float>{1, 3, 1, 1, 1, 1, 2, 2}));
+  // The same as topk_counts on scores whose top-k is that selection.
+  Tensor l = random_tensor({64, 16}, DType::F32, Device::cpu(), -3, 3);
+  Tensor a = aux_of(l, RouterScore::Softmax);
+  ops::RouterConfig cfg;
+  cfg.num_experts = 16;
+  cfg.topk = 3;
+  Tensor pr = Tensor::empty({64, 3}, DType::F32), ix = Tensor::empty({64, 3}, DType::I32);
+  ops::router_topk_forward(a, Tensor(), cfg, pr, ix);
+  Tensor c = Tensor::empty({4, 16}, DType::F32);
+  ops::topk_counts_from_indices(ix, 4, c);
+  EXPECT_EQ(to_doubles(c), ref_counts(to_doubles(a), 64, 16, 3, 4));
+  // Bad arguments.
+  Tensor bad = Tensor::from_vector(std::vector<int32_t>{0, 4}, {1, 2});
+  try {
+    ops::topk_counts_from_indices(bad, 1, c1);
+    FAIL() << "out-of-range index accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "topk_counts_from_indices: topk_indices[0, 1] = 4 is out of range [0, 4)");
+  }
+  EXPECT_THROW(ops::topk_counts_from_indices(idx, 4, c1), Error);  // 6 tokens in 4 groups
+  EXPECT_THROW(ops::topk_counts_from_indices(idx, 2, c1), Error);  // counts [1, 4] for 2 groups
+  EXPECT_THROW(ops::topk_counts_from_indices(Tensor::zeros({6, 2}, DType::F32), 1, c1), Error);
 }
 
 TEST(MoeLoss, SwitchLossMatchesFormula) {

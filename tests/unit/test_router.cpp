@@ -412,3 +412,69 @@ TEST(Router, BadArgumentsRaise) {
   Tensor dl = Tensor::empty({4, 8}, DType::F32);
   EXPECT_THROW(ops::router_topk_backward(logits, idx, Tensor::empty({4, 3}, DType::F32), c, dl), Error);
 }
+
+// router_topk_aux_forward: the router outputs equal router_topk_forward's exactly; the aux
+// scores follow their formula (softmax, or sigmoid normalised over E; no bias) and the aux
+// indices are the reference top-k of those scores.
+TEST(Router, AuxForwardEqualsRouterAndAuxScoresTopk) {
+  std::vector<std::pair<RouterConfig, bool>> configs;  // (config, expert bias)
+  configs.push_back({make(16, 4), false});
+  RouterConfig pre = make(16, 3);
+  pre.pre_softmax = true;
+  configs.push_back({pre, true});
+  configs.push_back({make(12, 2, RouterScore::Sigmoid), true});
+  RouterConfig grouped = make(16, 4, RouterScore::Sigmoid);
+  grouped.num_groups = 4;
+  grouped.group_topk = 2;
+  grouped.scaling_factor = 2.0;
+  configs.push_back({grouped, true});
+  for (DType dt : {DType::F32, DType::F64})
+    for (const auto& [c, with_bias] : configs) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " E=" + std::to_string(c.num_experts) +
+                   " k=" + std::to_string(c.topk) + (with_bias ? " bias" : ""));
+      const int64_t T = 37, E = c.num_experts, k = c.topk;
+      Tensor logits = random_tensor({T, E}, dt, Device::cpu(), -3, 3);
+      Tensor bias = with_bias ? random_tensor({E}, dt, Device::cpu(), -0.2, 0.2) : Tensor();
+      Tensor probs = poisoned({T, k}, dt), idx = poisoned({T, k}, DType::I32);
+      Tensor aux = poisoned({T, E}, dt), aux_idx = poisoned({T, k}, DType::I32);
+      ops::router_topk_aux_forward(logits, bias, c, probs, idx, aux, aux_idx);
+      Tensor p0 = Tensor::empty({T, k}, dt), i0 = Tensor::empty({T, k}, DType::I32);
+      ops::router_topk_forward(logits, bias, c, p0, i0);
+      EXPECT_EQ(to_doubles(probs), to_doubles(p0));
+      EXPECT_EQ(idx.to_vector<int32_t>(), i0.to_vector<int32_t>());
+      const std::vector<double> l = to_doubles(logits), a = to_doubles(aux);
+      const std::vector<int32_t> ai = aux_idx.to_vector<int32_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<double> f(static_cast<size_t>(E));
+        double z = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          f[e] = c.score == RouterScore::Softmax ? std::exp(l[t * E + e]) : sig(l[t * E + e]);
+          z += f[e];
+        }
+        std::vector<double> row(a.begin() + t * E, a.begin() + (t + 1) * E);
+        for (int64_t e = 0; e < E; ++e) EXPECT_NEAR(row[e], f[e] / z, 1e-6) << "t=" << t << " e=" << e;
+        const std::vector<int> want = ref_topk(row, static_cast<int>(k));
+        for (int64_t j = 0; j < k; ++j) EXPECT_EQ(ai[t * k + j], want[j]) << "t=" << t << " j=" << j;
+      }
+    }
+}
+
+TEST(Router, AuxForwardBadArgumentsRaise) {
+  Tensor logits = Tensor::zeros({4, 8}, DType::F32);
+  Tensor probs = Tensor::empty({4, 2}, DType::F32), idx = Tensor::empty({4, 2}, DType::I32);
+  Tensor aux = Tensor::empty({4, 8}, DType::F32), aux_idx = Tensor::empty({4, 2}, DType::I32);
+  RouterConfig sk = make(8, 2);
+  sk.sinkhorn = true;
+  try {
+    ops::router_topk_aux_forward(logits, Tensor(), sk, probs, idx, aux, aux_idx);
+    FAIL() << "sinkhorn accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "router_topk_aux_forward: not for the sinkhorn router (use router_topk_forward and aux_scores_forward)");
+  }
+  Tensor aux_bad = Tensor::empty({4, 7}, DType::F32), aux_idx_bad = Tensor::empty({4, 3}, DType::I32);
+  EXPECT_THROW(ops::router_topk_aux_forward(logits, Tensor(), make(8, 2), probs, idx, aux_bad, aux_idx), Error);
+  EXPECT_THROW(ops::router_topk_aux_forward(logits, Tensor(), make(8, 2), probs, idx, aux, aux_idx_bad), Error);
+  EXPECT_THROW(ops::router_topk_aux_forward(logits, Tensor::zeros({8}, DType::F32), make(8, 2), probs, idx, aux, aux_idx),
+               Error);  // bias with the default softmax router
+}

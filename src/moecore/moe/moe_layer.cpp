@@ -94,7 +94,12 @@ Tensor MoeLayer::balancing_counts(const Tensor& aux_scores, int64_t batch, bool 
   const DType cdt = DType::F32;  // token counts are integers (averages for global_aux_loss): exact in f32
   const int64_t groups = moe_.load_balancing == LoadBalancing::SeqAuxLoss ? batch : 1;
   Tensor counts = Tensor::empty({groups, e}, cdt, aux_scores.device());
-  ops::topk_counts(aux_scores, k, groups, counts);
+  // aux_scores: the scores [T, E], or (i32) their top-k indices [T, k] from router_topk_aux_forward.
+  if (aux_scores.dtype() == DType::I32) {
+    ops::topk_counts_from_indices(aux_scores, groups, counts);
+  } else {
+    ops::topk_counts(aux_scores, k, groups, counts);
+  }
   // Counts of every part of the sequences (TP x CP); the loss op's token count is this rank's,
   // N times too small, so the counts carry 1 / N^2: the op then gives this rank's share of the
   // whole-sequence loss (L = coeff E / (k T^2) sum_e P_e c_e with T = N T_local).
@@ -138,13 +143,25 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
       router.score = ops::RouterScore::Sigmoid;
     }
   }
-  ops::router_topk_forward(ctx.logits, bias, router, ctx.probs, ctx.indices);
+  // Training with a balancing loss: the selection, the aux scores and their top-k in one pass
+  // (router_topk_aux_forward) unless the sinkhorn router selects.
+  const bool aux = training && uses_aux_loss(moe_);
+  Tensor aux_topk;
+  if (aux && !router.sinkhorn) {
+    ctx.aux_scores = Tensor::empty({tokens, e}, router_dtype_, dev);
+    aux_topk = Tensor::empty({tokens, k}, DType::I32, dev);
+    ops::router_topk_aux_forward(ctx.logits, bias, router, ctx.probs, ctx.indices, ctx.aux_scores, aux_topk);
+  } else {
+    ops::router_topk_forward(ctx.logits, bias, router, ctx.probs, ctx.indices);
+  }
 
   if (training) {
-    if (uses_aux_loss(moe_)) {
-      ctx.aux_scores = Tensor::empty({tokens, e}, router_dtype_, dev);
-      ops::aux_scores_forward(ctx.logits, moe_.router.score, ctx.aux_scores);
-      ctx.aux_counts = balancing_counts(ctx.aux_scores, batch, training);
+    if (aux) {
+      if (!ctx.aux_scores.defined()) {
+        ctx.aux_scores = Tensor::empty({tokens, e}, router_dtype_, dev);
+        ops::aux_scores_forward(ctx.logits, moe_.router.score, ctx.aux_scores);
+      }
+      ctx.aux_counts = balancing_counts(aux_topk.defined() ? aux_topk : ctx.aux_scores, batch, training);
       Tensor loss = Tensor::empty({1}, router_dtype_, dev);
       ops::switch_aux_loss_forward(ctx.aux_scores, ctx.aux_counts, k, moe_.aux_loss_coeff, loss);
       stats_.aux_loss += read_scalar(loss) / moe_.aux_loss_coeff;
@@ -164,19 +181,29 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
     ops::capacity_mask(ctx.indices, ctx.probs, e, capacity, moe_.drop_policy, kept);
     if (moe_.pad_to_capacity) pad = capacity;
   }
-  if (training) {
-    // Tokens per expert after capacity dropping (Megatron counts its final routing map): the
-    // expert-bias update and the per-layer log use them.
-    const std::vector<int32_t> idx = ctx.indices.to_vector<int32_t>();
-    const std::vector<uint8_t> keep = kept.defined() ? kept.to_vector<uint8_t>() : std::vector<uint8_t>();
-    for (size_t i = 0; i < idx.size(); ++i)
-      if (keep.empty() || keep[i]) stats_.tokens_per_expert[static_cast<size_t>(idx[i])] += 1.0;
-    stats_.micro_batches++;
-  }
   const DType combine = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   ctx.combine_probs = cast_to(ctx.probs, combine);
 
   ctx.permuted = dispatcher_.dispatch(x, ctx.indices, kept, pad, ctx.dispatch);
+  if (training) {
+    // Tokens per expert after capacity dropping (Megatron counts its final routing map): the
+    // expert-bias update and the per-layer log use them. When the dispatcher's plan covers
+    // exactly this rank's tokens over all E experts without padding, its host counts (already
+    // copied for the GEMM sizes) are these numbers; otherwise count from the indices.
+    const ops::MoeRouting& plan = ctx.dispatch.routing;
+    if (pad == 0 && plan.num_tokens == tokens && plan.num_experts == e &&
+        static_cast<int64_t>(plan.host_tokens_per_expert.size()) == e) {
+      for (int64_t i = 0; i < e; ++i)
+        stats_.tokens_per_expert[static_cast<size_t>(i)] +=
+            static_cast<double>(plan.host_tokens_per_expert[static_cast<size_t>(i)]);
+    } else {
+      const std::vector<int32_t> idx = ctx.indices.to_vector<int32_t>();
+      const std::vector<uint8_t> keep = kept.defined() ? kept.to_vector<uint8_t>() : std::vector<uint8_t>();
+      for (size_t i = 0; i < idx.size(); ++i)
+        if (keep.empty() || keep[i]) stats_.tokens_per_expert[static_cast<size_t>(idx[i])] += 1.0;
+    }
+    stats_.micro_batches++;
+  }
   const int64_t rows = ctx.permuted.size(0);
   const std::vector<int64_t>& groups = ctx.dispatch.local_groups;
   ctx.fc1_out = Tensor::empty({rows, fc1_->shape[1]}, x.dtype(), dev);

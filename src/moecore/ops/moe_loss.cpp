@@ -85,6 +85,32 @@ void topk_counts(const Tensor& aux_scores, int64_t topk, int64_t groups, Tensor&
   else MC_CUDA_BACKEND(op, cuda::counts_from_indices(indices, groups, counts));
 }
 
+void topk_counts_from_indices(const Tensor& topk_indices, int64_t groups, Tensor& counts) {
+  constexpr const char* op = "topk_counts_from_indices";
+  check_contiguous(op, "topk_indices", topk_indices);
+  check_dtype(op, "topk_indices", topk_indices, {DType::I32});
+  MC_CHECK(topk_indices.ndim() == 2, op, ": argument 'topk_indices' ", topk_indices.describe(),
+           " must be 2-D [tokens, topk]");
+  const int64_t T = topk_indices.size(0);
+  MC_CHECK(groups >= 1 && T % groups == 0, op, ": groups ", groups, " must be >= 1 and divide the ", T, " tokens");
+  check_contiguous(op, "counts", counts);
+  check_same_device(op, topk_indices, counts);
+  check_dtype(op, "counts", counts, {DType::F32});
+  MC_CHECK(counts.ndim() == 2 && counts.size(0) == groups && counts.size(1) >= 1, op, ": argument 'counts' has shape ",
+           shape_str(counts.shape()), "; expected [", groups, ", experts]");
+  const int64_t E = counts.size(1);
+  if (topk_indices.device().is_cpu()) {
+    // The CUDA kernel skips values outside [0, E); the CPU checks them (no device sync there).
+    const int32_t* pi = topk_indices.data<int32_t>();
+    for (int64_t i = 0; i < topk_indices.numel(); ++i)
+      MC_CHECK(pi[i] >= 0 && pi[i] < E, op, ": topk_indices[", i / topk_indices.size(1), ", ",
+               i % topk_indices.size(1), "] = ", pi[i], " is out of range [0, ", E, ")");
+    cpu::counts_from_indices(topk_indices, groups, counts);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::counts_from_indices(topk_indices, groups, counts));
+  }
+}
+
 void switch_aux_loss_forward(const Tensor& aux_scores, const Tensor& counts, int64_t topk, double coeff, Tensor& loss) {
   constexpr const char* op = "switch_aux_loss_forward";
   check_matrix(op, "aux_scores", aux_scores);

@@ -17,7 +17,8 @@
 //                d0 = 1, d1 = 1; repeat d0 = (1/T) / (c d1 + 1e-8), d1 = (1/E) / (d0^T c + 1e-8)
 //                while mean|d1 - d1_old| > tol (at most kSinkhornMaxIters rounds; Megatron has no
 //                cap); out = d1 * c * d0 (column and row scaling). Not differentiable.
-// CUDA: row kernels plus deterministic fixed-order reductions (no float atomics). Sinkhorn runs
+// CUDA: row kernels plus deterministic fixed-order reductions (no float atomics; the counts use
+// integer atomics, exact in any order). Sinkhorn runs
 // as one 1024-thread block that iterates on the device (no host synchronisation); it is meant for
 // router-sized inputs (T x E up to a few million elements).
 #pragma once
@@ -34,6 +35,9 @@ void aux_scores_forward(const Tensor& logits, RouterScore score, Tensor& aux_sco
 void aux_scores_backward(const Tensor& logits, RouterScore score, const Tensor& daux_scores, Tensor& dlogits);
 
 void topk_counts(const Tensor& aux_scores, int64_t topk, int64_t groups, Tensor& counts);
+// The same counts from a selection already made: topk_indices [T, k] i32 with values in [0, E)
+// (e.g. router_topk_aux_forward's aux_indices), counts [G, E] f32.
+void topk_counts_from_indices(const Tensor& topk_indices, int64_t groups, Tensor& counts);
 
 void switch_aux_loss_forward(const Tensor& aux_scores, const Tensor& counts, int64_t topk, double coeff, Tensor& loss);
 // daux_scores (overwritten) = dloss * dL/da.

@@ -100,6 +100,64 @@ __global__ void counts_kernel(const int32_t* indices, float* counts, int64_t tg,
   }
 }
 
+// counts by token chunks: grid (chunks per group, G), 256 threads; each block histograms its
+// tokens' selections in shared memory and adds the histogram to icounts[g, :] with integer atomics
+// (exact, so the result does not depend on the order); then to_float_kernel writes the f32 counts.
+constexpr int64_t kCountChunk = 512;  // tokens per block
+constexpr int kCountMaxExperts = 8192;
+
+__global__ void chunk_counts_kernel(const int32_t* indices, int32_t* icounts, int64_t tg, int k, int E) {
+  extern __shared__ int hist[];
+  const int64_t g = blockIdx.y, begin = g * tg + blockIdx.x * kCountChunk, end = min((g + 1) * tg, begin + kCountChunk);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int64_t i = begin * k + threadIdx.x; i < end * k; i += blockDim.x) {
+    const int v = indices[i];
+    if (v >= 0 && v < E) atomicAdd(&hist[v], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (hist[e] != 0) atomicAdd(&icounts[g * E + e], hist[e]);
+}
+
+__global__ void to_float_kernel(const int32_t* in, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = static_cast<float>(in[i]);
+}
+
+// grid (chunks, G), block (32, 8): partial[g, chunk, e] = sum of a_te over the chunk's tokens
+// (fixed order: 8 row-strided sums, then added y = 0..7); aux_loss_chunk_terms_kernel adds the
+// chunks in order and forms the terms.
+constexpr int64_t kAuxChunk = 256;
+
+__global__ void aux_partial_kernel(const float* aux, float* partial, int64_t tg, int64_t chunks, int E) {
+  __shared__ float part[8][33];
+  const int e = blockIdx.z * 32 + threadIdx.x;
+  const int64_t g = blockIdx.y, c = blockIdx.x;
+  const int64_t begin = g * tg + c * kAuxChunk, end = min((g + 1) * tg, begin + kAuxChunk);
+  float acc = 0.0f;
+  if (e < E)
+    for (int64_t t = begin + threadIdx.y; t < end; t += 8) acc += aux[t * E + e];
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && e < E) {
+    float s = 0.0f;
+#pragma unroll
+    for (int y = 0; y < 8; ++y) s += part[y][threadIdx.x];
+    partial[(g * chunks + c) * E + e] = s;
+  }
+}
+
+__global__ void aux_chunk_terms_kernel(const float* partial, const float* counts, float* prod, int64_t chunks, int E,
+                                       int64_t G, float w) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < G * E; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = i / E, e = i % E;
+    float s = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) s += partial[(g * chunks + c) * E + e];
+    prod[i] = w * s * counts[i];
+  }
+}
+
 // grid (ceil(E/32), G), block (32, 8): prod[g, e] = w * (sum_{t in g} a_te) * c_ge.
 __global__ void aux_loss_terms_kernel(const float* aux, const float* counts, float* prod, int64_t tg, int E, float w) {
   __shared__ float part[8][33];
@@ -223,8 +281,20 @@ void counts_from_indices(const Tensor& indices, int64_t groups, Tensor& counts) 
   cudaStream_t s = prepare(indices);
   const int64_t T = indices.size(0);
   const int E = static_cast<int>(counts.size(1));
+  const int64_t tg = T / groups;
+  if (E <= kCountMaxExperts && tg > 0 && groups <= 65535) {
+    Tensor icounts = Tensor::empty({groups, E}, DType::I32, indices.device());
+    MC_CUDA_CHECK(cudaMemsetAsync(icounts.data_ptr(), 0, icounts.nbytes(), s));
+    const dim3 grid(static_cast<unsigned>((tg + kCountChunk - 1) / kCountChunk), static_cast<unsigned>(groups));
+    chunk_counts_kernel<<<grid, 256, sizeof(int) * static_cast<size_t>(E), s>>>(
+        indices.data<int32_t>(), icounts.data<int32_t>(), tg, static_cast<int>(indices.size(1)), E);
+    MC_CUDA_CHECK_LAUNCH();
+    to_float_kernel<<<grid_for(groups * E), 256, 0, s>>>(icounts.data<int32_t>(), counts.data<float>(), groups * E);
+    MC_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const dim3 grid(static_cast<unsigned>((E + 31) / 32), static_cast<unsigned>(groups));
-  counts_kernel<<<grid, dim3(32, 8), 0, s>>>(indices.data<int32_t>(), counts.data<float>(), T / groups,
+  counts_kernel<<<grid, dim3(32, 8), 0, s>>>(indices.data<int32_t>(), counts.data<float>(), tg,
                                              static_cast<int>(indices.size(1)), E);
   MC_CUDA_CHECK_LAUNCH();
 }
@@ -235,9 +305,20 @@ void switch_aux_loss_forward(const Tensor& aux_scores, const Tensor& counts, int
   const int E = static_cast<int>(aux_scores.size(1));
   const double w = coeff / static_cast<double>(G) * E / (static_cast<double>(topk) * tg * tg);
   Tensor terms = Tensor::empty({G, E}, DType::F32, aux_scores.device());
-  const dim3 grid(static_cast<unsigned>((E + 31) / 32), static_cast<unsigned>(G));
-  aux_loss_terms_kernel<<<grid, dim3(32, 8), 0, s>>>(aux_scores.data<float>(), counts.data<float>(),
-                                                     terms.data<float>(), tg, E, static_cast<float>(w));
+  const int64_t chunks = (tg + kAuxChunk - 1) / kAuxChunk;
+  if (chunks > 1 && G <= 65535 && (E + 31) / 32 <= 65535) {
+    // Many token chunks in parallel, then a fixed-order sum over the chunks.
+    Tensor partial = Tensor::empty({G, chunks, E}, DType::F32, aux_scores.device());
+    const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(G), static_cast<unsigned>((E + 31) / 32));
+    aux_partial_kernel<<<grid, dim3(32, 8), 0, s>>>(aux_scores.data<float>(), partial.data<float>(), tg, chunks, E);
+    MC_CUDA_CHECK_LAUNCH();
+    aux_chunk_terms_kernel<<<grid_for(G * E), 256, 0, s>>>(partial.data<float>(), counts.data<float>(),
+                                                           terms.data<float>(), chunks, E, G, static_cast<float>(w));
+  } else {
+    const dim3 grid(static_cast<unsigned>((E + 31) / 32), static_cast<unsigned>(G));
+    aux_loss_terms_kernel<<<grid, dim3(32, 8), 0, s>>>(aux_scores.data<float>(), counts.data<float>(),
+                                                       terms.data<float>(), tg, E, static_cast<float>(w));
+  }
   MC_CUDA_CHECK_LAUNCH();
   ops::sum_all(terms, loss);
 }

@@ -18,6 +18,7 @@
 // the row size and pointers allow; the others accumulate in fp32 over j; unpermute_backward
 // reduces dprobs[t, j] with a block sum.
 #include <climits>
+#include <type_traits>
 #include <vector>
 
 #include <cub/device/device_segmented_radix_sort.cuh>
@@ -215,6 +216,228 @@ __global__ void unpermute_backward_kernel(const T* y, const float* probs, const 
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// ---- 16-byte vector row kernels (the fast path of the row ops) ----
+// One block per token; thread i handles packs i, i + blockDim, ... of the row (a pack: 16 bytes,
+// 8 bf16 or 4 f32). Sums over j run in ascending j per element, as in the scalar kernels; the
+// k source rows of a pack are loaded a group of L at a time so their loads overlap (L = 2, 4 or 8
+// after k: a small k keeps the registers, and so the occupancy, of a small group).
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int N = 16 / static_cast<int>(sizeof(T));
+  T v[N];
+};
+
+// out[t] = sum_j w_j * src[row_map[t, j]] (w_j = probs[t, j], or 1 without probs).
+template <typename T, int kLoadAhead>
+__global__ void gather_sum_vec_kernel(const T* src, const float* probs, const int32_t* row_map, T* out, int k,
+                                      int64_t packs) {
+  using P = Pack<T>;
+  const int64_t t = blockIdx.x;
+  const int32_t* rm = row_map + t * k;
+  const float* pr = probs ? probs + t * k : nullptr;
+  const P* s = reinterpret_cast<const P*>(src);
+  P* o = reinterpret_cast<P*>(out) + t * packs;
+  for (int64_t u = threadIdx.x; u < packs; u += blockDim.x) {
+    float acc[P::N];
+#pragma unroll
+    for (int e = 0; e < P::N; ++e) acc[e] = 0.0f;
+    for (int j0 = 0; j0 < k; j0 += kLoadAhead) {
+      P v[kLoadAhead];
+      int32_t row[kLoadAhead];
+#pragma unroll
+      for (int a = 0; a < kLoadAhead; ++a) {
+        row[a] = j0 + a < k ? rm[j0 + a] : -1;
+        if (row[a] >= 0) v[a] = s[static_cast<int64_t>(row[a]) * packs + u];
+      }
+#pragma unroll
+      for (int a = 0; a < kLoadAhead; ++a) {
+        if (row[a] < 0) continue;
+        const float w = pr ? pr[j0 + a] : 1.0f;
+#pragma unroll
+        for (int e = 0; e < P::N; ++e) acc[e] += pr ? w * load(v[a].v[e]) : load(v[a].v[e]);
+      }
+    }
+    P r;
+#pragma unroll
+    for (int e = 0; e < P::N; ++e) r.v[e] = store<T>(acc[e]);
+    o[u] = r;
+  }
+}
+
+// unpermute_backward: dy[row_map[t, j]] = probs[t, j] * dout[t]; dprobs[t, j] = <dout[t], y[row]>.
+// Each warp reduces its lanes' partial dot products per j with shuffles; lane 0 adds them to its
+// warp's slot part[warp * k + j] (dynamic shared memory); after the loop thread j sums the warps'
+// slots in warp order. Every order is fixed by the launch shape: deterministic.
+template <typename T, int kLoadAhead>
+__global__ void unpermute_backward_vec_kernel(const T* y, const float* probs, const int32_t* row_map, const T* dout,
+                                              T* dy, float* dprobs, int k, int64_t packs) {
+  using P = Pack<T>;
+  extern __shared__ float part[];
+  const int64_t t = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int32_t* rm = row_map + t * k;
+  const float* pr = probs + t * k;
+  const P* ys = reinterpret_cast<const P*>(y);
+  P* dys = reinterpret_cast<P*>(dy);
+  const P* d = reinterpret_cast<const P*>(dout) + t * packs;
+  if (lane == 0)
+    for (int j = 0; j < k; ++j) part[warp * k + j] = 0.0f;
+  for (int64_t base = 0; base < packs; base += blockDim.x) {
+    const int64_t u = base + threadIdx.x;
+    const bool active = u < packs;  // inactive lanes still join the shuffles
+    float dv[P::N];
+    if (active) {
+      const P dp = d[u];
+#pragma unroll
+      for (int e = 0; e < P::N; ++e) dv[e] = load(dp.v[e]);
+    }
+    for (int j0 = 0; j0 < k; j0 += kLoadAhead) {
+      // The group's rows are uniform over the block; their loads are issued before any use.
+      int32_t row[kLoadAhead];
+      P yv[kLoadAhead];
+#pragma unroll
+      for (int a = 0; a < kLoadAhead; ++a) {
+        row[a] = j0 + a < k ? rm[j0 + a] : -1;
+        if (active && row[a] >= 0) yv[a] = ys[static_cast<int64_t>(row[a]) * packs + u];
+      }
+#pragma unroll
+      for (int a = 0; a < kLoadAhead; ++a) {
+        if (row[a] < 0) continue;
+        float dot = 0.0f;
+        if (active) {
+          const float p = pr[j0 + a];
+          P g;
+#pragma unroll
+          for (int e = 0; e < P::N; ++e) {
+            dot += dv[e] * load(yv[a].v[e]);
+            g.v[e] = store<T>(p * dv[e]);
+          }
+          dys[static_cast<int64_t>(row[a]) * packs + u] = g;
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) part[warp * k + j0 + a] += dot;
+      }
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    float sum = 0.0f;
+    for (int w = 0; w < warps; ++w) sum += part[w * k + j];
+    dprobs[t * k + j] = rm[j] < 0 ? 0.0f : sum;
+  }
+}
+
+// ---- make_moe_routing by token chunks (E <= kChunkMaxExperts) ----
+// The assignments are cut into chunks of kChunk in token order.
+//   chunk_hist_kernel   block c: kept assignments per expert in chunk c -> cc[c, e] (shared-memory
+//                       integer histogram: exact whatever the order), first bad index -> bad[c].
+//   chunk_scan_kernel   one block: thread e turns column e of cc into the row where chunk c's
+//                       first assignment of expert e goes (expert base + earlier chunks), writes
+//                       status[e] = kept count and status[E] = first bad index (INT_MAX if none).
+//   chunk_place_kernel  block c walks its chunk blockDim at a time, warp by warp in order: a
+//                       warp numbers its lanes per expert (__match_any_sync, lanes below), adds
+//                       the expert's running row, then advances the running rows for the next
+//                       warp. Rows therefore follow token order inside each expert, as before.
+constexpr int kChunk = 1024;
+constexpr int kChunkThreads = 256;
+constexpr int64_t kChunkMaxExperts = 4096;  // 32 KiB of int64 bases in chunk_scan_kernel
+
+__global__ void chunk_hist_kernel(const int32_t* idx, const uint8_t* kept, int64_t n, int E, int32_t* cc,
+                                  int32_t* bad) {
+  extern __shared__ int hist[];
+  __shared__ int first_bad;
+  const int64_t c = blockIdx.x, begin = c * kChunk, end = min(n, begin + kChunk);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+  if (threadIdx.x == 0) first_bad = INT_MAX;
+  __syncthreads();
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const int v = idx[i];
+    if (v < 0 || v >= E) {
+      atomicMin(&first_bad, static_cast<int>(i));
+    } else if (kept == nullptr || kept[i]) {
+      atomicAdd(&hist[v], 1);
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cc[c * E + e] = hist[e];
+  if (threadIdx.x == 0) bad[c] = first_bad;
+}
+
+__global__ void chunk_scan_kernel(int32_t* cc, const int32_t* bad, int64_t chunks, int E, int64_t capacity,
+                                  int32_t* status) {
+  extern __shared__ int64_t base[];  // [E]: first row of each expert
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int64_t total = 0;
+    for (int64_t c = 0; c < chunks; ++c) total += cc[c * E + e];
+    status[e] = static_cast<int32_t>(total);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t at = 0;
+    for (int e = 0; e < E; ++e) {
+      base[e] = capacity > 0 ? static_cast<int64_t>(e) * capacity : at;
+      at += status[e];
+    }
+    int first = INT_MAX;
+    for (int64_t c = 0; c < chunks; ++c) first = min(first, bad[c]);
+    status[E] = first;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    // With capacity, the slot (not the row) is kept: the placement compares it with C.
+    int64_t running = capacity > 0 ? 0 : base[e];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int v = cc[c * E + e];
+      cc[c * E + e] = static_cast<int32_t>(running);
+      running += v;
+    }
+  }
+}
+
+__global__ void chunk_place_kernel(const int32_t* idx, const uint8_t* kept, int64_t n, int E, const int32_t* cc,
+                                   int64_t capacity, int32_t* row_map) {
+  extern __shared__ int next[];  // [E]: next row (slot when padded) of each expert in this chunk
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int64_t c = blockIdx.x, begin = c * kChunk, end = min(n, begin + kChunk);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) next[e] = cc[c * E + e];
+  __syncthreads();
+  for (int64_t start = begin; start < end; start += blockDim.x) {
+    const int64_t i = start + threadIdx.x;
+    const int v = i < end ? idx[i] : -1;
+    const bool keep = i < end && v >= 0 && v < E && (kept == nullptr || kept[i]);
+    const unsigned peers = __match_any_sync(0xffffffffu, keep ? v : -1);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    for (int w = 0; w < warps; ++w) {
+      if (w == warp) {
+        if (keep) {
+          const int64_t slot = next[v] + rank;
+          const bool fits = capacity == 0 || slot < capacity;
+          row_map[i] = fits ? static_cast<int32_t>(capacity > 0 ? v * capacity + slot : slot) : -1;
+        } else if (i < end) {
+          row_map[i] = -1;
+        }
+        __syncwarp();
+        if (keep && rank == 0) next[v] += __popc(peers);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Threads per block for a row of `packs` packs: one pack per thread up to 512, whole warps.
+unsigned vec_threads(int64_t packs) {
+  const int64_t w = (packs + 31) / 32 * 32;
+  return static_cast<unsigned>(w < 32 ? 32 : (w > 512 ? 512 : w));
+}
+
+// Calls f(std::integral_constant<int, L>{}) with the load-ahead group for k.
+template <typename F>
+void with_load_ahead(int k, F&& f) {
+  if (k <= 2) f(std::integral_constant<int, 2>{});
+  else if (k <= 4) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, 8>{});
+}
+
 }  // namespace
 
 void capacity_mask(const Tensor& indices, const Tensor& probs, int64_t num_experts, int64_t capacity,
@@ -272,10 +495,26 @@ void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r) 
   Tensor status = Tensor::empty({E + 1}, DType::I32, dev);
   r.row_map = Tensor::empty({r.num_tokens, r.topk}, DType::I32, dev);
   const unsigned blocks = static_cast<unsigned>(E);
-  count_kernel<<<blocks, kScanThreads, 0, s>>>(idx, kp, n, static_cast<int>(E), status.data<int32_t>());
-  MC_CUDA_CHECK_LAUNCH();
-  position_kernel<<<blocks, kScanThreads, 0, s>>>(idx, kp, n, status.data<int32_t>(), C, r.row_map.data<int32_t>());
-  MC_CUDA_CHECK_LAUNCH();
+  if (E <= kChunkMaxExperts && n > 0 && n < INT_MAX) {
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+    Tensor cc = Tensor::empty({chunks, E}, DType::I32, dev), bad = Tensor::empty({chunks}, DType::I32, dev);
+    const size_t hist_bytes = sizeof(int) * static_cast<size_t>(E);
+    chunk_hist_kernel<<<static_cast<unsigned>(chunks), kChunkThreads, hist_bytes, s>>>(
+        idx, kp, n, static_cast<int>(E), cc.data<int32_t>(), bad.data<int32_t>());
+    MC_CUDA_CHECK_LAUNCH();
+    chunk_scan_kernel<<<1, 1024, sizeof(int64_t) * static_cast<size_t>(E), s>>>(
+        cc.data<int32_t>(), bad.data<int32_t>(), chunks, static_cast<int>(E), C, status.data<int32_t>());
+    MC_CUDA_CHECK_LAUNCH();
+    chunk_place_kernel<<<static_cast<unsigned>(chunks), kChunkThreads, hist_bytes, s>>>(
+        idx, kp, n, static_cast<int>(E), cc.data<int32_t>(), C, r.row_map.data<int32_t>());
+    MC_CUDA_CHECK_LAUNCH();
+  } else {
+    count_kernel<<<blocks, kScanThreads, 0, s>>>(idx, kp, n, static_cast<int>(E), status.data<int32_t>());
+    MC_CUDA_CHECK_LAUNCH();
+    position_kernel<<<blocks, kScanThreads, 0, s>>>(idx, kp, n, status.data<int32_t>(), C,
+                                                    r.row_map.data<int32_t>());
+    MC_CUDA_CHECK_LAUNCH();
+  }
   // The one synchronisation: the counts (GEMM sizes) and the index check come to the host.
   const std::vector<int32_t> host = status.to_vector<int32_t>();
   if (host[static_cast<size_t>(E)] != INT_MAX) {
@@ -328,6 +567,14 @@ void moe_permute_backward(const Tensor& dout, const MoeRouting& r, Tensor& dx) {
   if (T == 0 || H == 0) return;
   dispatch_cuda_floating(dout.dtype(), "moe_permute_backward", [&](auto tag) {
     using T_ = decltype(tag);
+    if (H % Pack<T_>::N == 0 && aligned16(dout.data_ptr()) && aligned16(dx.data_ptr())) {
+      const int64_t packs = H / Pack<T_>::N;
+      with_load_ahead(static_cast<int>(r.topk), [&](auto la) {
+        gather_sum_vec_kernel<T_, decltype(la)::value><<<static_cast<unsigned>(T), vec_threads(packs), 0, s>>>(
+            dout.data<T_>(), nullptr, r.row_map.data<int32_t>(), dx.data<T_>(), static_cast<int>(r.topk), packs);
+      });
+      return;
+    }
     permute_backward_kernel<T_><<<static_cast<unsigned>(T), kRowThreads, 0, s>>>(
         dout.data<T_>(), r.row_map.data<int32_t>(), dx.data<T_>(), static_cast<int>(r.topk), H);
   });
@@ -340,6 +587,15 @@ void moe_unpermute_forward(const Tensor& y, const Tensor& probs, const MoeRoutin
   if (T == 0 || H == 0) return;
   dispatch_cuda_floating(y.dtype(), "moe_unpermute_forward", [&](auto tag) {
     using T_ = decltype(tag);
+    if (H % Pack<T_>::N == 0 && aligned16(y.data_ptr()) && aligned16(out.data_ptr())) {
+      const int64_t packs = H / Pack<T_>::N;
+      with_load_ahead(static_cast<int>(r.topk), [&](auto la) {
+        gather_sum_vec_kernel<T_, decltype(la)::value><<<static_cast<unsigned>(T), vec_threads(packs), 0, s>>>(
+            y.data<T_>(), probs.data<float>(), r.row_map.data<int32_t>(), out.data<T_>(), static_cast<int>(r.topk),
+            packs);
+      });
+      return;
+    }
     unpermute_forward_kernel<T_><<<static_cast<unsigned>(T), kRowThreads, 0, s>>>(
         y.data<T_>(), probs.data<float>(), r.row_map.data<int32_t>(), out.data<T_>(), static_cast<int>(r.topk), H);
   });
@@ -354,6 +610,19 @@ void moe_unpermute_backward(const Tensor& y, const Tensor& probs, const MoeRouti
   if (T == 0) return;
   dispatch_cuda_floating(y.dtype(), "moe_unpermute_backward", [&](auto tag) {
     using T_ = decltype(tag);
+    const int k = static_cast<int>(r.topk);
+    if (H > 0 && H % Pack<T_>::N == 0 && aligned16(y.data_ptr()) && aligned16(dout.data_ptr()) &&
+        aligned16(dy.data_ptr()) && k <= 512) {
+      const int64_t packs = H / Pack<T_>::N;
+      const unsigned threads = vec_threads(packs);
+      const size_t shared = sizeof(float) * (threads / 32) * static_cast<size_t>(k);
+      with_load_ahead(k, [&](auto la) {
+        unpermute_backward_vec_kernel<T_, decltype(la)::value><<<static_cast<unsigned>(T), threads, shared, s>>>(
+            y.data<T_>(), probs.data<float>(), r.row_map.data<int32_t>(), dout.data<T_>(), dy.data<T_>(),
+            dprobs.data<float>(), k, packs);
+      });
+      return;
+    }
     unpermute_backward_kernel<T_><<<static_cast<unsigned>(T), kRowThreads, 0, s>>>(
         y.data<T_>(), probs.data<float>(), r.row_map.data<int32_t>(), dout.data<T_>(), dy.data<T_>(),
         dprobs.data<float>(), static_cast<int>(r.topk), H);

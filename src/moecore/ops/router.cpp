@@ -92,6 +92,39 @@ void router_topk_forward(const Tensor& logits, const Tensor& expert_bias, const 
   }
 }
 
+void router_topk_aux_forward(const Tensor& logits, const Tensor& expert_bias, const RouterConfig& cfg, Tensor& probs,
+                             Tensor& indices, Tensor& aux_scores, Tensor& aux_indices) {
+  constexpr const char* op = "router_topk_aux_forward";
+  MC_CHECK(!cfg.sinkhorn, op, ": not for the sinkhorn router (use router_topk_forward and aux_scores_forward)");
+  check_logits(op, logits, cfg);
+  const int64_t T = logits.size(0), E = cfg.num_experts, k = cfg.topk;
+  check_like(op, "aux_scores", aux_scores, logits, {T, E}, logits.dtype());
+  check_like(op, "aux_indices", aux_indices, logits, {T, k}, DType::I32);
+  if (logits.device().is_cpu()) {
+    // The reference: the three separate ops.
+    router_topk_forward(logits, expert_bias, cfg, probs, indices);
+    if (T == 0) return;
+    cpu::aux_scores_forward(logits, cfg.score, aux_scores);
+    RouterConfig plain;
+    plain.num_experts = E;
+    plain.topk = k;
+    Tensor unused = Tensor::empty({T, k}, logits.dtype());
+    cpu::router_topk_forward(aux_scores, Tensor(), Tensor(), plain, unused, aux_indices);
+    return;
+  }
+  // The same argument checks as router_topk_forward (run on the CPU path above).
+  validate_router_config(cfg);
+  check_like(op, "probs", probs, logits, {T, k}, logits.dtype());
+  check_like(op, "indices", indices, logits, {T, k}, DType::I32);
+  if (expert_bias.defined()) {
+    MC_CHECK(cfg.score == RouterScore::Sigmoid || cfg.pre_softmax, op,
+             ": --moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or --moe-router-pre-softmax");
+    check_like(op, "expert_bias", expert_bias, logits, {E}, logits.dtype());
+  }
+  if (T == 0) return;
+  MC_CUDA_BACKEND(op, cuda::router_topk_aux_forward(logits, expert_bias, cfg, probs, indices, aux_scores, aux_indices));
+}
+
 void router_topk_backward(const Tensor& logits, const Tensor& indices, const Tensor& dprobs, const RouterConfig& cfg,
                           Tensor& dlogits) {
   constexpr const char* op = "router_topk_backward";

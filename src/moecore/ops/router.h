@@ -20,6 +20,14 @@
 // 0 unless the formula involves all E (pre_softmax, sinkhorn with k > 1).
 // CUDA: f32 only, E <= 1024; one warp per token row (k-pass arg-max, group limits in the same
 // kernel). Sinkhorn selection runs ops::sinkhorn first (one extra kernel).
+//
+// router_topk_aux_forward: the training forward with a balancing loss in one pass per row
+// (one kernel on CUDA instead of three): probs and indices exactly as router_topk_forward;
+// aux_scores [T, E] (logits dtype) exactly as ops::aux_scores_forward(logits, cfg.score)
+// (moe_loss.h: softmax over E, or sigmoid normalised over E; no expert bias); aux_indices [T, k]
+// i32: the plain top-k of each aux_scores row (descending, ties: lower expert id), the selection
+// ops::topk_counts counts (pass it to ops::topk_counts_from_indices). Not for sinkhorn. It has no
+// backward of its own: router_topk_backward and aux_scores_backward give the gradients.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +56,8 @@ void router_topk_forward(const Tensor& logits, const Tensor& expert_bias, const 
                          Tensor& indices);
 void router_topk_backward(const Tensor& logits, const Tensor& indices, const Tensor& dprobs, const RouterConfig& cfg,
                           Tensor& dlogits);
+void router_topk_aux_forward(const Tensor& logits, const Tensor& expert_bias, const RouterConfig& cfg, Tensor& probs,
+                             Tensor& indices, Tensor& aux_scores, Tensor& aux_indices);
 
 // Largest E the CUDA kernels take (shared memory per warp grows with E).
 inline constexpr int64_t kRouterCudaMaxExperts = 1024;
@@ -62,6 +72,8 @@ void router_topk_backward(const Tensor& logits, const Tensor& indices, const Ten
 namespace cuda {
 void router_topk_forward(const Tensor& logits, const Tensor& expert_bias, const Tensor& sel_scores,
                          const RouterConfig& cfg, Tensor& probs, Tensor& indices);
+void router_topk_aux_forward(const Tensor& logits, const Tensor& expert_bias, const RouterConfig& cfg, Tensor& probs,
+                             Tensor& indices, Tensor& aux_scores, Tensor& aux_indices);
 void router_topk_backward(const Tensor& logits, const Tensor& indices, const Tensor& dprobs, const RouterConfig& cfg,
                           Tensor& dlogits);
 }  // namespace cuda

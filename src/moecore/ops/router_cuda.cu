@@ -21,6 +21,9 @@ struct Params {
   int32_t* indices;
   const float* dprobs;
   float* dlogits;
+  float* aux;        // router_topk_aux_forward: aux scores [T, E], or null
+  int32_t* aux_idx;  // and the top-k of each aux row [T, k]
+  bool aux_softmax;
   int64_t T;
   int E, k, G, gk;
   int mode;
@@ -158,6 +161,43 @@ __global__ void topk_forward_kernel(Params p, int warps) {
     p.probs[t * k + i] = pr * p.scale;
     p.indices[t * k + i] = idx[i];
   }
+  if (p.aux == nullptr) return;
+
+  // Aux scores with the arithmetic (and lane order) of moe_loss_cuda.cu's aux_forward_kernel,
+  // then their plain top-k with the same warp arg-max (topk_counts' selection).
+  __syncwarp();  // idx is read above and rewritten below
+  float* a = p.aux + t * E;
+  if (p.aux_softmax) {
+    float amx = -INFINITY;
+    for (int e = lane; e < E; e += 32) amx = fmaxf(amx, l[e]);
+    amx = warp_max(amx);
+    float az = 0.0f;
+    for (int e = lane; e < E; e += 32) az += expf(l[e] - amx);
+    az = warp_sum(az);
+    for (int e = lane; e < E; e += 32) {
+      const float v = expf(l[e] - amx) / az;
+      a[e] = v;
+      sel[e] = v;
+      taken[e] = 0;
+    }
+  } else {
+    float az = 0.0f;
+    for (int e = lane; e < E; e += 32) az += sigmoidf(l[e]);
+    az = warp_sum(az);
+    for (int e = lane; e < E; e += 32) {
+      const float v = sigmoidf(l[e]) / (az + 1e-20f);
+      a[e] = v;
+      sel[e] = v;
+      taken[e] = 0;
+    }
+  }
+  __syncwarp();
+  for (int i = 0; i < k; ++i) {
+    const int b = warp_argmax(sel, taken, E, lane);
+    if (lane == 0) idx[i] = b;
+  }
+  __syncwarp();
+  for (int i = lane; i < k; i += 32) p.aux_idx[t * k + i] = idx[i];
 }
 
 // One warp per row; each lane writes the experts e = lane, lane + 32, ... once.
@@ -254,6 +294,25 @@ void router_topk_forward(const Tensor& logits, const Tensor& expert_bias, const 
   while (warps > 1 && warps * stride > 48 * 1024) warps /= 2;
   const int64_t blocks = (p.T + warps - 1) / warps;
   MC_CHECK(blocks <= 0x7fffffff, "router_topk_forward: too many tokens (", p.T, ")");
+  topk_forward_kernel<<<static_cast<unsigned>(blocks), 32 * warps, static_cast<size_t>(warps) * stride, s>>>(p, warps);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+void router_topk_aux_forward(const Tensor& logits, const Tensor& expert_bias, const RouterConfig& cfg, Tensor& probs,
+                             Tensor& indices, Tensor& aux_scores, Tensor& aux_indices) {
+  cudaStream_t s = prepare(logits);
+  Params p = make_params(logits, cfg);
+  p.bias = expert_bias.defined() ? expert_bias.data<float>() : nullptr;
+  p.probs = probs.data<float>();
+  p.indices = indices.data<int32_t>();
+  p.aux = aux_scores.data<float>();
+  p.aux_idx = aux_indices.data<int32_t>();
+  p.aux_softmax = cfg.score == RouterScore::Softmax;
+  const int stride = layout(p.E, p.G, p.k).stride;
+  int warps = kWarps;
+  while (warps > 1 && warps * stride > 48 * 1024) warps /= 2;
+  const int64_t blocks = (p.T + warps - 1) / warps;
+  MC_CHECK(blocks <= 0x7fffffff, "router_topk_aux_forward: too many tokens (", p.T, ")");
   topk_forward_kernel<<<static_cast<unsigned>(blocks), 32 * warps, static_cast<size_t>(warps) * stride, s>>>(p, warps);
   MC_CUDA_CHECK_LAUNCH();
 }
