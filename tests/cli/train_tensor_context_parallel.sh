@@ -5,7 +5,8 @@
 #   MoE (configs/tiny.yaml, micro-batch 4: the sequence gathers reorder): TP2+SP; CP2; TP2+SP
 #   with EP4 ETP1 (EP folded over TP, alltoall) and EP2 allgather; TP2+SP CP2; TP2 CP2 PP2 with
 #   EP4 on 8 ranks; overlap and the distributed optimizer with TP and CP; seq_aux_loss + z-loss,
-#   global_aux_loss, shared expert with gate + sigmoid router + expert bias, all on TP2+SP CP2;
+#   global_aux_loss, input jitter (drawn by global token index), shared expert with gate +
+#   sigmoid router + expert bias, all on TP2+SP CP2;
 #   the 16-rank worked example TP2 CP2 DP2 PP2 / ETP1 EP4 EDP2 PP2.
 #   Dense (biases, LayerNorm, learned positions, GQA 4/2, qk-layernorm, tied embeddings): TP2
 #   without SP, TP2+SP CP2, CP2 with DP2, bf16 with the distributed optimizer.
@@ -60,7 +61,7 @@ layouts moe "" -- "2 $tp" "2 --context-parallel-size 2" "4 $tp --context-paralle
   "4 --context-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce" \
   "2 --context-parallel-size 2 --overlap-grad-reduce" "2 $tp --overlap-grad-reduce"
 for extra in "--moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 1e-3" \
-             "--moe-router-load-balancing-type global_aux_loss" \
+             "--moe-router-load-balancing-type global_aux_loss" "--moe-input-jitter-eps 0.1" \
              "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-router-score-function sigmoid --moe-router-enable-expert-bias"; do
   layouts moe "$extra" -- "4 $tp --context-parallel-size 2"
 done

@@ -96,17 +96,6 @@ bool fused_head_enabled() {
   return !(env && std::strcmp(env, "0") == 0);
 }
 
-std::vector<int32_t> GPTModel::local_positions(int64_t batch, int64_t cp_seq) const {
-  const int64_t cp = dense_.cp_size(), c = cp_seq / 2;
-  const int64_t tp = dense_.sp() ? dense_.tp_size() : 1, local = cp_seq / tp, first = dense_.sp() ? dense_.tp_rank() * local : 0;
-  std::vector<int32_t> pos;
-  pos.reserve(static_cast<size_t>(batch * local));
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t j = first; j < first + local; ++j)
-      pos.push_back(static_cast<int32_t>(cp > 1 ? cp_chunk_start(c, cp, dense_.cp_rank(), j < c ? 0 : 1) + j % c : j));
-  return pos;
-}
-
 Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
   MC_CHECK(tokens.ndim() == 2 && tokens.dtype() == DType::I32, "model input must be [batch, seq] i32, got ",
            tokens.describe());
@@ -124,7 +113,7 @@ Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
     ops::embedding_forward(word_embeddings_->weight, ctx.token_ids, x);
   }
   if (position_embeddings_) {
-    const std::vector<int32_t> pos = local_positions(batch, seq);
+    const std::vector<int32_t> pos = dense_.token_positions(batch, seq);
     ctx.position_ids = Tensor::from_vector(pos, {static_cast<int64_t>(pos.size())}, tokens.device());
     Tensor p = Tensor::empty(x.shape(), compute_, tokens.device());
     ops::embedding_forward(position_embeddings_->weight, ctx.position_ids, p);

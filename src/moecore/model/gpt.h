@@ -103,8 +103,6 @@ class GPTModel {
   void loss_rows(const Tensor& logits, const Tensor& labels, Tensor& loss, Tensor& lse) const;
   void loss_rows_backward(Tensor& logits, const Tensor& labels, const Tensor& lse, double dloss_value) const;
   int64_t count_labels(Ctx& ctx) const;  // labelled tokens of ctx.labels (host read)
-  // The global positions of this rank's tokens after the CP and SP splits, [T_local].
-  std::vector<int32_t> local_positions(int64_t batch, int64_t cp_seq) const;
 
   ModelConfig cfg_;
   PipelineStage stage_;

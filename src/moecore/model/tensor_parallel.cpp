@@ -50,6 +50,17 @@ Tensor reduce_scatter_sequence(comm::Communicator& group, const Tensor& x, int64
   return out;
 }
 
+std::vector<int32_t> DenseParallel::token_positions(int64_t batch, int64_t cp_seq) const {
+  const int64_t cp = cp_size(), c = cp_seq / 2;
+  const int64_t local = local_tokens(cp_seq), first = sp() ? tp_rank() * local : 0;
+  std::vector<int32_t> pos;
+  pos.reserve(static_cast<size_t>(batch * local));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = first; j < first + local; ++j)
+      pos.push_back(static_cast<int32_t>(cp > 1 ? cp_chunk_start(c, cp, cp_rank(), j < c ? 0 : 1) + j % c : j));
+  return pos;
+}
+
 Tensor DenseParallel::enter_forward(const Tensor& x, int64_t batch) const {
   if (!tp) return x;
   return sequence_parallel ? gather_sequence(*tp, x, batch) : x;

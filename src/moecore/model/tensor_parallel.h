@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "moecore/comm/communicator.h"
 #include "moecore/core/tensor.h"
@@ -43,6 +44,11 @@ struct DenseParallel {
   bool sp() const { return sequence_parallel && tp != nullptr; }
   // Tokens of this rank between the blocks, given the CP-local tokens of the micro-batch.
   int64_t local_tokens(int64_t cp_tokens) const { return sp() ? cp_tokens / tp_size() : cp_tokens; }
+
+  // The position in its sequence of each of this rank's tokens between the blocks (after the
+  // CP and SP splits), [batch * local_tokens(cp_seq)], batch-major; cp_seq: the CP-local
+  // sequence length (the whole sequence is cp_seq * CP long).
+  std::vector<int32_t> token_positions(int64_t batch, int64_t cp_seq) const;
 
   Tensor enter_forward(const Tensor& x, int64_t batch) const;
   Tensor enter_backward(const Tensor& dx, int64_t batch) const;

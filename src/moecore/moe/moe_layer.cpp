@@ -64,13 +64,12 @@ MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConf
   stats_.tokens_per_expert.assign(static_cast<size_t>(e), 0.0);
 }
 
-Tensor MoeLayer::router_logits(const Tensor& x, bool training, uint64_t rng_seed, Ctx& ctx) const {
+Tensor MoeLayer::router_logits(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx) const {
   const int64_t tokens = x.size(0), e = moe_.num_experts;
   Tensor router_in = x.dtype() == router_dtype_ ? x.clone() : cast_to(x, router_dtype_);
   if (training && moe_.input_jitter_eps > 0) {
     ctx.jitter = Tensor::empty(router_in.shape(), router_dtype_, x.device());
-    ops::fill_uniform(ctx.jitter, rng_seed, rng_key(prefix_ + ".input_jitter"), 1.0 - moe_.input_jitter_eps,
-                      1.0 + moe_.input_jitter_eps);
+    fill_jitter(ctx.jitter, batch, rng_seed);
     ops::mul(router_in, ctx.jitter, router_in);
   }
   Tensor logits = Tensor::empty({tokens, e}, router_dtype_, x.device());
@@ -87,6 +86,30 @@ Tensor MoeLayer::router_logits(const Tensor& x, bool training, uint64_t rng_seed
     ctx.forced = true;
   }
   return logits;
+}
+
+// Philox by global element index of the whole micro-batch [B, S, H] (token b, position p ->
+// elements (b S + p) H ...), so every TP / CP layout draws the single-rank values: one fill per
+// run of consecutive positions of one sequence (at most two per sequence under CP).
+void MoeLayer::fill_jitter(Tensor& jitter, int64_t batch, uint64_t rng_seed) const {
+  const uint64_t key = rng_key(prefix_ + ".input_jitter");
+  const double lo = 1.0 - moe_.input_jitter_eps, hi = 1.0 + moe_.input_jitter_eps;
+  const int64_t tokens = jitter.size(0), h = jitter.size(1);
+  if (!par_.dense.sp() && !par_.dense.cp) {
+    ops::fill_uniform(jitter, rng_seed, key, lo, hi);
+    return;
+  }
+  const int64_t local = tokens / batch, cp_seq = par_.dense.sp() ? local * par_.dense.tp_size() : local;
+  const int64_t seq = cp_seq * par_.dense.cp_size();
+  const std::vector<int32_t> pos = par_.dense.token_positions(batch, cp_seq);
+  for (int64_t t = 0; t < tokens;) {
+    int64_t end = t + 1;
+    while (end < tokens && end / local == t / local && pos[static_cast<size_t>(end)] == pos[static_cast<size_t>(end - 1)] + 1)
+      ++end;
+    Tensor run = jitter.slice(0, t, end);
+    ops::fill_uniform(run, rng_seed, key, lo, hi, ((t / local) * seq + pos[static_cast<size_t>(t)]) * h);
+    t = end;
+  }
 }
 
 Tensor MoeLayer::balancing_counts(const Tensor& aux_scores, int64_t batch, bool training) {
@@ -126,7 +149,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   const int64_t tokens = x.size(0), e = moe_.num_experts, k = moe_.router.topk;
   const Device dev = x.device();
   ctx.x = x;
-  ctx.logits = router_logits(x, training, rng_seed, ctx);
+  ctx.logits = router_logits(x, batch, training, rng_seed, ctx);
 
   Tensor bias;
   if (expert_bias_) bias = cast_to(expert_bias_->master, router_dtype_);

@@ -79,7 +79,8 @@ class MoeLayer {
   MoeStepStats& mutable_stats() { return stats_; }
 
  private:
-  Tensor router_logits(const Tensor& x, bool training, uint64_t rng_seed, Ctx& ctx) const;
+  Tensor router_logits(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx) const;
+  void fill_jitter(Tensor& jitter, int64_t batch, uint64_t rng_seed) const;
   Tensor balancing_counts(const Tensor& aux_scores, int64_t batch, bool training);
   // z-loss = coeff * mean over the sequences' tokens: this rank's share uses coeff / N.
   double z_loss_coeff() const { return moe_.z_loss_coeff / static_cast<double>(token_ranks_); }
