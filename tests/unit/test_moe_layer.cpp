@@ -454,3 +454,31 @@ TEST(MoeLayer, ExpertsWithoutTokens) {
     expect_input_gradients(b, tokens, 2);
   }
 }
+
+// ---- activation recomputation ----------------------------------------------------------
+
+// --recompute-modules moe_act: the forward keeps no activation output; the backward rebuilds it
+// from fc1's output, so the input and every parameter gradient equal the plain layer's bit for bit
+// (SwiGLU and GELU).
+TEST(MoeLayer, RecomputedActivationGivesTheSameGradients) {
+  for (bool swiglu : {true, false}) {
+    std::vector<std::vector<double>> result[2];
+    const Tensor x = random_tensor({12, kHidden}, DType::F64), dy = random_tensor({12, kHidden}, DType::F64);
+    for (int recompute = 0; recompute < 2; ++recompute) {
+      ModelConfig c = moe_config(4, 2);
+      c.swiglu = swiglu;
+      c.moe.aux_loss_coeff = 0.1;
+      c.moe.recompute_act = recompute == 1;
+      Built b = build(c);
+      MoeLayer::Ctx ctx;
+      const Tensor y = b.layer->forward(x, 2, true, 3, ctx);
+      EXPECT_EQ(ctx.act.defined(), recompute == 0) << "the activation output is kept only without recomputation";
+      result[recompute].push_back(y.to_vector<double>());
+      result[recompute].push_back(b.layer->backward(dy, 1.0, ctx).to_vector<double>());
+      for (const char* p : {"experts.linear_fc1.weight", "experts.linear_fc2.weight", "router.weight"})
+        result[recompute].push_back(b.grad(p));
+    }
+    ASSERT_EQ(result[0].size(), result[1].size());
+    for (size_t i = 0; i < result[0].size(); ++i) EXPECT_EQ(result[0][i], result[1][i]) << "tensor " << i;
+  }
+}

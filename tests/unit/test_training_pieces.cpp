@@ -548,6 +548,15 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--num-virtual-stages-per-pipeline-rank", "2"}, "virtual pipeline stages need --pipeline-model-parallel-size > 1"},
       {{"--decoder-first-pipeline-num-layers", "1"}, "--decoder-first-pipeline-num-layers"},
       {{"--overlap-grad-reduce", "--use-distributed-optimizer"}, "--overlap-grad-reduce with --use-distributed-optimizer"},
+      // activation recomputation
+      {{"--recompute-granularity", "full"}, "--recompute-granularity full (whole-layer recomputation) is not available"},
+      {{"--recompute-granularity", "some"}, "--recompute-granularity 'some': expected selective or full"},
+      {{"--recompute-modules", "moe_act"}, "--recompute-modules needs --recompute-granularity selective"},
+      {{"--recompute-granularity", "selective"}, "name the modules with --recompute-modules"},
+      {{"--recompute-granularity", "selective", "--recompute-modules", "core_attn"},
+       "--recompute-modules core_attn is not available in this version (moe_act is)"},
+      {{"--recompute-granularity", "selective", "--recompute-modules", "moe_act"},
+       "--recompute-modules moe_act needs an MoE model"},
       {{"--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "ring"},
        "--moe-token-dispatcher-type 'ring': expected allgather, alltoall or flex"},
   };

@@ -239,6 +239,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   }
   ctx.expert_out = Tensor::empty({rows, hidden_}, x.dtype(), dev);
   ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, ctx.expert_out);
+  if (moe_.recompute_act) ctx.act = Tensor();  // --recompute-modules moe_act: rebuilt in the backward
   Tensor out = dispatcher_.combine(ctx.expert_out, ctx.combine_probs, ctx.dispatch);
 
   if (moe_.shared_expert_size > 0) {
@@ -283,6 +284,14 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   const std::vector<int64_t>& groups = ctx.dispatch.local_groups;
   Tensor d_expert_out, dprobs;
   dispatcher_.combine_backward(dy, ctx.dispatch, d_expert_out, dprobs);
+  if (!ctx.act.defined()) {  // recompute the activation from the kept fc1 output
+    ctx.act = Tensor::empty({ctx.fc1_out.size(0), fc2_->shape[2]}, dy.dtype(), dev);
+    if (swiglu_) {
+      ops::swiglu_forward(ctx.fc1_out, ctx.act);
+    } else {
+      ops::gelu_forward(ctx.fc1_out, ctx.act);
+    }
+  }
   Tensor d_act = Tensor::empty(ctx.act.shape(), dy.dtype(), dev);
   ops::grouped_gemm_dgrad(d_expert_out, fc2_->weight, groups, d_act);
   ops::grouped_gemm_wgrad(d_expert_out, ctx.act, groups, fc2_->grad);

@@ -10,7 +10,9 @@
 //   dispatch: optional capacity dropping/padding, then a permutation grouping tokens by
 //             expert (ops/permute.h); with expert parallelism the tokens travel to the ranks
 //             that own their experts (moe/token_dispatcher.h). The plan is kept for the backward.
-//   experts:  fc1 [E, 2F or F, H] -> SwiGLU/GELU -> fc2 [E, H, F] through grouped GEMMs.
+//   experts:  fc1 [E, 2F or F, H] -> SwiGLU/GELU -> fc2 [E, H, F] through grouped GEMMs. With
+//             --recompute-modules moe_act the activation output is dropped after fc2 and
+//             recomputed from fc1's output in the backward (rows x F elements per layer saved).
 //   combine:  unpermute with the routing probabilities folded in.
 //   shared:   a dense MLP on every token, optionally scaled by sigmoid(x w_gate).
 #pragma once

@@ -62,6 +62,10 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("moe-shared-expert-intermediate-size", &e.shared_expert_size, "shared expert width (0: none)");
   f.add_bool("moe-shared-expert-gate", &e.shared_expert_gate, "sigmoid gate on the shared expert (Qwen2-MoE)");
   f.add_bool("moe-per-layer-logging", &e.per_layer_logging, "log tokens per expert and losses per layer");
+  f.add_string("recompute-granularity", &a.recompute_granularity,
+               "selective: recompute the --recompute-modules in the backward instead of keeping their outputs");
+  f.add_list("recompute-modules", &a.recompute_modules,
+             "with --recompute-granularity selective: moe_act (the experts' activation function)");
   // training
   f.add_int("micro-batch-size", &a.micro_batch_size, "samples per micro-batch");
   f.add_int("global-batch-size", &a.global_batch_size, "samples per step (0: micro batch size)");
@@ -394,6 +398,26 @@ void finalize_train_args(TrainArgs& a) {
              " layers of each pipeline rank (--num-layers / --pipeline-model-parallel-size)");
   }
   stage_layers(a.model.num_layers, a.pp, a.virtual_stages(), a.first_stage_layers, a.last_stage_layers, 0);  // checks
+  // Activation recomputation.
+  MC_CHECK(a.recompute_granularity.empty() || a.recompute_granularity == "selective" ||
+               a.recompute_granularity == "full",
+           "--recompute-granularity '", a.recompute_granularity, "': expected selective or full");
+  MC_CHECK(a.recompute_granularity != "full", "--recompute-granularity full (whole-layer recomputation) is not "
+           "available in this version; use --recompute-granularity selective --recompute-modules moe_act");
+  MC_CHECK(a.recompute_modules.empty() || a.recompute_granularity == "selective",
+           "--recompute-modules needs --recompute-granularity selective");
+  MC_CHECK(a.recompute_granularity.empty() || !a.recompute_modules.empty(),
+           "--recompute-granularity selective: name the modules with --recompute-modules (moe_act in this version; "
+           "Megatron's default core_attn is not needed with flash attention, which keeps no score matrix)");
+  for (const std::string& module : a.recompute_modules) {
+    MC_CHECK(module != "core_attn" && module != "layernorm" && module != "mlp" && module != "moe" &&
+                 module != "mla_up_proj" && module != "shared_experts",
+             "--recompute-modules ", module, " is not available in this version (moe_act is)");
+    MC_CHECK(module == "moe_act", "--recompute-modules '", module,
+             "': expected moe_act (Megatron's other modules: core_attn, layernorm, mlp, moe, mla_up_proj)");
+    MC_CHECK(e.num_experts > 0, "--recompute-modules moe_act needs an MoE model (--num-experts)");
+    e.recompute_act = true;
+  }
   MC_CHECK(a.pp == 1 || !e.per_layer_logging, "--moe-per-layer-logging with --pipeline-model-parallel-size ", a.pp,
            " is not available in this version");
   MC_CHECK(!(a.overlap_grad_reduce && a.use_distributed_optimizer), "--overlap-grad-reduce with "

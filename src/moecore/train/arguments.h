@@ -44,6 +44,10 @@ struct TrainArgs {
   // world = ETP x EP x EDP x PP for the experts (parallel/rank_generator.h, order tp-cp-ep-dp-pp).
   int64_t tp = 1, pp = 1, cp = 1, ep = 1, etp = 1;
   bool sequence_parallel = false;  // with tp > 1
+  // Activation recomputation (Megatron's flags): --recompute-granularity selective with
+  // --recompute-modules (moe_act only in this version).
+  std::string recompute_granularity;
+  std::vector<std::string> recompute_modules;
   int64_t layers_per_virtual_stage = 0, virtual_stages_per_rank = 0;  // 0: no virtual stages
   // --decoder-first/last-pipeline-num-layers: uneven stages (0: not given; stage_layers in pipeline.h)
   int64_t first_stage_layers = 0, last_stage_layers = 0;
