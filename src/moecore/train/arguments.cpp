@@ -7,7 +7,6 @@
 #include "moecore/comm/bootstrap.h"
 #include "moecore/core/system_info.h"
 #include "moecore/data/tokenizer.h"
-#include "moecore/parallel/parallel_config.h"
 #include "moecore/train/pipeline.h"
 
 namespace moecore {
@@ -245,6 +244,17 @@ TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::st
   return a;
 }
 
+parallel::ParallelConfig TrainArgs::parallel_config() const {
+  parallel::ParallelConfig c;
+  c.world = world;
+  c.tp = tp;
+  c.cp = cp;
+  c.pp = pp;
+  c.ep = ep;
+  c.etp = etp;
+  return c;
+}
+
 void finalize_train_args(TrainArgs& a) {
   ModelConfig& m = a.model;
   MoeConfig& e = m.moe;
@@ -347,16 +357,8 @@ void finalize_train_args(TrainArgs& a) {
   MC_CHECK(a.world % (a.etp * a.ep * a.pp) == 0, "--expert-model-parallel-size ", a.ep,
            " x --expert-tensor-parallel-size ", a.etp, " x --pipeline-model-parallel-size ", a.pp, " does not divide the ",
            a.world, " launched ranks; expected a divisor of the world size");
-  {  // The layout as process groups (Megatron's rules: order, pp placement, sizes vs the model).
-    parallel::ParallelConfig layout;
-    layout.world = a.world;
-    layout.tp = a.tp;
-    layout.cp = a.cp;
-    layout.pp = a.pp;
-    layout.ep = a.ep;
-    layout.etp = a.etp;
-    parallel::validate(layout, parallel::ModelDims{});
-  }
+  // The layout as process groups (Megatron's rules: order, pp placement, sizes vs the model).
+  parallel::validate(a.parallel_config(), parallel::ModelDims{});
   MC_CHECK(m.num_attention_heads % a.tp == 0 && m.kv_heads() % a.tp == 0, "--tensor-model-parallel-size ", a.tp,
            " must divide --num-attention-heads ", m.num_attention_heads, " and the ", m.kv_heads(),
            " query groups (--num-query-groups)");

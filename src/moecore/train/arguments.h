@@ -9,6 +9,7 @@
 #include "moecore/cli/flags.h"
 #include "moecore/core/device.h"
 #include "moecore/model/config.h"
+#include "moecore/parallel/parallel_config.h"
 #include "moecore/moe/token_dispatcher.h"
 
 namespace moecore {
@@ -67,6 +68,7 @@ struct TrainArgs {
 
   int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }  // over all DP ranks
   int64_t data_parallel_size() const { return world / (pp * tp * cp); }
+  parallel::ParallelConfig parallel_config() const;  // the sizes as parallel/ takes them
   // Model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage or
   // --num-virtual-stages-per-pipeline-rank; 1 without virtual stages).
   int64_t virtual_stages() const {

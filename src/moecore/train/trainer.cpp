@@ -183,14 +183,7 @@ int run_training(const TrainArgs& args) {
   check_same_flags(world.get(), args);
   // Process groups (Parallel Folding): the dense generator gives this rank's data-parallel and
   // pipeline groups, the expert generator its expert-parallel and expert-data-parallel groups.
-  parallel::ParallelConfig layout_cfg;
-  layout_cfg.world = args.world;
-  layout_cfg.ep = args.ep;
-  layout_cfg.pp = args.pp;
-  layout_cfg.etp = args.etp;
-  layout_cfg.tp = args.tp;
-  layout_cfg.cp = args.cp;
-  const parallel::ProcessGroupLayout layout = parallel::layout_for_rank(layout_cfg, args.rank);
+  const parallel::ProcessGroupLayout layout = parallel::layout_for_rank(args.parallel_config(), args.rank);
   // own: a communicator of its own even when the group is the whole world (EP all-to-alls run on
   // the compute stream while --overlap-grad-reduce uses the world on the communication stream;
   // pipeline transfers interleave with both).
