@@ -187,12 +187,12 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
       ctx.aux_counts = balancing_counts(aux_topk.defined() ? aux_topk : ctx.aux_scores, batch, training);
       Tensor loss = Tensor::empty({1}, router_dtype_, dev);
       ops::switch_aux_loss_forward(ctx.aux_scores, ctx.aux_counts, k, moe_.aux_loss_coeff, loss);
-      stats_.aux_loss += read_scalar(loss) / moe_.aux_loss_coeff;
+      accumulate_loss(aux_acc_, loss);
     }
     if (moe_.z_loss_coeff > 0) {
       Tensor loss = Tensor::empty({1}, router_dtype_, dev);
       ops::z_loss_forward(ctx.logits, z_loss_coeff(), loss);
-      stats_.z_loss += read_scalar(loss) / moe_.z_loss_coeff;
+      accumulate_loss(z_acc_, loss);
     }
   }
 
@@ -333,7 +333,36 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   return dx;
 }
 
+// The balancing losses stay on the device over the micro-batches (no synchronisation per
+// layer and micro-batch); the host values are read when the statistics are asked for.
+void MoeLayer::accumulate_loss(Tensor& acc, const Tensor& loss) {
+  if (!acc.defined()) acc = Tensor::zeros({1}, loss.dtype(), loss.device());
+  ops::add(acc, loss, acc);
+}
+
+void MoeLayer::sync_stats() const {
+  if (aux_acc_.defined()) {
+    stats_.aux_loss += read_scalar(aux_acc_) / moe_.aux_loss_coeff;
+    aux_acc_ = Tensor();
+  }
+  if (z_acc_.defined()) {
+    stats_.z_loss += read_scalar(z_acc_) / moe_.z_loss_coeff;
+    z_acc_ = Tensor();
+  }
+}
+
+const MoeStepStats& MoeLayer::stats() const {
+  sync_stats();
+  return stats_;
+}
+
+MoeStepStats& MoeLayer::mutable_stats() {
+  sync_stats();
+  return stats_;
+}
+
 MoeStepStats MoeLayer::finish_step() {
+  sync_stats();
   if (expert_bias_ && stats_.micro_batches > 0 && moe_.bias_update_rate > 0) {
     // Aux-loss-free balancing: b_e += u * sign(mean(c) - c_e) over this step's selections.
     const std::vector<double>& c = stats_.tokens_per_expert;

@@ -76,9 +76,9 @@ class MoeLayer {
   // Once per optimizer step: expert-bias update (aux-loss-free balancing) and reset of the
   // global_aux_loss counts. Returns this step's statistics and clears them.
   MoeStepStats finish_step();
-  const MoeStepStats& stats() const { return stats_; }
+  const MoeStepStats& stats() const;  // reads the device-side loss sums (synchronises)
   // Data parallelism: the trainer reduces the step's statistics over the ranks before finish_step.
-  MoeStepStats& mutable_stats() { return stats_; }
+  MoeStepStats& mutable_stats();
 
  private:
   Tensor router_logits(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx) const;
@@ -100,7 +100,10 @@ class MoeLayer {
   TokenDispatcher dispatcher_;
   Mlp shared_;
   Linear shared_gate_;
-  MoeStepStats stats_;
+  void accumulate_loss(Tensor& acc, const Tensor& loss);
+  void sync_stats() const;  // device loss sums -> stats_
+  mutable MoeStepStats stats_;
+  mutable Tensor aux_acc_, z_acc_;  // this step's balancing losses not yet read, on the device
   Tensor global_counts_;  // global_aux_loss: counts summed over this step's micro-batches [1, E]
   int64_t global_micro_ = 0;
   int64_t token_ranks_ = 1;  // N = |token_group|
