@@ -548,6 +548,12 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--num-virtual-stages-per-pipeline-rank", "2"}, "virtual pipeline stages need --pipeline-model-parallel-size > 1"},
       {{"--decoder-first-pipeline-num-layers", "1"}, "--decoder-first-pipeline-num-layers"},
       {{"--overlap-grad-reduce", "--use-distributed-optimizer"}, "--overlap-grad-reduce with --use-distributed-optimizer"},
+      // Megatron's performance flags that name features moecore lacks
+      {{"--overlap-param-gather"}, "--overlap-param-gather is not available in this version"},
+      {{"--tp-comm-overlap"}, "--tp-comm-overlap is not available in this version"},
+      {{"--moe-flex-dispatcher-backend", "deepep"}, "--moe-flex-dispatcher-backend deepep: the flex dispatcher"},
+      {{"--manual-gc"}, "--manual-gc controls Python's garbage collector"},
+      {{"--cross-entropy-fusion-impl", "cuda"}, "--cross-entropy-fusion-impl 'cuda': expected te or native"},
       // activation recomputation
       {{"--recompute-granularity", "full"}, "--recompute-granularity full (whole-layer recomputation) is not available"},
       {{"--recompute-granularity", "some"}, "--recompute-granularity 'some': expected selective or full"},
@@ -567,6 +573,10 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
   }
   // bf16 compute runs on the CPU too (for testing the mixed-precision paths).
   EXPECT_EQ(parse_error(base_args({"--bf16"})), "");
+  // The fusion flags of Megatron's performance recipe are accepted (moecore always fuses).
+  EXPECT_EQ(parse_error(base_args({"--moe-grouped-gemm", "--moe-router-fusion", "--moe-permute-fusion",
+                                   "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"})),
+            "");
   // The same groups with --group-query-attention are fine.
   EXPECT_EQ(parse_error(base_args({"--group-query-attention", "--num-query-groups", "2"})), "");
 }

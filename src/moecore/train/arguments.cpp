@@ -117,6 +117,21 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
              "all-reduce each layer's gradients during the last micro-batch's backward (not with the distributed optimizer)");
   f.add_string("moe-token-dispatcher-type", &a.token_dispatcher,
                "expert-parallel token dispatch: allgather (default) or alltoall");
+  // Megatron's performance flags. The fusions they ask for are how moecore always runs, so they
+  // are accepted (a Megatron script runs unchanged); the features moecore lacks are refused.
+  f.add_bool("moe-grouped-gemm", &a.moe_grouped_gemm, "accepted: the experts always run as grouped GEMMs");
+  f.add_bool("moe-router-fusion", &a.moe_router_fusion,
+             "accepted: the router's top-k, probabilities and balancing statistics are always fused");
+  f.add_bool("moe-permute-fusion", &a.moe_permute_fusion,
+             "accepted: permutation and unpermutation (with the probability multiply) are always fused");
+  f.add_bool("cross-entropy-loss-fusion", &a.cross_entropy_loss_fusion,
+             "accepted: the loss is always fused with the output layer (chunked, no logits kept)");
+  f.add_string("cross-entropy-fusion-impl", &a.cross_entropy_fusion_impl, "accepted: te or native (moecore's own kernels)");
+  f.add_bool("overlap-param-gather", &a.overlap_param_gather,
+             "not available: the distributed optimizer all-gathers after the step (refused)");
+  f.add_bool("tp-comm-overlap", &a.tp_comm_overlap, "not available: TP collectives run on the compute stream (refused)");
+  f.add_string("moe-flex-dispatcher-backend", &a.flex_dispatcher_backend, "not available: the flex dispatcher (refused)");
+  f.add_bool("manual-gc", &a.manual_gc, "Python's garbage collector: moecore has none (refused: drop the flag)");
   f.add_bool("mock-data", &a.mock_data, "synthetic learnable data (arithmetic progressions)");
   f.add_list("data-path", &a.data_path, "Megatron dataset prefixes (.bin/.idx), optionally weighted: [w1] p1 [w2 p2 ...]");
   f.add_string("split", &a.split, "train,valid,test weights over documents");
@@ -428,6 +443,17 @@ void finalize_train_args(TrainArgs& a) {
            " is not divisible by --expert-tensor-parallel-size ", a.etp);
   MC_CHECK(e.num_experts % a.ep == 0, "--num-experts ", e.num_experts, " is not divisible by --expert-model-parallel-size ",
            a.ep, "; expected the same number of experts on every rank");
+  MC_CHECK(a.cross_entropy_fusion_impl.empty() || a.cross_entropy_fusion_impl == "te" ||
+               a.cross_entropy_fusion_impl == "native",
+           "--cross-entropy-fusion-impl '", a.cross_entropy_fusion_impl, "': expected te or native");
+  MC_CHECK(!a.overlap_param_gather, "--overlap-param-gather is not available in this version: the distributed "
+           "optimizer all-gathers the updated parameters after the step; drop the flag");
+  MC_CHECK(!a.tp_comm_overlap, "--tp-comm-overlap is not available in this version: tensor-parallel collectives run "
+           "on the compute stream; drop the flag");
+  MC_CHECK(a.flex_dispatcher_backend.empty(), "--moe-flex-dispatcher-backend ", a.flex_dispatcher_backend,
+           ": the flex dispatcher (DeepEP / HybridEP kernels) is not available in this version; use "
+           "--moe-token-dispatcher-type alltoall or allgather");
+  MC_CHECK(!a.manual_gc, "--manual-gc controls Python's garbage collector; moecore has none: drop the flag");
   if (a.token_dispatcher == "alltoall") {
     a.dispatcher = DispatcherType::AllToAll;
   } else if (a.token_dispatcher == "allgather") {

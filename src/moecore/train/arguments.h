@@ -47,6 +47,12 @@ struct TrainArgs {
   bool sequence_parallel = false;  // with tp > 1
   // Activation recomputation (Megatron's flags): --recompute-granularity selective with
   // --recompute-modules (moe_act only in this version).
+  // Megatron's performance flags: fusions moecore always runs (accepted), and features it lacks
+  // (refused with a message).
+  bool moe_grouped_gemm = false, moe_router_fusion = false, moe_permute_fusion = false,
+       cross_entropy_loss_fusion = false;
+  std::string cross_entropy_fusion_impl, flex_dispatcher_backend;
+  bool overlap_param_gather = false, tp_comm_overlap = false, manual_gc = false;
   std::string recompute_granularity;
   std::vector<std::string> recompute_modules;
   int64_t layers_per_virtual_stage = 0, virtual_stages_per_rank = 0;  // 0: no virtual stages
