@@ -171,3 +171,40 @@ TEST(Safetensors, DamagedFilesNameTheFile) {
   }
   fs::remove_all(d);
 }
+
+// The streaming writer lays out the header first and takes the tensors in any order: the file is
+// byte for byte the one-call writer's; a tensor missing at close, written twice, unknown, or of
+// the wrong size is an Error naming file and tensor.
+TEST(Safetensors, StreamWriterTakesTensorsInAnyOrder) {
+  const fs::path d = temp_dir("stream");
+  const std::vector<StWriteTensor> tensors = {{"a", StDType::F32, {2, 3}, bytes_of(24, 1)},
+                                              {"b", StDType::BF16, {5}, bytes_of(10, 2)},
+                                              {"c", StDType::I64, {1, 2}, bytes_of(16, 3)}};
+  write_safetensors_file((d / "whole.safetensors").string(), tensors, {{"k", "v"}});
+  std::vector<StTensorSpec> specs;
+  for (const auto& t : tensors) specs.push_back({t.name, t.dtype, t.shape});
+  {
+    SafetensorsStreamWriter out((d / "stream.safetensors").string(), specs, {{"k", "v"}});
+    for (int i : {2, 0, 1}) out.write(tensors[i].name, tensors[i].bytes.data(), tensors[i].bytes.size());
+    out.close();
+  }
+  auto read = [](const fs::path& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  EXPECT_EQ(read(d / "stream.safetensors"), read(d / "whole.safetensors"));
+  const SafetensorsFile f((d / "stream.safetensors").string());
+  EXPECT_EQ(f.raw("b"), tensors[1].bytes);
+
+  const std::string path = (d / "bad.safetensors").string();
+  SafetensorsStreamWriter out(path, specs);
+  out.write("a", tensors[0].bytes.data(), tensors[0].bytes.size());
+  EXPECT_NE(error_of([&] { out.write("a", tensors[0].bytes.data(), tensors[0].bytes.size()); }).find("'a' written twice"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { out.write("zz", tensors[0].bytes.data(), 4); }).find("'zz' is not in the header"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { out.write("b", tensors[1].bytes.data(), 3); }).find("'b' has 3 bytes, the header says 10"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { out.close(); }).find("tensor 'b' was never written"), std::string::npos);
+  fs::remove_all(d);
+}

@@ -339,6 +339,32 @@ TEST(TrainingPieces, CheckpointRoundTripsBitForBit) {
   }
 }
 
+// A streamed checkpoint that fails before finish() (a tensor never written) is discarded: the
+// previous checkpoint stays the latest, whole and loadable.
+TEST(TrainingPieces, UnfinishedStreamedCheckpointLeavesThePreviousOne) {
+  TempDir dir;
+  Model a = make_model(ckpt_config(), 1);
+  save_checkpoint(dir.str(), *a.store, TrainingState{3, 3, 0, 0});
+  {
+    std::vector<TensorSpec> specs;
+    for (const auto& p : a.store->all()) specs.push_back({p->name, DType::F32, p->shape});
+    CheckpointWriter out(dir.str(), specs, TrainingState{5, 5, 0, 0});
+    out.write(a.store->all()[0]->name, a.store->all()[0]->master);
+    try {
+      out.finish();
+      FAIL() << "an incomplete checkpoint was finished";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("was never written"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(read_file(dir.file("latest_checkpointed_iteration.txt")), "3\n");
+  EXPECT_FALSE(fs::exists(dir.file("iter_0000005")));
+  for (const auto& entry : fs::directory_iterator(dir.str()))
+    EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos) << entry.path();
+  Model b = make_model(ckpt_config(), 2);
+  EXPECT_EQ(load_checkpoint(dir.str(), *b.store).iteration, 3);
+}
+
 TEST(TrainingPieces, CheckpointOfAnotherConfigIsRefusedNamingTheTensor) {
   TempDir dir;
   Model a = make_model(ckpt_config(), 1);

@@ -309,30 +309,66 @@ const SafetensorsFile& SafetensorsReader::file_of(const std::string& name) const
 
 const StTensorInfo& SafetensorsReader::info(const std::string& name) const { return file_of(name).info(name); }
 
-void write_safetensors_file(const std::string& path, const std::vector<StWriteTensor>& tensors,
-                            const std::map<std::string, std::string>& metadata) {
+SafetensorsStreamWriter::SafetensorsStreamWriter(const std::string& path, const std::vector<StTensorSpec>& specs,
+                                                 const std::map<std::string, std::string>& metadata)
+    : path_(path) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
+  for (const StTensorSpec& t : specs) {
+    MC_CHECK(!slots_.count(t.name), "writing '", path, "': tensor '", t.name, "' given twice");
+    uint64_t numel = 1;
+    for (int64_t d : t.shape) numel *= static_cast<uint64_t>(d);
+    const uint64_t nbytes = numel * st_dtype_size(t.dtype);
+    header[t.name] = {{"dtype", st_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + nbytes}}};
+    slots_[t.name] = {offset, nbytes, false};
+    order_.push_back(t.name);
+    offset += nbytes;
+  }
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h.push_back(' ');
+  file_.open(path, std::ios::binary | std::ios::trunc);
+  MC_CHECK(file_.good(), "cannot write '", path, "'");
+  const uint64_t n = h.size();
+  file_.write(reinterpret_cast<const char*>(&n), 8);
+  file_.write(h.data(), static_cast<std::streamsize>(h.size()));
+  data_start_ = 8 + n;
+  MC_CHECK(!file_.fail(), "writing '", path, "' failed (disk full?)");
+}
+
+void SafetensorsStreamWriter::write(const std::string& name, const void* bytes, size_t nbytes) {
+  const auto it = slots_.find(name);
+  MC_CHECK(it != slots_.end(), "writing '", path_, "': tensor '", name, "' is not in the header");
+  Slot& slot = it->second;
+  MC_CHECK(!slot.written, "writing '", path_, "': tensor '", name, "' written twice");
+  MC_CHECK(nbytes == slot.nbytes, "writing '", path_, "': tensor '", name, "' has ", nbytes, " bytes, the header says ",
+           slot.nbytes);
+  file_.seekp(static_cast<std::streamoff>(data_start_ + slot.offset));
+  file_.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(nbytes));
+  MC_CHECK(!file_.fail(), "writing '", path_, "' failed (disk full?)");
+  slot.written = true;
+}
+
+void SafetensorsStreamWriter::close() {
+  for (const std::string& name : order_)
+    MC_CHECK(slots_.at(name).written, "writing '", path_, "': tensor '", name, "' was never written");
+  file_.close();
+  MC_CHECK(!file_.fail(), "writing '", path_, "' failed (disk full?)");
+}
+
+void write_safetensors_file(const std::string& path, const std::vector<StWriteTensor>& tensors,
+                            const std::map<std::string, std::string>& metadata) {
+  std::vector<StTensorSpec> specs;
   for (const StWriteTensor& t : tensors) {
     uint64_t numel = 1;
     for (int64_t d : t.shape) numel *= static_cast<uint64_t>(d);
     MC_CHECK(t.bytes.size() == numel * st_dtype_size(t.dtype), "writing '", path, "': tensor '", t.name, "' has ",
              t.bytes.size(), " bytes for ", st_dtype_name(t.dtype), " ", shape_str(t.shape));
-    header[t.name] = {{"dtype", st_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
-    offset += t.bytes.size();
+    specs.push_back({t.name, t.dtype, t.shape});
   }
-  std::string h = header.dump();
-  while (h.size() % 8 != 0) h.push_back(' ');
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  MC_CHECK(f.good(), "cannot write '", path, "'");
-  const uint64_t n = h.size();
-  f.write(reinterpret_cast<const char*>(&n), 8);
-  f.write(h.data(), static_cast<std::streamsize>(h.size()));
-  for (const StWriteTensor& t : tensors)
-    f.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
-  f.close();
-  MC_CHECK(!f.fail(), "writing '", path, "' failed (disk full?)");
+  SafetensorsStreamWriter out(path, specs, metadata);
+  for (const StWriteTensor& t : tensors) out.write(t.name, t.bytes.data(), t.bytes.size());
+  out.close();
 }
 
 std::vector<std::string> write_safetensors_checkpoint(const std::string& dir, const std::vector<StWriteTensor>& tensors,

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -101,6 +102,35 @@ struct StWriteTensor {
 // Writes one file (tensors in the given order, header space-padded to a multiple of 8).
 void write_safetensors_file(const std::string& path, const std::vector<StWriteTensor>& tensors,
                             const std::map<std::string, std::string>& metadata = {});
+
+// One file written tensor by tensor: the header (every tensor's name, dtype and shape, in file
+// order) goes first, then each tensor's bytes are written at their offset, in any order, each
+// exactly once, so a file larger than host memory can be written from one tensor at a time.
+// close() checks that every tensor was written (an Error naming the first missing one) and
+// flushes; a writer destroyed unclosed leaves an incomplete file (the caller discards it).
+struct StTensorSpec {
+  std::string name;
+  StDType dtype = StDType::F32;
+  Shape shape;
+};
+class SafetensorsStreamWriter {
+ public:
+  SafetensorsStreamWriter(const std::string& path, const std::vector<StTensorSpec>& specs,
+                          const std::map<std::string, std::string>& metadata = {});
+  void write(const std::string& name, const void* bytes, size_t nbytes);
+  void close();
+
+ private:
+  struct Slot {
+    uint64_t offset = 0, nbytes = 0;
+    bool written = false;
+  };
+  std::string path_;
+  std::ofstream file_;
+  uint64_t data_start_ = 0;
+  std::vector<std::string> order_;
+  std::map<std::string, Slot> slots_;
+};
 // Writes `dir`/model.safetensors, or, when the tensors exceed max_shard_bytes, shards
 // model-0000i-of-0000K.safetensors (each at most max_shard_bytes unless one tensor is larger)
 // and model.safetensors.index.json, after removing such files left in `dir` by an earlier write.

@@ -93,59 +93,98 @@ std::vector<NamedTensor> read_safetensors(const std::string& path) {
   return out;
 }
 
-static void save_checkpoint_unchecked(const std::string& dir, const std::vector<NamedTensor>& tensors,
-                                      const TrainingState& state);
+struct CheckpointFile {
+  interop::SafetensorsStreamWriter writer;
+  std::string path;
+};
+
+namespace {
+[[noreturn]] void rethrow_filesystem(const std::string& dir, const fs::filesystem_error& e) {
+  MC_FAIL("saving a checkpoint to '", dir, "' failed: ", e.what());
+}
+}  // namespace
+
+CheckpointWriter::CheckpointWriter(const std::string& dir, const std::vector<TensorSpec>& specs,
+                                   const TrainingState& state)
+    : dir_(dir), state_(state) {
+  try {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    MC_CHECK(!ec, "--save '", dir, "': cannot create it: ", ec.message());
+    tmp_dir_ = (fs::path(dir) / (iter_name(state.iteration) + ".tmp-" + std::to_string(getpid()))).string();
+    fs::remove_all(tmp_dir_);
+    fs::create_directories(tmp_dir_);
+    std::vector<interop::StTensorSpec> st;
+    for (const TensorSpec& t : specs) st.push_back({t.name, interop::parse_st_dtype(st_dtype(t.dtype), dir), t.shape});
+    const std::string path = (fs::path(tmp_dir_) / "model_optim.safetensors").string();
+    file_.reset(new CheckpointFile{interop::SafetensorsStreamWriter(path, st, {{"format", "moecore-checkpoint"}}), path});
+  } catch (const fs::filesystem_error& e) {
+    rethrow_filesystem(dir, e);
+  }
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (finished_ || tmp_dir_.empty()) return;
+  std::error_code ec;  // an unfinished checkpoint is discarded; the previous one stays
+  file_.reset();
+  fs::remove_all(tmp_dir_, ec);
+}
+
+void CheckpointWriter::write(const std::string& name, const Tensor& t) {
+  const Tensor host = t.to(Device::cpu()).contiguous();
+  file_->writer.write(name, host.data_ptr(), host.nbytes());
+}
+
+void CheckpointWriter::finish() {
+  try {
+    file_->writer.close();
+    sync_path(file_->path);
+    const fs::path final_dir = fs::path(dir_) / iter_name(state_.iteration);
+    const fs::path tmp_dir = tmp_dir_;
+    const nlohmann::json meta = {{"format", "moecore-checkpoint-v1"},
+                                 {"iteration", state_.iteration},
+                                 {"consumed_samples", state_.consumed_samples},
+                                 {"skipped_iterations", state_.skipped_iterations},
+                                 {"nan_iterations", state_.nan_iterations},
+                                 {"args", state_.args}};
+    write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
+    sync_path(tmp_dir);
+    // Replace a previous checkpoint of the same iteration only once the new one is complete.
+    if (fs::exists(final_dir)) {
+      const fs::path old = final_dir.string() + ".old-" + std::to_string(getpid());
+      fs::rename(final_dir, old);
+      fs::rename(tmp_dir, final_dir);
+      fs::remove_all(old);
+    } else {
+      fs::rename(tmp_dir, final_dir);
+    }
+    finished_ = true;
+    sync_path(dir_);
+    write_text_atomically(fs::path(dir_) / "latest_checkpointed_iteration.txt", std::to_string(state_.iteration) + "\n");
+  } catch (const fs::filesystem_error& e) {
+    rethrow_filesystem(dir_, e);
+  }
+}
 
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state) {
   std::vector<NamedTensor> tensors;
   for (const auto& p : params.all()) {
     MC_CHECK(!p->sharded(), "save_checkpoint: parameter '", p->name, "' is sharded; gather it first");
-    tensors.push_back({p->name, p->master.to(Device::cpu())});
+    tensors.push_back({p->name, p->master});
     if (p->trainable) {
-      tensors.push_back({p->name + ".exp_avg", p->exp_avg.to(Device::cpu())});
-      tensors.push_back({p->name + ".exp_avg_sq", p->exp_avg_sq.to(Device::cpu())});
+      tensors.push_back({p->name + ".exp_avg", p->exp_avg});
+      tensors.push_back({p->name + ".exp_avg_sq", p->exp_avg_sq});
     }
   }
   save_checkpoint(dir, tensors, state);
 }
 
 void save_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors, const TrainingState& state) {
-  try {
-    save_checkpoint_unchecked(dir, tensors, state);
-  } catch (const fs::filesystem_error& e) {
-    MC_FAIL("saving a checkpoint to '", dir, "' failed: ", e.what());
-  }
-}
-
-static void save_checkpoint_unchecked(const std::string& dir, const std::vector<NamedTensor>& tensors,
-                                      const TrainingState& state) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  MC_CHECK(!ec, "--save '", dir, "': cannot create it: ", ec.message());
-  const fs::path final_dir = fs::path(dir) / iter_name(state.iteration);
-  const fs::path tmp_dir = fs::path(dir) / (iter_name(state.iteration) + ".tmp-" + std::to_string(getpid()));
-  fs::remove_all(tmp_dir);
-  fs::create_directories(tmp_dir);
-  write_safetensors((tmp_dir / "model_optim.safetensors").string(), tensors);
-  const nlohmann::json meta = {{"format", "moecore-checkpoint-v1"},
-                               {"iteration", state.iteration},
-                               {"consumed_samples", state.consumed_samples},
-                               {"skipped_iterations", state.skipped_iterations},
-                               {"nan_iterations", state.nan_iterations},
-                               {"args", state.args}};
-  write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
-  sync_path(tmp_dir);
-  // Replace a previous checkpoint of the same iteration only once the new one is complete.
-  if (fs::exists(final_dir)) {
-    const fs::path old = final_dir.string() + ".old-" + std::to_string(getpid());
-    fs::rename(final_dir, old);
-    fs::rename(tmp_dir, final_dir);
-    fs::remove_all(old);
-  } else {
-    fs::rename(tmp_dir, final_dir);
-  }
-  sync_path(dir);
-  write_text_atomically(fs::path(dir) / "latest_checkpointed_iteration.txt", std::to_string(state.iteration) + "\n");
+  std::vector<TensorSpec> specs;
+  for (const NamedTensor& t : tensors) specs.push_back({t.name, t.tensor.dtype(), t.tensor.shape()});
+  CheckpointWriter out(dir, specs, state);
+  for (const NamedTensor& t : tensors) out.write(t.name, t.tensor);
+  out.finish();
 }
 
 namespace {

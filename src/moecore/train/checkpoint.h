@@ -6,12 +6,15 @@
 //   <save>/iter_0000100/meta.json                 iteration, consumed samples, counters, format
 //   <save>/latest_checkpointed_iteration.txt      "100"
 // Writes go to a temporary directory that is renamed into place, and the "latest" file is
-// replaced by rename, so a crash never leaves a damaged last checkpoint. Loading checks every
+// replaced by rename, so a crash never leaves a damaged last checkpoint. The file is written one
+// tensor at a time (CheckpointWriter): a distributed run streams each gathered tensor into it,
+// so no rank holds the model's state in host memory. Loading checks every
 // tensor's presence, dtype and shape and names the first that differs.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +38,33 @@ bool checkpoint_exists(const std::string& dir);
 TrainingState read_checkpoint_meta(const std::string& dir);
 
 struct NamedTensor;
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::F32;
+  Shape shape;
+};
+
+// Writes a checkpoint one tensor at a time (host memory: one tensor, not the model): the specs
+// (every tensor's name, dtype and full shape, in file order) first, then each tensor exactly
+// once, in any order; finish() checks that all were written, writes meta.json and moves the
+// directory into place (a crash or an Error before finish() leaves the previous checkpoint).
+class CheckpointWriter {
+ public:
+  CheckpointWriter(const std::string& dir, const std::vector<TensorSpec>& specs, const TrainingState& state);
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  void write(const std::string& name, const Tensor& t);  // t: any device; copied to the host
+  void finish();
+
+ private:
+  std::string dir_;
+  TrainingState state_;
+  std::string tmp_dir_;
+  std::unique_ptr<struct CheckpointFile> file_;
+  bool finished_ = false;
+};
+
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state);
 // The same from a list of full (unsharded) tensors, as a distributed run gathers them: a
 // checkpoint never depends on the layout that wrote it, so any layout can load it.

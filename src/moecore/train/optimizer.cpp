@@ -387,23 +387,37 @@ Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_stat
   return t;
 }
 
-std::vector<NamedTensor> Optimizer::full_state(bool keep) {
-  // One parameter at a time, so the extra memory is one full tensor, not the model's state.
-  std::vector<NamedTensor> out;
-  auto add = [&](const std::string& name, const Tensor& full) {
-    if (keep) out.push_back({name, full.to(Device::cpu())});
-  };
+void Optimizer::full_state(const std::function<void(const std::string& name, const Tensor& full)>& sink) {
   for (const auto& p : store_.all()) {
     const bool from_shards = sharded_masters_ && p->trainable && !p->master.defined();
-    add(p->name, full_rows(*p, from_shards ? param_state(*p, shard_of(*p), shard_of(*p).master) : p->master));
+    sink(p->name, full_rows(*p, from_shards ? param_state(*p, shard_of(*p), shard_of(*p).master) : p->master));
     if (!p->trainable) continue;
     Tensor m = p->exp_avg, v = p->exp_avg_sq;
     if (distributed_) {
       m = param_state(*p, shard_of(*p), shard_of(*p).exp_avg);
       v = param_state(*p, shard_of(*p), shard_of(*p).exp_avg_sq);
     }
-    add(p->name + ".exp_avg", full_rows(*p, m));
-    add(p->name + ".exp_avg_sq", full_rows(*p, v));
+    sink(p->name + ".exp_avg", full_rows(*p, m));
+    sink(p->name + ".exp_avg_sq", full_rows(*p, v));
+  }
+}
+
+std::vector<NamedTensor> Optimizer::full_state(bool keep) {
+  std::vector<NamedTensor> out;
+  full_state([&](const std::string& name, const Tensor& full) {
+    if (keep) out.push_back({name, full.to(Device::cpu())});
+  });
+  return out;
+}
+
+std::vector<TensorSpec> Optimizer::state_specs() const {
+  std::vector<TensorSpec> out;
+  const DType dt = store_.master_dtype();
+  for (const auto& p : store_.all()) {
+    out.push_back({p->name, dt, p->full_shape()});
+    if (!p->trainable) continue;
+    out.push_back({p->name + ".exp_avg", dt, p->full_shape()});
+    out.push_back({p->name + ".exp_avg_sq", dt, p->full_shape()});
   }
   return out;
 }

@@ -46,6 +46,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "moecore/comm/communicator.h"
@@ -95,6 +96,11 @@ class Optimizer {
   // Collective: every rank calls; returns the full tensors (CPU) under the checkpoint names on
   // ranks that keep them (the writers), nothing elsewhere.
   std::vector<NamedTensor> full_state(bool keep = true);
+  // The same one tensor at a time: sink(name, full tensor) on every rank, in state_specs()
+  // order, right after each tensor is gathered (host memory: one full tensor at a time).
+  void full_state(const std::function<void(const std::string& name, const Tensor& full)>& sink);
+  // Name, dtype and full shape of every tensor full_state() produces, in its order.
+  std::vector<TensorSpec> state_specs() const;
   void load(const TensorFetch& fetch, bool model_only);
 
  private:

@@ -113,61 +113,68 @@ bool saves_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::st
   return owns_tensor(st, cfg, name) && (st.has_embedding || name.rfind("embedding.", 0) != 0);
 }
 
-// Pipeline stages' checkpoint tensors to stage 0 (pp rank 0 returns all of them, in stage order;
-// the others return nothing). Each stage sends one header (names, dtypes, shapes as JSON), then
-// each tensor's bytes, as u8 tensors on the communicator's device.
-std::vector<NamedTensor> gather_stages(comm::Communicator& pp, std::vector<NamedTensor> mine) {
+// Checkpoints of pipeline stages go to stage 0's writer in two rounds over the pipeline group:
+// each other stage first sends the list of its tensors (names, dtypes, full shapes as JSON), so the
+// writer can lay out the whole file, then the tensors themselves, one message each, as its
+// Optimizer::full_state produces them (the device and host hold one tensor at a time).
+void send_bytes(comm::Communicator& pp, const std::string& bytes) {
   const Device dev = pp.device();
-  auto send_bytes = [&](const std::string& bytes) {
-    Tensor n = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(bytes.size())}, {1}).to(dev);
-    pp.send(n, 0);
-    if (bytes.empty()) return;
-    Tensor host = Tensor::empty({static_cast<int64_t>(bytes.size())}, DType::U8, Device::cpu());
-    std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
-    pp.send(host.to(dev), 0);
-  };
-  auto recv_bytes = [&](int peer) {
-    Tensor n = Tensor::empty({1}, DType::I64, dev);
-    pp.recv(n, peer);
-    const int64_t size = n.to_vector<int64_t>()[0];
-    std::string out(static_cast<size_t>(size), '\0');
-    if (size == 0) return out;
-    Tensor t = Tensor::empty({size}, DType::U8, dev);
-    pp.recv(t, peer);
-    const Tensor host = t.to(Device::cpu());
-    std::memcpy(out.data(), host.data_ptr(), out.size());
-    return out;
-  };
-  // A tensor's bytes as one u8 message (moved to the communicator's device for NCCL).
-  auto as_bytes = [&](const Tensor& t) {
-    const Tensor c = t.to(Device::cpu()).contiguous();
-    Tensor b = Tensor::empty({static_cast<int64_t>(c.nbytes())}, DType::U8, Device::cpu());
-    std::memcpy(b.data_ptr(), c.data_ptr(), c.nbytes());
-    return b.to(dev);
-  };
+  Tensor n = Tensor::from_vector(std::vector<int64_t>{static_cast<int64_t>(bytes.size())}, {1}).to(dev);
+  pp.send(n, 0);
+  if (bytes.empty()) return;
+  Tensor host = Tensor::empty({static_cast<int64_t>(bytes.size())}, DType::U8, Device::cpu());
+  std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+  pp.send(host.to(dev), 0);
+}
+
+std::string recv_bytes(comm::Communicator& pp, int peer) {
+  const Device dev = pp.device();
+  Tensor n = Tensor::empty({1}, DType::I64, dev);
+  pp.recv(n, peer);
+  const int64_t size = n.to_vector<int64_t>()[0];
+  std::string out(static_cast<size_t>(size), '\0');
+  if (size == 0) return out;
+  Tensor t = Tensor::empty({size}, DType::U8, dev);
+  pp.recv(t, peer);
+  const Tensor host = t.to(Device::cpu());
+  std::memcpy(out.data(), host.data_ptr(), out.size());
+  return out;
+}
+
+// pp rank 0 gets every other stage's list (index: pp rank; its own entry empty); the others send
+// theirs and get nothing.
+std::vector<std::vector<TensorSpec>> exchange_stage_specs(comm::Communicator& pp, const std::vector<TensorSpec>& mine) {
   if (pp.rank() != 0) {
     nlohmann::json header = nlohmann::json::array();
-    for (const NamedTensor& t : mine)
-      header.push_back({{"name", t.name}, {"dtype", static_cast<int>(t.tensor.dtype())}, {"shape", t.tensor.shape()}});
-    send_bytes(header.dump());
-    // One tensor per message: the device holds one tensor's bytes at a time, not the stage's.
-    for (const NamedTensor& t : mine)
-      if (t.tensor.nbytes() > 0) pp.send(as_bytes(t.tensor), 0);
+    for (const TensorSpec& t : mine)
+      header.push_back({{"name", t.name}, {"dtype", static_cast<int>(t.dtype)}, {"shape", t.shape}});
+    send_bytes(pp, header.dump());
     return {};
   }
-  for (int peer = 1; peer < pp.size(); ++peer) {
-    const nlohmann::json header = nlohmann::json::parse(recv_bytes(peer));
-    for (const auto& h : header) {
-      Tensor t = Tensor::empty(h.at("shape").get<Shape>(), static_cast<DType>(h.at("dtype").get<int>()), Device::cpu());
-      if (t.nbytes() > 0) {
-        Tensor bytes = Tensor::empty({static_cast<int64_t>(t.nbytes())}, DType::U8, dev);
-        pp.recv(bytes, peer);
-        std::memcpy(t.data_ptr(), bytes.to(Device::cpu()).data_ptr(), t.nbytes());
-      }
-      mine.push_back({h.at("name").get<std::string>(), t});
-    }
-  }
-  return mine;
+  std::vector<std::vector<TensorSpec>> out(static_cast<size_t>(pp.size()));
+  for (int peer = 1; peer < pp.size(); ++peer)
+    for (const auto& h : nlohmann::json::parse(recv_bytes(pp, peer)))
+      out[static_cast<size_t>(peer)].push_back(
+          {h.at("name").get<std::string>(), static_cast<DType>(h.at("dtype").get<int>()), h.at("shape").get<Shape>()});
+  return out;
+}
+
+// A tensor's bytes as one u8 message to pp rank 0 (on the communicator's device for NCCL).
+void send_stage_tensor(comm::Communicator& pp, const Tensor& t) {
+  if (t.nbytes() == 0) return;
+  const Tensor c = t.to(Device::cpu()).contiguous();
+  Tensor b = Tensor::empty({static_cast<int64_t>(c.nbytes())}, DType::U8, Device::cpu());
+  std::memcpy(b.data_ptr(), c.data_ptr(), c.nbytes());
+  pp.send(b.to(pp.device()), 0);
+}
+
+Tensor recv_stage_tensor(comm::Communicator& pp, int peer, const TensorSpec& spec) {
+  Tensor t = Tensor::empty(spec.shape, spec.dtype, Device::cpu());
+  if (t.nbytes() == 0) return t;
+  Tensor bytes = Tensor::empty({static_cast<int64_t>(t.nbytes())}, DType::U8, pp.device());
+  pp.recv(bytes, peer);
+  std::memcpy(t.data_ptr(), bytes.to(Device::cpu()).data_ptr(), t.nbytes());
+  return t;
 }
 
 }  // namespace
@@ -368,18 +375,34 @@ int run_training(const TrainArgs& args) {
   state.args = args.flag_values;
   auto save = [&] {
     if (args.save.empty()) return;
-    // Collective (experts gathered over ETP and EP, Adam shards over DP); only the first
-    // data-parallel rank of each stage keeps the tensors.
-    std::vector<NamedTensor> tensors = optimizer.full_state(keeper);
-    // The first data-parallel rank of every stage sends its stage's tensors to the writer.
-    if (pp) {  // the tied word-embedding copy of the last stage stays out (the first stage's is written)
-      std::erase_if(tensors, [&](const NamedTensor& t) { return !saves(t.name); });
-      if (keeper) tensors = gather_stages(*pp, std::move(tensors));
-    }
+    // Collective (experts gathered over ETP and EP, TP parts over TP, Adam shards over DP); the
+    // first rank of each stage's TP, CP and DP groups keeps the tensors, and the writer (stage 0's)
+    // streams them into the file one at a time, then every other stage's in stage order. The tied
+    // word-embedding copy of the last stage stays out (the first stage's is written).
+    std::vector<TensorSpec> specs = optimizer.state_specs();
+    if (pp) std::erase_if(specs, [&](const TensorSpec& t) { return !saves(t.name); });
+    std::vector<std::vector<TensorSpec>> stage_specs;
+    if (pp && keeper) stage_specs = exchange_stage_specs(*pp, specs);
+    std::unique_ptr<CheckpointWriter> out;
     if (writer) {
-      save_checkpoint(args.save, tensors, state);
-      std::printf("saved checkpoint to %s at iteration %lld\n", args.save.c_str(),
-                  static_cast<long long>(state.iteration));
+      MC_CHECK(keeper, "the checkpoint writer (rank 0) must be the first rank of its stage's groups");
+      std::vector<TensorSpec> all = specs;
+      for (const auto& stage : stage_specs) all.insert(all.end(), stage.begin(), stage.end());
+      out = std::make_unique<CheckpointWriter>(args.save, all, state);
+    }
+    optimizer.full_state([&](const std::string& name, const Tensor& full) {
+      if (!keeper || (pp && !saves(name))) return;
+      if (writer) {
+        out->write(name, full);
+      } else {
+        send_stage_tensor(*pp, full);
+      }
+    });
+    if (writer) {
+      for (size_t peer = 1; peer < stage_specs.size(); ++peer)
+        for (const TensorSpec& t : stage_specs[peer]) out->write(t.name, recv_stage_tensor(*pp, static_cast<int>(peer), t));
+      out->finish();
+      std::printf("saved checkpoint to %s at iteration %lld\n", args.save.c_str(), static_cast<long long>(state.iteration));
     }
     if (world) world->barrier();
   };
