@@ -4,7 +4,8 @@
 # grad norm (2e-5 relative; bf16 1e-3) for 3 iterations:
 #   MoE (configs/tiny.yaml, micro-batch 4: the sequence gathers reorder): TP2+SP; CP2; TP2+SP
 #   with EP4 ETP1 (EP folded over TP, alltoall) and EP2 allgather; TP2+SP CP2; TP2 CP2 PP2 with
-#   EP4 on 8 ranks; overlap and the distributed optimizer with TP and CP; seq_aux_loss + z-loss,
+#   EP4 on 8 ranks; overlap and the distributed optimizer with TP and CP, and both together (with
+#   EP, TP, PP, tied embeddings across stages); seq_aux_loss + z-loss,
 #   global_aux_loss, input jitter (drawn by global token index), shared expert with gate +
 #   sigmoid router + expert bias, all on TP2+SP CP2;
 #   the 16-rank worked example TP2 CP2 DP2 PP2 / ETP1 EP4 EDP2 PP2.
@@ -59,7 +60,11 @@ layouts moe "" -- "2 $tp" "2 --context-parallel-size 2" "4 $tp --context-paralle
   "8 $tp --context-parallel-size 2 --pipeline-model-parallel-size 2 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall" \
   "4 $tp --overlap-grad-reduce" "4 --context-parallel-size 2 --use-distributed-optimizer" \
   "4 --context-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce" \
-  "2 --context-parallel-size 2 --overlap-grad-reduce" "2 $tp --overlap-grad-reduce"
+  "2 --context-parallel-size 2 --overlap-grad-reduce" "2 $tp --overlap-grad-reduce" \
+  "4 --use-distributed-optimizer --overlap-grad-reduce" \
+  "4 --use-distributed-optimizer --overlap-grad-reduce --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
+  "4 $tp --use-distributed-optimizer --overlap-grad-reduce" \
+  "8 --pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
 for extra in "--moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 1e-3" \
              "--moe-router-load-balancing-type global_aux_loss" "--moe-input-jitter-eps 0.1" \
              "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-router-score-function sigmoid --moe-router-enable-expert-bias"; do
@@ -69,7 +74,8 @@ done
 layouts moe "" -- "16 $tp --context-parallel-size 2 --pipeline-model-parallel-size 2 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall"
 grep -q "tensor-parallel size 2 (sequence parallel), context-parallel size 2" "$dir/ranks.log" ||
   { cat "$dir/ranks.log"; echo "FAIL: layout not logged"; exit 1; }
-layouts dense "" -- "2 --tensor-model-parallel-size 2" "4 $tp --context-parallel-size 2" "4 --context-parallel-size 2"
+layouts dense "" -- "2 --tensor-model-parallel-size 2" "4 $tp --context-parallel-size 2" "4 --context-parallel-size 2" \
+  "4 --pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce"
 layouts dense "--untie-embeddings-and-output-weights" -- "4 --tensor-model-parallel-size 2 --context-parallel-size 2"
 # bf16 (fp32 masters, distributed optimizer sharding the masters): against one bf16 rank, 1e-3
 run single 1 "${dense[@]}" --bf16

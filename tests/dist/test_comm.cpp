@@ -237,6 +237,29 @@ void check_broadcast_from_last_rank(Communicator& c) {
   EXPECT_EQ(bad, 0) << "broadcast from root " << root;
 }
 
+// reduce to the last rank (in place there), and to rank 0 inside a group with another reduce:
+// the root holds the reduction; every other rank's tensor is unchanged.
+void check_reduce_to_root(Communicator& c) {
+  const int last = c.size() - 1;
+  Tensor f = make<float>(410, c.rank(), {7, 5}, c.device());
+  Tensor b = make<bf16>(411, c.rank(), {9}, c.device());
+  c.reduce(f, last, ReduceOp::Sum);
+  c.reduce(b, last, ReduceOp::Max);
+  if (c.rank() == last) {
+    expect_reduced(host<float>(f), ReduceOp::Sum, 410, all_ranks(c.size()), 0, "reduce f32 sum");
+    expect_reduced(host<bf16>(b), ReduceOp::Max, 411, all_ranks(c.size()), 0, "reduce bf16 max");
+  } else {
+    EXPECT_EQ(host<float>(f), host<float>(make<float>(410, c.rank(), {7, 5}, c.device()))) << "a non-root tensor changed";
+  }
+  Tensor x = make<float>(412, c.rank(), {4}, c.device()), y = make<int64_t>(413, c.rank(), {3}, c.device());
+  c.group_start();
+  c.reduce(x, 0, ReduceOp::Avg);
+  c.reduce(y, last, ReduceOp::Sum);
+  c.group_end();
+  if (c.rank() == 0) expect_reduced(host<float>(x), ReduceOp::Avg, 412, all_ranks(c.size()), 0, "grouped reduce avg");
+  if (c.rank() == last) expect_reduced(host<int64_t>(y), ReduceOp::Sum, 413, all_ranks(c.size()), 0, "grouped reduce sum");
+}
+
 // Ungrouped ring: even ranks send first, odd ranks receive first (no deadlock for even sizes).
 void check_send_recv_ring(Communicator& c) {
   const int n = c.size(), me = c.rank(), next = (me + 1) % n, prev = (me + n - 1) % n;
@@ -405,6 +428,7 @@ TEST(CommMpi, ReduceScatterMatchesFormula) { check_reduce_scatter(*world()); }
 TEST(CommMpi, AllGatherPlacesRankRowsInOrder) { check_all_gather(*world()); }
 TEST(CommMpi, AllToAllUnevenCountsWithEmptySenderAndReceiver) { check_all_to_all_uneven(*world()); }
 TEST(CommMpi, BroadcastFromNonZeroRoot) { check_broadcast_from_last_rank(*world()); }
+TEST(CommMpi, ReduceToRootInPlace) { check_reduce_to_root(*world()); }
 TEST(CommMpi, SendRecvRing) { check_send_recv_ring(*world()); }
 TEST(CommMpi, GroupedCallsCompleteAtGroupEnd) { check_grouped_calls(*world()); }
 TEST(CommMpi, SplitIntoEvenAndOddRanks) { check_split_even_odd(*world()); }

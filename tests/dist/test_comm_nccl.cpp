@@ -20,6 +20,7 @@ void check_reduce_scatter(Communicator& c);
 void check_all_gather(Communicator& c);
 void check_all_to_all_uneven(Communicator& c);
 void check_broadcast_from_last_rank(Communicator& c);
+void check_reduce_to_root(Communicator& c);
 void check_send_recv_ring(Communicator& c);
 void check_grouped_calls(Communicator& c);
 void check_split_even_odd(Communicator& c);
@@ -72,6 +73,7 @@ TEST_F(CommNccl, ReduceScatterMatchesFormula) { comm_checks::check_reduce_scatte
 TEST_F(CommNccl, AllGatherPlacesRankRowsInOrder) { comm_checks::check_all_gather(c()); }
 TEST_F(CommNccl, AllToAllUnevenCountsWithEmptySenderAndReceiver) { comm_checks::check_all_to_all_uneven(c()); }
 TEST_F(CommNccl, BroadcastFromNonZeroRoot) { comm_checks::check_broadcast_from_last_rank(c()); }
+TEST_F(CommNccl, ReduceToRootInPlace) { comm_checks::check_reduce_to_root(c()); }
 TEST_F(CommNccl, SendRecvRing) { comm_checks::check_send_recv_ring(c()); }
 TEST_F(CommNccl, GroupedCallsCompleteAtGroupEnd) { comm_checks::check_grouped_calls(c()); }
 TEST_F(CommNccl, SplitIntoEvenAndOddRanks) { comm_checks::check_split_even_odd(c()); }

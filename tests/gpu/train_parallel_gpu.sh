@@ -20,7 +20,7 @@ grep -q "cuda" "$dir/one.log" || { cat "$dir/one.log"; echo "FAIL: not on a GPU"
 [ "$(values "$dir/one.jsonl" | wc -l)" -eq 9 ] || { echo "FAIL: no losses"; exit 1; }
 for flags in "" "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
              "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --use-distributed-optimizer" \
-             "--use-distributed-optimizer" "--overlap-grad-reduce" \
+             "--use-distributed-optimizer" "--overlap-grad-reduce" "--use-distributed-optimizer --overlap-grad-reduce" \
              "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce" \
              "--expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall" \
              "--expert-tensor-parallel-size 2 --moe-token-dispatcher-type allgather" \

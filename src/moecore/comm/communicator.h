@@ -15,6 +15,8 @@
 //                                    rank 0, then sc[1] rows for rank 1, ...), out's rows by source
 //                                    (rc[r] rows from rank r). Counts may be 0. rc[r] on this rank
 //                                    must equal sc[this rank] on rank r (not checkable locally).
+//   reduce(t, root, op)              t: any shape; root's t becomes the element-wise reduction
+//                                    (in place), the other ranks' t is left as it was
 //   broadcast(t, root)               t: any shape, root's values everywhere
 //   send(t, peer) / recv(t, peer)    same shape and dtype on both sides; messages between two
 //                                    ranks arrive in the order they were sent
@@ -80,6 +82,7 @@ class Communicator {
   virtual void all_gather(const Tensor& in, Tensor& out) = 0;
   virtual void all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
                           const std::vector<int64_t>& recv_counts) = 0;
+  virtual void reduce(Tensor& t, int root, ReduceOp op) = 0;
   virtual void broadcast(Tensor& t, int root) = 0;
   virtual void send(const Tensor& t, int peer) = 0;
   virtual void recv(Tensor& t, int peer) = 0;

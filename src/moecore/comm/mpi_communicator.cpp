@@ -317,6 +317,30 @@ void MpiCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& s
   issue(std::move(p));
 }
 
+void MpiCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
+  detail::check_tensor("reduce", "t", t, device(), kMpiDtypes);
+  detail::check_peer("reduce", "root", root, size_);
+  detail::check_reduce_op("reduce", t.dtype(), op);
+  const int n = count_of("reduce", t.numel());
+  const bool is_root = rank_ == root;
+  Pending p;
+  p.keep_alive.push_back(t);
+  // The root reduces in place; the others only send (their t is not written).
+  if (t.dtype() == DType::BF16) {
+    Tensor s = bf16_to_f32(t);
+    MC_MPI_CHECK(MPI_Ireduce(is_root ? MPI_IN_PLACE : s.data_ptr(), is_root ? s.data_ptr() : nullptr, n, MPI_FLOAT,
+                             mpi_op(op, DType::F32), root, comm_, &p.request));
+    p.keep_alive.push_back(s);
+    const float scale = op == ReduceOp::Avg ? static_cast<float>(size_) : 1.0f;
+    if (is_root) p.finish = [s, t, scale] { f32_to_bf16(s, t, scale); };
+  } else {
+    MC_MPI_CHECK(MPI_Ireduce(is_root ? MPI_IN_PLACE : t.data_ptr(), is_root ? t.data_ptr() : nullptr, n,
+                             mpi_type(t.dtype()), mpi_op(op, t.dtype()), root, comm_, &p.request));
+    if (is_root && op == ReduceOp::Avg) p.finish = [t, size = size_] { divide(t, size); };
+  }
+  issue(std::move(p));
+}
+
 void MpiCommunicator::broadcast(Tensor& t, int root) {
   detail::check_tensor("broadcast", "t", t, device(), kMpiDtypes);
   detail::check_peer("broadcast", "root", root, size_);

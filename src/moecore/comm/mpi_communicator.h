@@ -37,6 +37,7 @@ class MpiCommunicator final : public Communicator {
   void all_gather(const Tensor& in, Tensor& out) override;
   void all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
                   const std::vector<int64_t>& recv_counts) override;
+  void reduce(Tensor& t, int root, ReduceOp op) override;
   void broadcast(Tensor& t, int root) override;
   void send(const Tensor& t, int peer) override;
   void recv(Tensor& t, int peer) override;

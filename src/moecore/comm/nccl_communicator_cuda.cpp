@@ -131,6 +131,15 @@ void NcclCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& 
   MC_NCCL_CHECK(ncclGroupEnd());
 }
 
+void NcclCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
+  detail::check_tensor("reduce", "t", t, device_, kNcclDtypes);
+  detail::check_peer("reduce", "root", root, size_);
+  detail::check_reduce_op("reduce", t.dtype(), op);
+  // In place at the root; NCCL reads sendbuff everywhere and writes recvbuff only at the root.
+  MC_NCCL_CHECK(ncclReduce(t.data_ptr(), t.data_ptr(), count(t), nccl_type(t.dtype()), nccl_op(op), root, comm_,
+                           MC_NCCL_STREAM));
+}
+
 void NcclCommunicator::broadcast(Tensor& t, int root) {
   detail::check_tensor("broadcast", "t", t, device_, kNcclDtypes);
   detail::check_peer("broadcast", "root", root, size_);

@@ -114,7 +114,8 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("use-distributed-optimizer", &a.use_distributed_optimizer,
              "shard AdamW states over the data-parallel ranks (ZeRO-1; experts over expert-data-parallel)");
   f.add_bool("overlap-grad-reduce", &a.overlap_grad_reduce,
-             "all-reduce each layer's gradients during the last micro-batch's backward (not with the distributed optimizer)");
+             "reduce each layer's gradients during the last micro-batch's backward (all-reduce, or with the distributed "
+             "optimizer a reduce to each shard's owner)");
   f.add_string("moe-token-dispatcher-type", &a.token_dispatcher,
                "expert-parallel token dispatch: allgather (default) or alltoall");
   // Megatron's performance flags. The fusions they ask for are how moecore always runs, so they
@@ -437,8 +438,6 @@ void finalize_train_args(TrainArgs& a) {
   }
   MC_CHECK(a.pp == 1 || !e.per_layer_logging, "--moe-per-layer-logging with --pipeline-model-parallel-size ", a.pp,
            " is not available in this version");
-  MC_CHECK(!(a.overlap_grad_reduce && a.use_distributed_optimizer), "--overlap-grad-reduce with "
-           "--use-distributed-optimizer is not available in this version; pass one of them");
   MC_CHECK(a.etp == 1 || e.ffn_hidden_size % a.etp == 0, "--moe-ffn-hidden-size ", e.ffn_hidden_size,
            " is not divisible by --expert-tensor-parallel-size ", a.etp);
   MC_CHECK(e.num_experts % a.ep == 0, "--num-experts ", e.num_experts, " is not divisible by --expert-model-parallel-size ",

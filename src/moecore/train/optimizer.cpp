@@ -46,8 +46,6 @@ std::pair<int64_t, int64_t> Optimizer::shard_multiples(const OptimizerGroups& g,
 
 Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed, bool overlap)
     : store_(store), groups_(groups), distributed_(distributed), overlap_(overlap) {
-  MC_CHECK(!(overlap && distributed), "--overlap-grad-reduce with --use-distributed-optimizer is not available in this "
-                                      "version; use one of them");
   if (groups_.embedding) {
     const std::string name = "embedding.word_embeddings.weight";
     const Param* tied = nullptr;
@@ -138,7 +136,24 @@ void Optimizer::reduce_range(bool expert, Range r) {
   for (const Range& d : done)
     MC_CHECK(r.end <= d.begin || r.begin >= d.end, "gradient range [", r.begin, ", ", r.end, ") reduced twice");
   done.push_back(r);
-  Tensor slice = (expert ? store_.expert_grad_buffer() : store_.grad_buffer()).slice(0, r.begin, r.end);
+  Tensor& buffer = expert ? store_.expert_grad_buffer() : store_.grad_buffer();
+  if (distributed_) {
+    // Each element summed at the rank whose shard holds it: one reduce per owner of a piece of
+    // the range, in one group (a reduce-scatter with uneven pieces, in place).
+    Shard& s = expert ? expert_ : dense_;
+    if (!s.group) return;
+    const int64_t size = s.end - s.begin;
+    s.group->group_start();
+    for (int owner = 0; owner < s.group->size(); ++owner) {
+      const int64_t lo = std::max(r.begin, owner * size), hi = std::min(r.end, (owner + 1) * size);
+      if (lo >= hi) continue;
+      Tensor piece = buffer.slice(0, lo, hi);
+      s.group->reduce(piece, owner, comm::ReduceOp::Sum);
+    }
+    s.group->group_end();
+    return;
+  }
+  Tensor slice = buffer.slice(0, r.begin, r.end);
   if (expert) {
     if (groups_.edp) groups_.edp->all_reduce(slice, comm::ReduceOp::Sum);
   } else if (groups_.dp) {
@@ -263,6 +278,11 @@ void Optimizer::reduce_gradients() {
     }
     done_dense_.clear();
     done_expert_.clear();
+    if (distributed_) {  // the shards hold sums (the rest of the buffers partial sums, unused)
+      scale(expert_.grad, expert_scale);
+      scale(dense_.grad, 1.0 / static_cast<double>(groups_.dp_size));
+      return;
+    }
     scale(store_.expert_grad_buffer(), expert_scale);
     scale(store_.grad_buffer(), dense_scale);
     return;

@@ -25,11 +25,14 @@
 // whole fp32 master, refreshed from the shards after each step. With fp32 compute the masters
 // are the weights and stay whole, as Megatron's fp32 parameters do.
 //
-// Overlap (--overlap-grad-reduce, plain optimizer only): during the last micro-batch's backward
+// Overlap (--overlap-grad-reduce): during the last micro-batch's backward
 // the trainer calls layer_ready(i) as soon as decoder layer i's gradients are final; that
 // layer's slices of both buffers (contiguous: a layer's parameters are registered together) are
 // all-reduced at once, on a communication stream ordered after the compute stream by an event
-// (GPU), so the reduction runs while the backward of the layers below goes on.
+// (GPU), so the reduction runs while the backward of the layers below goes on. With the
+// distributed optimizer the layer's range is reduced instead of all-reduced: one in-place reduce
+// per shard owner of a piece of the range, grouped (the uneven reduce-scatter of that range), so
+// each rank ends with the sums of its shard as the reduce-scatter would give them.
 // reduce_gradients() then reduces every range not yet reduced (embedding, final norm, output
 // layer), makes the compute stream wait for the communication stream and applies the expert
 // scale. Each element is reduced exactly once (checked).
