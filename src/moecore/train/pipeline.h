@@ -9,8 +9,9 @@
 //               and receive the next input in one group (send_backward_recv_forward)
 //   cool-down   W backwards (receive the output gradient, send the input gradient)
 // So at most P - s activations are alive on stage s, and backwards run in micro-batch order.
-// Every transfer is [micro_batch * seq (this rank's tokens: / CP, / TP with SP), hidden] in the compute dtype, between neighbouring
-// stages of the pipeline group (pp rank = stage). The first stage embeds tokens; the last
+// Every transfer is [this rank's tokens of the micro-batch (micro_batch * seq / CP, / TP with
+// sequence parallelism), hidden] in the compute dtype, between neighbouring stages of the
+// pipeline group (pp rank = stage). The first stage embeds tokens; the last
 // computes the loss (its micro-batch losses are summed into the return value).
 #pragma once
 
