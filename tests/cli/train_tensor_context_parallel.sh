@@ -13,7 +13,8 @@
 #   without SP, TP2+SP CP2, CP2 with DP2, bf16 with the distributed optimizer.
 # A checkpoint saved by TP2+SP CP2 EP2 resumes on one rank and on TP2 PP2, and one rank's on
 # TP2+SP CP2, to the uninterrupted single-rank losses; `moecore generate` reads the TP/CP
-# checkpoint on one rank (the same greedy tokens). Refusals name their flags.
+# checkpoint on one rank (the same greedy tokens). The fused output layer in several chunks and the
+# plain one agree under TP2+SP CP2. Refusals name their flags (and a mixed MOECORE_FUSED_HEAD).
 set -euo pipefail
 bin=$1; src=$2; mpiexec=$3
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -65,6 +66,12 @@ layouts moe "" -- "2 $tp" "2 --context-parallel-size 2" "4 $tp --context-paralle
   "4 --use-distributed-optimizer --overlap-grad-reduce --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
   "4 $tp --use-distributed-optimizer --overlap-grad-reduce" \
   "8 --pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+# the fused output layer in several uneven chunks (5 rows) and the plain one, under TP2+SP CP2
+run single 1 "${moe[@]}"
+MOECORE_FUSED_HEAD_ROWS=5 run ranks 4 "${moe[@]}" $tp --context-parallel-size 2
+check 2e-5 "moe, fused output layer in chunks of 5 rows, np 4 $tp --context-parallel-size 2"
+MOECORE_FUSED_HEAD=0 run ranks 4 "${moe[@]}" $tp --context-parallel-size 2
+check 2e-5 "moe, plain output layer, np 4 $tp --context-parallel-size 2"
 for extra in "--moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 1e-3" \
              "--moe-router-load-balancing-type global_aux_loss" "--moe-input-jitter-eps 0.1" \
              "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-router-score-function sigmoid --moe-router-enable-expert-bias"; do
@@ -101,6 +108,10 @@ resume_check "TP2+SP CP2 EP2 checkpoint" "$dir/ckpt-tp" 4 $tp --pipeline-model-p
 # checkpoint of the same run (greedy)
 "$bin" generate --load "$dir/ckpt-tp" --prompt-ids "1 2 3" --max-new-tokens 8 --temperature 0 --device cpu \
   > "$dir/gen-tp.txt" 2>&1 || { cat "$dir/gen-tp.txt"; echo "FAIL: generate from a TP/CP checkpoint"; exit 1; }
+# pipeline stages with TP, the distributed optimizer and overlap save; one rank resumes
+run save 8 "${moe[@]}" "${sched[@]}" --train-iters 2 $tp --pipeline-model-parallel-size 2 --use-distributed-optimizer \
+  --overlap-grad-reduce --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --save "$dir/ckpt-pp-tp"
+resume_check "TP2+SP PP2 EP2 distributed-optimizer checkpoint" "$dir/ckpt-pp-tp" 1
 run save 1 "${moe[@]}" "${sched[@]}" --train-iters 2 --save "$dir/ckpt-one"
 "$bin" generate --load "$dir/ckpt-one" --prompt-ids "1 2 3" --max-new-tokens 8 --temperature 0 --device cpu \
   > "$dir/gen-one.txt" 2>&1 || { cat "$dir/gen-one.txt"; exit 1; }
@@ -118,4 +129,8 @@ refuse "must be divisible by 2 x --context-parallel-size" 2 "${moe[@]}" --contex
 refuse "must divide --num-attention-heads" 4 "${dense[@]}" --tensor-model-parallel-size 4
 refuse "does not divide the vocabulary" 2 "${dense[@]}" --tensor-model-parallel-size 2 --vocab-size 127
 refuse "does not divide the 3 launched ranks" 3 "${moe[@]}" $tp
+# ranks that disagree on an environment switch that changes the collectives are refused
+if out=$(timeout 60 "$mpiexec" -np 1 env MOECORE_FUSED_HEAD=0 "$bin" "${moe[@]}" --context-parallel-size 2 : \
+    -np 1 "$bin" "${moe[@]}" --context-parallel-size 2 2>&1); then echo "FAIL: mixed MOECORE_FUSED_HEAD ran"; exit 1; fi
+grep -q "MOECORE_FUSED_HEAD" <<<"$out" || { echo "$out"; echo "FAIL: no message naming MOECORE_FUSED_HEAD"; exit 1; }
 echo "PASS"

@@ -13,9 +13,23 @@
 
 namespace moecore {
 
+namespace {
+// MOECORE_FUSED_HEAD_ROWS: rows per chunk of the fused output layer (tests, tuning); 0 or unset:
+// the default from kFusedHeadChunkElements.
+int64_t fused_head_rows_from_environment() {
+  const char* env = std::getenv("MOECORE_FUSED_HEAD_ROWS");
+  if (!env || !*env) return 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  MC_CHECK(end && *end == '\0' && v >= 0, "MOECORE_FUSED_HEAD_ROWS='", env, "': expected a number of rows >= 0");
+  return v;
+}
+}  // namespace
+
 GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel& par, const PipelineStage& stage,
                    const DenseParallel& dense)
-    : cfg_(cfg), stage_(stage), dense_(dense), compute_(store.compute_dtype()) {
+    : cfg_(cfg), stage_(stage), dense_(dense), head_chunk_rows_(fused_head_rows_from_environment()),
+      compute_(store.compute_dtype()) {
   const int64_t tp = dense_.tp_size();
   MC_CHECK(cfg.vocab_size % tp == 0, "the vocabulary of ", cfg.vocab_size,
            " tokens does not divide by --tensor-model-parallel-size ", tp,
@@ -95,6 +109,7 @@ bool fused_head_enabled() {
   const char* env = std::getenv("MOECORE_FUSED_HEAD");
   return !(env && std::strcmp(env, "0") == 0);
 }
+
 
 Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
   MC_CHECK(tokens.ndim() == 2 && tokens.dtype() == DType::I32, "model input must be [batch, seq] i32, got ",

@@ -96,6 +96,7 @@ std::vector<NamedTensor> read_safetensors(const std::string& path) {
 struct CheckpointFile {
   interop::SafetensorsStreamWriter writer;
   std::string path;
+  std::map<std::string, TensorSpec> specs;  // to check each written tensor's dtype and shape
 };
 
 namespace {
@@ -117,7 +118,10 @@ CheckpointWriter::CheckpointWriter(const std::string& dir, const std::vector<Ten
     std::vector<interop::StTensorSpec> st;
     for (const TensorSpec& t : specs) st.push_back({t.name, interop::parse_st_dtype(st_dtype(t.dtype), dir), t.shape});
     const std::string path = (fs::path(tmp_dir_) / "model_optim.safetensors").string();
-    file_.reset(new CheckpointFile{interop::SafetensorsStreamWriter(path, st, {{"format", "moecore-checkpoint"}}), path});
+    std::map<std::string, TensorSpec> by_name;
+    for (const TensorSpec& t : specs) by_name[t.name] = t;
+    file_.reset(new CheckpointFile{interop::SafetensorsStreamWriter(path, st, {{"format", "moecore-checkpoint"}}), path,
+                                   std::move(by_name)});
   } catch (const fs::filesystem_error& e) {
     rethrow_filesystem(dir, e);
   }
@@ -131,6 +135,11 @@ CheckpointWriter::~CheckpointWriter() {
 }
 
 void CheckpointWriter::write(const std::string& name, const Tensor& t) {
+  const auto it = file_->specs.find(name);
+  MC_CHECK(it != file_->specs.end(), "checkpoint '", dir_, "': tensor '", name, "' is not in its list");
+  MC_CHECK(it->second.dtype == t.dtype() && it->second.shape == t.shape(), "checkpoint '", dir_, "': tensor '", name,
+           "' is ", dtype_name(t.dtype()), " ", shape_str(t.shape()), ", its list says ", dtype_name(it->second.dtype), " ",
+           shape_str(it->second.shape));
   const Tensor host = t.to(Device::cpu()).contiguous();
   file_->writer.write(name, host.data_ptr(), host.nbytes());
 }

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -80,19 +81,31 @@ void sum_over_ranks(comm::Communicator* c, std::vector<double>& v) {
 }
 
 // Every rank must run the same configuration: compare a hash of the flag values.
+// Environment switches that change which collectives a step issues (the fused output layer's
+// per-chunk TP collectives and CP label count): they must agree like the flags.
+const char* const kCollectiveEnvironment[] = {"MOECORE_FUSED_HEAD", "MOECORE_FUSED_HEAD_ROWS"};
+
 void check_same_flags(comm::Communicator* c, const TrainArgs& args) {
   if (!c) return;
   uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&](const std::string& text) {
+    for (char ch : text) h = (h ^ static_cast<uint8_t>(ch)) * 0x100000001b3ull;
+  };
   for (const auto& [name, value] : args.flag_values) {
     if (name == "device") continue;  // may legitimately differ per rank
-    for (char ch : name + "=" + value + ";") h = (h ^ static_cast<uint8_t>(ch)) * 0x100000001b3ull;
+    mix(name + "=" + value + ";");
+  }
+  for (const char* name : kCollectiveEnvironment) {
+    const char* value = std::getenv(name);
+    mix(std::string("env ") + name + "=" + (value ? value : "(unset)") + ";");
   }
   const int64_t mine = static_cast<int64_t>(h >> 1);
   Tensor t = Tensor::from_vector(std::vector<int64_t>{mine, -mine}, {2}).to(c->device());
   c->all_reduce(t, comm::ReduceOp::Max);
   const std::vector<int64_t> r = t.to_vector<int64_t>();
   MC_CHECK(r[0] == mine && r[1] == -mine, "the ranks were started with different flags (rank ", c->rank(),
-           " differs); start every rank with the same command line");
+           " differs); start every rank with the same command line (and the same MOECORE_FUSED_HEAD / "
+           "MOECORE_FUSED_HEAD_ROWS environment)");
 }
 
 // Whether a checkpoint tensor ("<param>" or "<param>.exp_avg[_sq]") belongs to this pipeline stage.
