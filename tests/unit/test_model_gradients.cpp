@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "moecore/core/philox.h"
 #include "moecore/data/mock_data.h"
@@ -180,8 +181,8 @@ TEST(ModelGradients, MoeSinkhornGelu) {
 
 // The fused output layer (the loss and its backward computed chunk by chunk in the forward, no
 // [T, V] logits kept) gives the plain path's loss and every gradient, tied or untied, with
-// ignored labels and chunks that do not divide the tokens; a different grad_scale in backward()
-// than the one given before the forward is refused.
+// ignored labels and chunks that do not divide the tokens; evaluation's chunked loss equals the
+// plain one; a different grad_scale in backward() than the one given before the forward is refused.
 TEST(ModelGradients, FusedOutputLayerEqualsThePlainOne) {
   for (bool untie : {false, true}) {
     ModelConfig cfg = moe_config();
@@ -217,6 +218,17 @@ TEST(ModelGradients, FusedOutputLayerEqualsThePlainOne) {
   GPTModel model(cfg, store);
   store.initialize();
   const Batch b = MockData(cfg.vocab_size, cfg.seq_length, 3, "train").batch(0, 2, Device::cpu());
+  {  // evaluation computes the loss chunk by chunk too: the plain path's value, no logits kept
+    model.set_head_chunk_rows(3);
+    GPTModel::Ctx chunked_ctx, plain_ctx;
+    const double chunked = model.forward(b.tokens, b.labels, false, 0, chunked_ctx);
+    EXPECT_FALSE(chunked_ctx.logits.defined());
+    setenv("MOECORE_FUSED_HEAD", "0", 1);
+    const double plain = model.forward(b.tokens, b.labels, false, 0, plain_ctx);
+    unsetenv("MOECORE_FUSED_HEAD");
+    EXPECT_TRUE(plain_ctx.logits.defined());
+    EXPECT_NEAR(chunked, plain, 1e-13 * std::fabs(plain));
+  }
   GPTModel::Ctx ctx;
   ctx.fused_head_scale = 0.5;
   model.forward(b.tokens, b.labels, true, 7, ctx);

@@ -211,14 +211,14 @@ double GPTModel::head_forward(const Tensor& h, Ctx& ctx) {
   return stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
 }
 
-double GPTModel::head_forward_fused(const Tensor& h, double grad_scale, Ctx& ctx) {
+double GPTModel::head_forward_chunked(const Tensor& h, double grad_scale, Ctx& ctx) {
   const Tensor x = dense_.enter_forward(h, ctx.batch);
   const int64_t n = x.size(0);
   const DType stat = compute_ == DType::F64 ? DType::F64 : DType::F32;
   const Device dev = h.device();
-  // The gradient of the mean needs the whole sequences' label count first.
+  const bool backward = grad_scale > 0;
   int64_t labelled = count_labels(ctx);
-  if (dense_.cp) {
+  if (backward && dense_.cp) {  // the gradient of the mean needs the whole sequences' label count first
     std::vector<double> v = {static_cast<double>(labelled)};
     comm::all_reduce_host(*dense_.cp, v);
     labelled = static_cast<int64_t>(v[0] + 0.5);
@@ -228,7 +228,7 @@ double GPTModel::head_forward_fused(const Tensor& h, double grad_scale, Ctx& ctx
   const int64_t chunk =
       head_chunk_rows_ > 0 ? head_chunk_rows_ : std::max<int64_t>(1, kFusedHeadChunkElements / std::max<int64_t>(1, head_.out));
   Tensor loss = Tensor::empty({n}, stat, dev);
-  Tensor dx = Tensor::empty(x.shape(), x.dtype(), dev);
+  Tensor dx = backward ? Tensor::empty(x.shape(), x.dtype(), dev) : Tensor();
   const ops::TargetsValidated checked;  // count_labels checked them
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t r1 = std::min(n, r0 + chunk);
@@ -238,10 +238,11 @@ double GPTModel::head_forward_fused(const Tensor& h, double grad_scale, Ctx& ctx
     Tensor lse = Tensor::empty({r1 - r0}, stat, dev);
     Tensor loss_rows_out = loss.slice(0, r0, r1);
     loss_rows(logits, labels, loss_rows_out, lse);
+    if (!backward) continue;
     loss_rows_backward(logits, labels, lse, dloss);
     dx.slice(0, r0, r1).copy_from(head_.backward(logits, head_ctx));  // dW accumulates here
   }
-  ctx.d_head_input = dense_.enter_backward(dx, ctx.batch);
+  if (backward) ctx.d_head_input = dense_.enter_backward(dx, ctx.batch);
   Tensor total = Tensor::empty({1}, stat, dev);
   ops::sum_all(loss, total);
   return stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
@@ -269,9 +270,11 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
     return 0.0;
   }
   ctx.labels = labels.view({labels.numel()});
-  const bool fused = training && ctx.fused_head_scale > 0 && fused_head_enabled();
-  double sum = fused ? head_forward_fused(h, ctx.fused_head_scale, ctx) : head_forward(h, ctx);
-  if (!fused) ctx.fused_head_scale = 0;
+  // Training with fused_head_scale: loss and backward chunk by chunk; evaluation: the loss chunk
+  // by chunk (no backward will come); MOECORE_FUSED_HEAD=0: the plain path (logits kept).
+  const bool chunked = fused_head_enabled() && (!training || ctx.fused_head_scale > 0);
+  double sum = chunked ? head_forward_chunked(h, training ? ctx.fused_head_scale : 0.0, ctx) : head_forward(h, ctx);
+  if (!chunked || !training) ctx.fused_head_scale = 0;
   if (dense_.cp) {  // the whole sequences' loss: sums and label counts of every chunk
     std::vector<double> v = {sum, static_cast<double>(ctx.num_labels)};
     comm::all_reduce_host(*dense_.cp, v);

@@ -54,7 +54,8 @@ class GPTModel {
     // Fused output layer (training): set fused_head_scale to the grad_scale that backward() will
     // get, before forward(); the forward then runs the output layer, the loss and their backward
     // chunk by chunk (no [T, V] logits kept) and keeps only the gradient of the final norm's
-    // output (d_head_input). 0: the plain path. MOECORE_FUSED_HEAD=0 turns the fusion off.
+    // output (d_head_input). 0: the plain path. Evaluation (training = false) computes the
+    // loss chunk by chunk as well. MOECORE_FUSED_HEAD=0 turns both off.
     double fused_head_scale = 0;
     Tensor d_head_input;
   };
@@ -96,7 +97,10 @@ class GPTModel {
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
   // (CP-local) tokens; ctx.num_labels counts them.
   double head_forward(const Tensor& h, Ctx& ctx);
-  double head_forward_fused(const Tensor& h, double grad_scale, Ctx& ctx);
+  // The output layer and the loss chunk by chunk (no [T, V] logits kept); with grad_scale > 0
+  // also their backward (the output layer's weight gradient accumulates; ctx.d_head_input keeps
+  // the gradient of the final norm's output), with 0 the loss only (evaluation).
+  double head_forward_chunked(const Tensor& h, double grad_scale, Ctx& ctx);
   Tensor head_backward(double grad_scale, Ctx& ctx);
   // Per-token loss and logsumexp of logits rows (vocabulary-parallel under TP), and its backward
   // in place (dloss_value: d(objective)/d(each labelled token's loss)).
