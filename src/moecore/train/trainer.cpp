@@ -1,5 +1,6 @@
 #include "moecore/train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -460,19 +461,20 @@ int run_training(const TrainArgs& args) {
     optimizer.reduce_gradients();
     for (MoeLayer* l : moe_layers) {
       MoeStepStats& s = l->mutable_stats();
-      // Each rank of a sequence's TP x CP group holds its tokens' share of the counts and losses.
-      if (token_group) {
-        std::vector<double> shares = {s.aux_loss, s.z_loss};
-        comm::all_reduce_host(*token_group, shares);
-        s.aux_loss = shares[0];
-        s.z_loss = shares[1];
-        comm::all_reduce_host(*token_group, s.tokens_per_expert);
-      }
+      // One message per group: [aux, z, tokens per expert...]. Each rank of a sequence's TP x CP
+      // group holds its tokens' share of all three (summed); data-parallel ranks sum the counts
+      // (the expert bias follows the global counts) and average the losses.
+      std::vector<double> packed = {s.aux_loss, s.z_loss};
+      packed.insert(packed.end(), s.tokens_per_expert.begin(), s.tokens_per_expert.end());
+      if (token_group) comm::all_reduce_host(*token_group, packed);
       if (dp) {
-        sum_over_ranks(dp, s.tokens_per_expert);  // the expert bias follows the global counts
-        s.aux_loss = average_over_ranks(dp, s.aux_loss);
-        s.z_loss = average_over_ranks(dp, s.z_loss);
+        comm::all_reduce_host(*dp, packed);
+        packed[0] /= static_cast<double>(dp->size());
+        packed[1] /= static_cast<double>(dp->size());
       }
+      s.aux_loss = packed[0];
+      s.z_loss = packed[1];
+      std::copy(packed.begin() + 2, packed.end(), s.tokens_per_expert.begin());
     }
     const double grad_sq = optimizer.grad_norm_sq();
     std::vector<MoeStepStats> layer_stats;
