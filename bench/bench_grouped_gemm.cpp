@@ -2,7 +2,10 @@
 // two shapes, each through
 //   grouped  one cublasGemmGroupedBatchedEx call (GroupedGemmImpl::Grouped; the bf16 -> f32
 //            wgrad falls back to the loop where cuBLAS refuses that type combination)
-//   loop     one cuBLASLt ops::gemm per expert (GroupedGemmImpl::Loop, the old path)
+//   loop     one cuBLASLt ops::gemm per expert (GroupedGemmImpl::Loop)
+//   hopper   our sm_90a kernel, one persistent launch over all experts (GroupedGemmImpl::Hopper,
+//            ops/grouped_gemm_hopper.cu); its output is compared with the loop's at the real
+//            shape ("hopper_rel_err": max |hopper - loop| / max |loop| over a strided sample)
 //   dense    the ceiling: one ops::gemm over all rows (same FLOPs: M = sum of the expert rows,
 //            expert 0's weight; for wgrad the reduction runs over all rows into one dw slice)
 // for balanced and skewed token counts per expert.
@@ -33,6 +36,7 @@
 #include "moecore/core/philox.h"
 #include "moecore/core/system_info.h"
 #include "moecore/core/tensor.h"
+#include "moecore/ops/elementwise.h"
 #include "moecore/ops/gemm.h"
 #include "moecore/ops/grouped_gemm.h"
 #include "moecore/ops/random.h"
@@ -101,6 +105,17 @@ double time_ms(Device dev, int iters, int repeats, F&& fn) {
   return times[times.size() / 2];
 }
 
+// Every 13th element as doubles (enough to catch a wrong tile, cheap at 10^8+ elements).
+std::vector<double> strided_sample(const Tensor& t) {
+  const Tensor h = t.to(Device::cpu());
+  std::vector<double> v;
+  const int64_t n = h.numel();
+  for (int64_t i = 0; i < n; i += 13)
+    v.push_back(h.dtype() == DType::F32 ? static_cast<double>(h.data<float>()[i])
+                                        : static_cast<double>(static_cast<float>(h.data<bf16>()[i])));
+  return v;
+}
+
 Tensor randn(const Shape& shape, DType t, Device dev, const char* name) {
   Tensor x = Tensor::empty(shape, t, dev);
   ops::fill_normal(x, 1234, rng_key(name), 0.0, 1.0);
@@ -111,7 +126,8 @@ struct Row {
   std::string shape, dist, gemm;
   int64_t m, n, k;  // row-major dense equivalent: [m, k] x [k, n]
   double flops;
-  double ms[3];     // grouped, loop, dense
+  double ms[4];     // grouped, loop, hopper, dense
+  double hopper_rel_err = 0;
   double tflops(int i) const { return flops / (ms[i] * 1e-3) / 1e12; }
 };
 
@@ -122,8 +138,9 @@ Row run_gemm(const Shape5& s, const std::string& dist, const std::vector<int64_t
   const bool fc1 = g == Gemm::Fc1Fwd || g == Gemm::Fc1Dgrad || g == Gemm::Fc1Wgrad;
   // The layer's weight is [E, wn, wk]: fc1 [E, 2f, h], fc2 [E, h, f].
   const int64_t wn = fc1 ? 2 * s.f : s.h, wk = fc1 ? s.h : s.f;
-  Row r{s.name, dist, gemm_name(g), 0, 0, 0, 0, {0, 0, 0}};
+  Row r{s.name, dist, gemm_name(g), 0, 0, 0, 0, {0, 0, 0, 0}};
   std::function<void()> grouped, dense;
+  Tensor* out = nullptr;  // what `grouped` writes (dw accumulates: zeroed before the check)
   Tensor a, b, c, w, dw;
   if (g == Gemm::Fc1Fwd || g == Gemm::Fc2Fwd) {
     a = randn({m, wk}, bf, dev, "x"), w = randn({e, wn, wk}, bf, dev, "w"), c = Tensor::empty({m, wn}, bf, dev);
@@ -131,12 +148,14 @@ Row run_gemm(const Shape5& s, const std::string& dist, const std::vector<int64_t
     grouped = [&] { ops::grouped_gemm_forward(a, w, rows, c); };
     dense = [&, w0] { ops::gemm(a, w0, c, false, true); };
     r.m = m, r.n = wn, r.k = wk;
+    out = &c;
   } else if (g == Gemm::Fc1Dgrad || g == Gemm::Fc2Dgrad) {
     a = randn({m, wn}, bf, dev, "dout"), w = randn({e, wn, wk}, bf, dev, "w"), c = Tensor::empty({m, wk}, bf, dev);
     Tensor w0 = w.slice(0, 0, 1).view({wn, wk});
     grouped = [&] { ops::grouped_gemm_dgrad(a, w, rows, c); };
     dense = [&, w0] { ops::gemm(a, w0, c, false, false); };
     r.m = m, r.n = wk, r.k = wn;
+    out = &c;
   } else {
     a = randn({m, wn}, bf, dev, "dout"), b = randn({m, wk}, bf, dev, "x");
     dw = Tensor::zeros({e, wn, wk}, DType::F32, dev);
@@ -144,6 +163,7 @@ Row run_gemm(const Shape5& s, const std::string& dist, const std::vector<int64_t
     grouped = [&] { ops::grouped_gemm_wgrad(a, b, rows, dw); };
     dense = [&, dw0]() mutable { ops::gemm(a, b, dw0, true, false, 1.0f, 1.0f); };
     r.m = wn, r.n = wk, r.k = m;
+    out = &dw;
   }
   r.flops = 2.0 * static_cast<double>(r.m) * r.n * r.k;
   const int iters = std::max(2, std::min(50, static_cast<int>(2e13 / r.flops)));
@@ -151,7 +171,20 @@ Row run_gemm(const Shape5& s, const std::string& dist, const std::vector<int64_t
   r.ms[0] = time_ms(dev, iters, repeats, grouped);
   ops::set_grouped_gemm_impl(ops::GroupedGemmImpl::Loop);
   r.ms[1] = time_ms(dev, iters, repeats, grouped);
-  r.ms[2] = time_ms(dev, iters, repeats, dense);
+  ops::set_grouped_gemm_impl(ops::GroupedGemmImpl::Hopper);
+  r.ms[2] = time_ms(dev, iters, repeats, grouped);
+  r.ms[3] = time_ms(dev, iters, repeats, dense);
+  // The Hopper kernel's result against the loop's at this shape.
+  std::vector<double> ref, got;
+  for (auto impl : {ops::GroupedGemmImpl::Loop, ops::GroupedGemmImpl::Hopper}) {
+    ops::set_grouped_gemm_impl(impl);
+    if (out == &dw) ops::fill(dw, 0.0);
+    grouped();
+    (impl == ops::GroupedGemmImpl::Loop ? ref : got) = strided_sample(*out);
+  }
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < ref.size(); ++i) diff = std::max(diff, std::abs(got[i] - ref[i])), scale = std::max(scale, std::abs(ref[i]));
+  r.hopper_rel_err = scale > 0 ? diff / scale : diff;
   return r;
 }
 
@@ -161,7 +194,7 @@ int main(int argc, char** argv) {
   try {
     int64_t repeats = 5;
     bool quick = false;
-    cli::FlagSet flags("bench_grouped_gemm", "Grouped expert GEMMs: cuBLAS grouped vs per-expert loop vs dense.");
+    cli::FlagSet flags("bench_grouped_gemm", "Grouped expert GEMMs: cuBLAS grouped, per-expert loop, Hopper kernel, dense.");
     flags.add_int("repeats", &repeats, "timed repetitions (median reported)");
     flags.add_bool("quick", &quick, "only the qwen3 shape, balanced");
     flags.parse(std::vector<std::string>(argv + 1, argv + argc));
@@ -187,27 +220,32 @@ int main(int argc, char** argv) {
       for (bool skewed : skews) {
         const std::vector<int64_t> groups = rows_per_expert(s, skewed);
         const std::string dist = skewed ? "skewed" : "balanced";
-        Row total{s.name, dist, "all six", 0, 0, 0, 0, {0, 0, 0}};
+        Row total{s.name, dist, "all six", 0, 0, 0, 0, {0, 0, 0, 0}};
         for (Gemm g : gemms) {
           Row r = run_gemm(s, dist, groups, g, dev, static_cast<int>(repeats));
           total.flops += r.flops;
-          for (int i = 0; i < 3; ++i) total.ms[i] += r.ms[i];
+          for (int i = 0; i < 4; ++i) total.ms[i] += r.ms[i];
+          total.hopper_rel_err = std::max(total.hopper_rel_err, r.hopper_rel_err);
           rows.push_back(r);
           const nlohmann::json j = {{"bench", "grouped_gemm"}, {"shape", s.name}, {"dist", dist},
                                     {"gemm", r.gemm}, {"device", card}, {"m", r.m}, {"n", r.n}, {"k", r.k},
                                     {"max_rows", *std::max_element(groups.begin(), groups.end())},
                                     {"min_rows", *std::min_element(groups.begin(), groups.end())},
-                                    {"grouped_ms", r.ms[0]}, {"loop_ms", r.ms[1]}, {"dense_ms", r.ms[2]},
-                                    {"grouped_tflops", r.tflops(0)}, {"loop_tflops", r.tflops(1)},
-                                    {"dense_tflops", r.tflops(2)}};
+                                    {"grouped_ms", r.ms[0]}, {"loop_ms", r.ms[1]}, {"hopper_ms", r.ms[2]},
+                                    {"dense_ms", r.ms[3]}, {"grouped_tflops", r.tflops(0)},
+                                    {"loop_tflops", r.tflops(1)}, {"hopper_tflops", r.tflops(2)},
+                                    {"dense_tflops", r.tflops(3)}, {"hopper_rel_err", r.hopper_rel_err}};
           std::printf("%s\n", j.dump().c_str());
           std::fflush(stdout);
         }
         rows.push_back(total);
         const nlohmann::json j = {{"bench", "grouped_gemm"}, {"shape", s.name}, {"dist", dist}, {"gemm", "all six"},
                                   {"device", card}, {"grouped_ms", total.ms[0]}, {"loop_ms", total.ms[1]},
-                                  {"dense_ms", total.ms[2]}, {"grouped_pct_of_dense", 100 * total.ms[2] / total.ms[0]},
-                                  {"loop_pct_of_dense", 100 * total.ms[2] / total.ms[1]}, {"target_pct", s.target_pct}};
+                                  {"hopper_ms", total.ms[2]}, {"dense_ms", total.ms[3]},
+                                  {"grouped_pct_of_dense", 100 * total.ms[3] / total.ms[0]},
+                                  {"loop_pct_of_dense", 100 * total.ms[3] / total.ms[1]},
+                                  {"hopper_pct_of_dense", 100 * total.ms[3] / total.ms[2]},
+                                  {"hopper_rel_err", total.hopper_rel_err}, {"target_pct", s.target_pct}};
         std::printf("%s\n", j.dump().c_str());
         std::fflush(stdout);
       }
@@ -222,12 +260,14 @@ int main(int argc, char** argv) {
     std::printf("%s\n", nlohmann::json{{"bench", "grouped_gemm"}, {"bf16_f32_grouped_refused", refused}}.dump().c_str());
     std::printf("\nGrouped GEMM on %s (bf16 in, fp32 accumulate; wgrad into fp32 dw; cuBLASLt %zu)\n", card.c_str(),
                 lt_version);
-    std::printf("%-34s %-8s %-9s %8s %7s %8s %7s %8s %7s %8s %8s\n", "shape", "dist", "gemm", "grp ms", "TF/s",
-                "loop ms", "TF/s", "dense ms", "TF/s", "grp/dns", "loop/dns");
+    std::printf("%-34s %-8s %-9s %8s %7s %8s %7s %8s %7s %8s %7s %8s %8s %8s %9s\n", "shape", "dist", "gemm",
+                "grp ms", "TF/s", "loop ms", "TF/s", "hop ms", "TF/s", "dense ms", "TF/s", "grp/dns", "loop/dns",
+                "hop/dns", "hop err");
     for (const Row& r : rows)
-      std::printf("%-34s %-8s %-9s %8.3f %7.1f %8.3f %7.1f %8.3f %7.1f %7.1f%% %7.1f%%\n", r.shape.c_str(),
-                  r.dist.c_str(), r.gemm.c_str(), r.ms[0], r.tflops(0), r.ms[1], r.tflops(1), r.ms[2], r.tflops(2),
-                  100 * r.ms[2] / r.ms[0], 100 * r.ms[2] / r.ms[1]);
+      std::printf("%-34s %-8s %-9s %8.3f %7.1f %8.3f %7.1f %8.3f %7.1f %8.3f %7.1f %7.1f%% %7.1f%% %7.1f%% %9.1e\n",
+                  r.shape.c_str(), r.dist.c_str(), r.gemm.c_str(), r.ms[0], r.tflops(0), r.ms[1], r.tflops(1), r.ms[2],
+                  r.tflops(2), r.ms[3], r.tflops(3), 100 * r.ms[3] / r.ms[0], 100 * r.ms[3] / r.ms[1],
+                  100 * r.ms[3] / r.ms[2], r.hopper_rel_err);
     std::printf("targets: grouped >= 85%% of dense (mixtral shape), >= 60%% (qwen3 shape); default impl: %s\n",
                 ops::grouped_gemm_impl_name(default_impl));
     std::printf("bf16 -> f32 wgrad in cuBLAS's grouped GEMM: %s\n",

@@ -1,5 +1,6 @@
-// gpu tier: the grouped GEMM over experts (ops/grouped_gemm.h) on CUDA held to the CPU, for both
-// CUDA implementations (one cublasGemmGroupedBatchedEx call, and the per-expert loop), forward,
+// gpu tier: the grouped GEMM over experts (ops/grouped_gemm.h) on CUDA held to the CPU, for the
+// three CUDA implementations (one cublasGemmGroupedBatchedEx call, the per-expert loop, and the
+// Hopper kernel, which declines f32 and the unaligned shapes to the loop), forward,
 // dgrad and wgrad (accumulating onto a non-zero dw), f32 and bf16, over ragged groups with
 // zero-row experts, a single expert, and odd sizes that leave row slices unaligned.
 #include <gtest/gtest-spi.h>
@@ -117,14 +118,19 @@ INSTANTIATE_TEST_SUITE_P(
                       Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Grouped},
                       Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Loop},
                       Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Loop},
-                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Loop}),
+                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Loop},
+                      Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Hopper},
+                      Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Hopper},
+                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Hopper}),
     param_name);
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndImpls, GroupedGemmGpuSameDtype,
     ::testing::Values(Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Grouped},
                       Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Grouped},
                       Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Loop},
-                      Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Loop}),
+                      Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Loop},
+                      Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Hopper},
+                      Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Hopper}),
     param_name);
 
 // Zero-row experts keep their wgrad slice exactly (not even rewritten with beta = 1), and an

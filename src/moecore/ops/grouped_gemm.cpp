@@ -55,6 +55,7 @@ std::atomic<int> g_impl{-1};
 #if MOECORE_WITH_CUDA
 // True when a CUDA call should go to the grouped backend.
 bool use_cuda_grouped(const Tensor& t) { return t.device().is_cuda() && grouped_gemm_impl() == GroupedGemmImpl::Grouped; }
+bool use_hopper(const Tensor& t) { return t.device().is_cuda() && grouped_gemm_impl() == GroupedGemmImpl::Hopper; }
 #endif
 
 // Expert e's [N, K] matrix of a [E, N, K] tensor.
@@ -62,7 +63,14 @@ Tensor expert_matrix(const Tensor& w, int64_t e) { return w.slice(0, e, e + 1).v
 
 }  // namespace
 
-const char* grouped_gemm_impl_name(GroupedGemmImpl impl) { return impl == GroupedGemmImpl::Loop ? "loop" : "grouped"; }
+const char* grouped_gemm_impl_name(GroupedGemmImpl impl) {
+  switch (impl) {
+    case GroupedGemmImpl::Loop: return "loop";
+    case GroupedGemmImpl::Grouped: return "grouped";
+    case GroupedGemmImpl::Hopper: return "hopper";
+  }
+  return "?";
+}
 
 GroupedGemmImpl grouped_gemm_impl() {
   int v = g_impl.load();
@@ -70,8 +78,9 @@ GroupedGemmImpl grouped_gemm_impl() {
   GroupedGemmImpl impl = kDefaultImpl;
   if (const char* env = std::getenv("MOECORE_GROUPED_GEMM"); env && *env) {
     const std::string s = env;
-    MC_CHECK(s == "loop" || s == "grouped", "MOECORE_GROUPED_GEMM='", s, "'; expected 'loop' or 'grouped'");
-    impl = s == "loop" ? GroupedGemmImpl::Loop : GroupedGemmImpl::Grouped;
+    MC_CHECK(s == "loop" || s == "grouped" || s == "hopper", "MOECORE_GROUPED_GEMM='", s,
+             "'; expected 'loop', 'grouped' or 'hopper'");
+    impl = s == "loop" ? GroupedGemmImpl::Loop : s == "grouped" ? GroupedGemmImpl::Grouped : GroupedGemmImpl::Hopper;
   }
   int expected = -1;
   g_impl.compare_exchange_strong(expected, static_cast<int>(impl));
@@ -93,6 +102,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<in
   check_dtypes(op, "x", x, "w", w, "out", out, false);
 #if MOECORE_WITH_CUDA
   if (use_cuda_grouped(x) && cuda::grouped_gemm_forward(x, w, rows_per_group, out)) return;
+  if (use_hopper(x) && cuda::hopper_grouped_gemm_forward(x, w, rows_per_group, out)) return;
 #endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
@@ -119,6 +129,7 @@ void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<i
   check_dtypes(op, "dout", dout, "w", w, "dx", dx, false);
 #if MOECORE_WITH_CUDA
   if (use_cuda_grouped(dout) && cuda::grouped_gemm_dgrad(dout, w, rows_per_group, dx)) return;
+  if (use_hopper(dout) && cuda::hopper_grouped_gemm_dgrad(dout, w, rows_per_group, dx)) return;
 #endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
@@ -144,6 +155,7 @@ void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<i
   check_dtypes(op, "dout", dout, "x", x, "dw", dw, true);
 #if MOECORE_WITH_CUDA
   if (use_cuda_grouped(dout) && cuda::grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
+  if (use_hopper(dout) && cuda::hopper_grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
 #endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {

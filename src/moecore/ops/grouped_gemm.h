@@ -36,7 +36,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<in
 void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
 void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
 
-enum class GroupedGemmImpl { Loop, Grouped };
+enum class GroupedGemmImpl { Loop, Grouped, Hopper };
 GroupedGemmImpl grouped_gemm_impl();
 // For tests and benchmarks (process-wide; overrides MOECORE_GROUPED_GEMM).
 void set_grouped_gemm_impl(GroupedGemmImpl impl);
@@ -51,6 +51,11 @@ bool grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<i
 bool grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
 // True once cuBLAS has refused bf16 inputs with an f32 output (such wgrads then loop).
 bool grouped_gemm_bf16_f32_refused();
+// The Hopper kernel (grouped_gemm_hopper.h), arguments already checked; false, having computed
+// nothing, where it cannot run the case (not an sm_90a build or GPU, not bf16, unaligned).
+bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out);
+bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
+bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
 }  // namespace cuda
 
 }  // namespace moecore::ops

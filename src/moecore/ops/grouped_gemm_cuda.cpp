@@ -36,6 +36,7 @@
 #include "moecore/core/allocator.h"
 #include "moecore/core/cuda_check.h"
 #include "moecore/ops/grouped_gemm.h"
+#include "moecore/ops/grouped_gemm_hopper.h"
 
 namespace moecore::ops::cuda {
 
@@ -242,7 +243,46 @@ bool run(Kind kind, const Tensor& a, const Tensor& b, const std::vector<int64_t>
   return true;
 }
 
+// The Hopper kernel with host row counts: the offsets go to the device through a pinned slot
+// (the same no-synchronisation reuse rule as the pointer arrays above).
+bool run_hopper(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, const std::vector<int64_t>& rows,
+                Tensor& c) {
+  const int64_t experts = static_cast<int64_t>(rows.size());
+  if (!hopper::available(a, b, c, experts)) return false;
+  const Device dev = a.device();
+  MC_CUDA_CHECK(cudaSetDevice(dev.index));
+  cudaStream_t stream = static_cast<cudaStream_t>(current_stream(dev).handle());
+  SlotPool& pool = slot_pool(dev.index);
+  const size_t ints = static_cast<size_t>(experts) + 1;
+  Slot& slot = pool.acquire((ints * sizeof(int) + sizeof(void*) - 1) / sizeof(void*), stream);
+  try {
+    int* host = reinterpret_cast<int*>(slot.host);
+    int64_t begin = 0;
+    for (int64_t e = 0; e < experts; ++e) host[e] = static_cast<int>(begin), begin += rows[e];
+    host[experts] = static_cast<int>(begin);
+    MC_CUDA_CHECK(cudaMemcpyAsync(slot.dev, slot.host, ints * sizeof(int), cudaMemcpyHostToDevice, stream));
+    hopper::grouped_gemm(mode, a, b, c, reinterpret_cast<const int*>(slot.dev), static_cast<int>(experts), stream);
+  } catch (...) {
+    pool.release(slot, stream);
+    throw;
+  }
+  pool.release(slot, stream);
+  return true;
+}
+
 }  // namespace
+
+bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows, Tensor& out) {
+  return run_hopper(hopper::GroupedMode::Forward, x, w, rows, out);
+}
+
+bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows, Tensor& dx) {
+  return run_hopper(hopper::GroupedMode::Dgrad, dout, w, rows, dx);
+}
+
+bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows, Tensor& dw) {
+  return run_hopper(hopper::GroupedMode::Wgrad, dout, x, rows, dw);
+}
 
 bool grouped_gemm_bf16_f32_refused() {
   std::lock_guard<std::mutex> lock(g_refused_mutex);
