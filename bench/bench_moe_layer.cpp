@@ -9,7 +9,7 @@
 //
 // Timing: each iteration (forward + backward) between two CUDA events, `iters` iterations after
 // `warmup`; the median is reported. The grouped GEMM implementation is the process default
-// (MOECORE_GROUPED_GEMM=loop|grouped selects it). Without a CUDA device it prints one line.
+// (MOECORE_GROUPED_GEMM=loop|grouped|hopper|mixed selects it). Without a CUDA device it prints one line.
 // Flags: --iters N (default 10), --warmup N (default 3), --quick (qwen3 only),
 // --breakdown: also time each op of one forward + backward separately (the same ops, shapes and
 // dtypes MoeLayer runs, on random data routed by a real router), each op between two CUDA events,

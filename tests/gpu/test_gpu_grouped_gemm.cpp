@@ -1,6 +1,6 @@
 // gpu tier: the grouped GEMM over experts (ops/grouped_gemm.h) on CUDA held to the CPU, for the
-// three CUDA implementations (one cublasGemmGroupedBatchedEx call, the per-expert loop, and the
-// Hopper kernel, which declines f32 and the unaligned shapes to the loop), forward,
+// CUDA implementations (one cublasGemmGroupedBatchedEx call, the per-expert loop, the Hopper
+// kernel, which declines f32 and the unaligned shapes to the loop, and the mix of the two), forward,
 // dgrad and wgrad (accumulating onto a non-zero dw), f32 and bf16, over ragged groups with
 // zero-row experts, a single expert, and odd sizes that leave row slices unaligned.
 #include <gtest/gtest-spi.h>
@@ -121,7 +121,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Loop},
                       Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Hopper},
                       Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Hopper},
-                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Hopper}),
+                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Hopper},
+                      Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Mixed},
+                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Mixed}),
     param_name);
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndImpls, GroupedGemmGpuSameDtype,
@@ -130,7 +132,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Loop},
                       Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Loop},
                       Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Hopper},
-                      Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Hopper}),
+                      Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Hopper},
+                      Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Mixed}),
     param_name);
 
 // Zero-row experts keep their wgrad slice exactly (not even rewritten with beta = 1), and an

@@ -19,9 +19,15 @@
 //            cuBLAS's grouped GEMM takes bf16 -> bf16 and f32 -> f32 (fp32 compute); a
 //            combination it refuses (bf16 inputs with an f32 wgrad output, see the .cpp) and
 //            a zero reduction dimension fall back to the loop.
-// The choice: set_grouped_gemm_impl(), else the environment MOECORE_GROUPED_GEMM=loop|grouped,
-// else the default, Loop: on an H200 with cuBLAS 13.1 the single grouped call ran at 35-50% of a
-// dense GEMM of the same FLOPs, the loop at 57-95% (bench/bench_grouped_gemm.cpp,
+//   Hopper   CUDA sm_90a only: our kernel (grouped_gemm_hopper.h: TMA + wgmma, one persistent
+//            launch over all experts, the tile schedule built on the GPU from the experts' row
+//            offsets) for all three GEMMs; bf16 inputs, last dimensions multiples of 8. Other
+//            cases (f32, unaligned shapes, another GPU) fall back to the loop.
+//   Mixed    the Hopper kernel for forward and dgrad, the loop for the wgrad (where cuBLAS is
+//            faster today: docs/performance.md).
+// The choice: set_grouped_gemm_impl(), else the environment
+// MOECORE_GROUPED_GEMM=loop|grouped|hopper|mixed, else the default, Mixed (see kDefaultImpl in
+// grouped_gemm.cpp for the measurements behind it; bench/bench_grouped_gemm.cpp,
 // docs/performance.md "Grouped GEMM").
 #pragma once
 
@@ -36,7 +42,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<in
 void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
 void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
 
-enum class GroupedGemmImpl { Loop, Grouped, Hopper };
+enum class GroupedGemmImpl { Loop, Grouped, Hopper, Mixed };
 GroupedGemmImpl grouped_gemm_impl();
 // For tests and benchmarks (process-wide; overrides MOECORE_GROUPED_GEMM).
 void set_grouped_gemm_impl(GroupedGemmImpl impl);

@@ -3,15 +3,16 @@
 // experts built in the kernel from the experts' row offsets in DEVICE memory (no host copy of
 // the counts is needed by the kernel; see grouped_gemm.h for the operations).
 //
-// Geometry: one CTA = 2 consumer warpgroups + 1 producer warp (288 threads), two CTAs per SM so
-// that one CTA's epilogue (the output stores; for the wgrad a read-modify-write of fp32 dw)
-// overlaps the other's tensor-core work:
-//   producer warp  one thread issues the TMA loads of a 3-stage ring (32 KB a stage: A tile
-//                  128 x 64 and B tile 128 x 64, bf16, 128-byte swizzle);
-//   warpgroups 0, 1  consumers: each runs wgmma m64n128k16 on its 64 rows of the 128 x 128 tile
-//                  and writes them (bf16 output, or dw += for the wgrad).
-//   The tiles of all experts are numbered expert by expert (an expert's tiles: m-blocks x
-//   n-blocks, n fastest); CTA b takes tiles b, b + grid, ... (grid = twice the SM count).
+// Geometry: one CTA = 2 consumer warpgroups + 1 producer warp (288 threads):
+//   producer warp  one thread issues the TMA loads of a ring of stages (an A tile 128 x 64 and a
+//                  B tile BN x 64, bf16, 128-byte swizzle);
+//   warpgroups 0, 1  consumers: each runs wgmma m64nBNk16 on its 64 rows of the 128 x BN tile and
+//                  writes them (bf16 output, or dw += for the wgrad).
+//   Forward and dgrad: BN = 256, 4 stages, one CTA per SM. Wgrad: BN = 128, 3 stages, two CTAs
+//   per SM, so one CTA's read-modify-write of dw (as large as the reduction is short) overlaps
+//   the other's wgmma; dw is prefetched into L2 at the start of each tile.
+//   The tiles of all experts are numbered expert by expert (an expert's tiles: groups of 8
+//   m-blocks, each group m fastest then n); CTA b takes tiles b, b + grid, ... (grid = the SM count times the CTAs per SM).
 //
 // Operands (C[m, n] = sum_k A(m, k) B(n, k)), per expert e with rows [r_e, r_{e+1}):
 //   forward  A = x rows (K-major: [rows, K]),  B = w_e (K-major: w [E, N, K], a 3-D TMA map)
@@ -35,6 +36,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "moecore/core/cuda_check.h"
 #include "moecore/ops/grouped_gemm_hopper.h"
@@ -45,14 +47,29 @@ namespace {
 
 enum Mode { kForward, kDgrad, kWgrad };
 
-constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 3;
-constexpr int kChunkBytes = 64 * 64 * 2;             // one 64 x 64 bf16 swizzled block
-constexpr int kTileBytes = kBM * kBK * 2;            // A or B tile of a stage (16 KB)
-constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kConsumers = 256;                // warpgroups 0 and 1
-constexpr int kThreads = kConsumers + 32;      // + the producer warp
-constexpr int kCtasPerSm = 2;                  // one CTA's epilogue overlaps the other's wgmma
+constexpr int kBM = 128, kBK = 64;
+constexpr int kChunkBytes = 64 * 64 * 2;  // one 64 x 64 bf16 swizzled block
+constexpr int kATileBytes = kBM * kBK * 2;  // the A tile of a stage (16 KB)
+constexpr int kConsumers = 256;             // warpgroups 0 and 1
+constexpr int kThreads = kConsumers + 32;   // + the producer warp
 constexpr int kMaxExperts = 1024;
+constexpr int kRasterGroup = 8;             // m-blocks per raster group (decode_tile)
+
+// Tile width, ring depth and CTAs per SM. Forward and dgrad: 128 x 256 tiles (wgmma m64n256k16,
+// 128 accumulators a thread), 4 stages of 48 KB, one CTA per SM. Wgrad: 128 x 128 tiles, 3
+// stages of 32 KB, two CTAs per SM, so one CTA's read-modify-write of dw overlaps the other's
+// wgmma (its output is as large as its reduction is short).
+template <int BN, int STAGES, int CTAS>
+struct Config {
+  static constexpr int kBN = BN, kStages = STAGES, kCtasPerSm = CTAS;
+  static constexpr int kStageBytes = kATileBytes + BN * kBK * 2;
+  static constexpr int kAcc = BN / 2;  // fp32 accumulators per thread (m64nBN over 128 threads)
+};
+using WideConfig = Config<256, 4, 1>;
+using NarrowConfig = Config<128, 3, 2>;
+template <int kMode>
+using ConfigOf = std::conditional_t<kMode == kWgrad, NarrowConfig, WideConfig>;
+
 // MN-major descriptor strides (bytes): LBO = between 64-element chunks, SBO = between 8-row groups.
 constexpr uint32_t kMnLbo = kChunkBytes, kMnSbo = 1024;
 
@@ -121,9 +138,10 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma.
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // D[64 x 128] (+)= A[64 x 16] B[128 x 16]^T; kTransA / kTransB: the operand is MN-major.
@@ -147,6 +165,42 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
+
+// D[64 x 256] (+)= A[64 x 16] B[256 x 16]^T; kTransA / kTransB: the operand is MN-major.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, %131, %132;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+}
+
+template <int kTransA, int kTransB, int N>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (N == 64) wgmma_m64n128k16<kTransA, kTransB>(d, desc_a, desc_b, 1);
+  else wgmma_m64n256k16<kTransA, kTransB>(d, desc_a, desc_b, 1);
+}
 #endif  // MOECORE_HOPPER_DEVICE
 
 // The tile of linear index t: expert e, first row m0 / column n0 of C (forward, dgrad: m0 is a
@@ -166,8 +220,14 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* tile_start, const 
   Tile tile;
   tile.e = lo;
   const int local = t - tile_start[lo];
-  const int mb = local / n_blocks, nb = local - mb * n_blocks;
-  tile.n0 = nb * kBN;
+  // Grouped raster: kRasterGroup m-blocks at a time, m fastest inside the group, so the tiles
+  // in flight at once share a few A row blocks and a few B column blocks (both stay in L2).
+  const int m_blocks = (tile_start[lo + 1] - tile_start[lo]) / n_blocks;
+  const int first_m = local / (kRasterGroup * n_blocks) * kRasterGroup;
+  const int group_m = min(m_blocks - first_m, kRasterGroup);
+  const int in_group = local - first_m * n_blocks;
+  const int mb = first_m + in_group % group_m, nb = in_group / group_m;
+  tile.n0 = nb * ConfigOf<kMode>::kBN;
   if (kMode == kWgrad) {
     tile.m0 = mb * kBM;
     tile.k_begin = row_off[lo];
@@ -181,10 +241,13 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* tile_start, const 
 }
 
 template <int kMode>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+__global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                         const Params p) {
 #ifdef MOECORE_HOPPER_DEVICE
+  using C = ConfigOf<kMode>;
+  constexpr int kBN = C::kBN, kStages = C::kStages, kStageBytes = C::kStageBytes, kAcc = C::kAcc;
+  constexpr int kBChunks = kBN / 64;  // 64-column chunks of an MN-major B tile
   constexpr int kTransA = kMode == kWgrad ? 1 : 0;
   constexpr int kTransB = kMode == kForward ? 0 : 1;
   extern __shared__ uint8_t smem_raw[];
@@ -216,7 +279,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
   __syncthreads();
   const int total = tile_start[experts];
-  const int wg = threadIdx.x / 128;
 
   if (threadIdx.x >= kConsumers) {  // producer warp: one thread issues the loads
     if (threadIdx.x != kConsumers) return;
@@ -227,20 +289,20 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         const int s = it % kStages, round = it / kStages;
         if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
         uint8_t* sa = smem + s * kStageBytes;
-        uint8_t* sb = sa + kTileBytes;
+        uint8_t* sb = sa + kATileBytes;
         mbar_expect_tx(&full[s], kStageBytes);
         if (kMode == kForward) {
           tma_load_2d(sa, &tma_a, &full[s], k0, tile.m0);
           tma_load_3d(sb, &tma_b, &full[s], k0, tile.n0, tile.e);
         } else if (kMode == kDgrad) {
           tma_load_2d(sa, &tma_a, &full[s], k0, tile.m0);
-          tma_load_3d(sb, &tma_b, &full[s], tile.n0, k0, tile.e);
-          tma_load_3d(sb + kChunkBytes, &tma_b, &full[s], tile.n0 + 64, k0, tile.e);
+#pragma unroll
+          for (int c = 0; c < kBChunks; ++c) tma_load_3d(sb + c * kChunkBytes, &tma_b, &full[s], tile.n0 + 64 * c, k0, tile.e);
         } else {
           tma_load_2d(sa, &tma_a, &full[s], tile.m0, k0);
           tma_load_2d(sa + kChunkBytes, &tma_a, &full[s], tile.m0 + 64, k0);
-          tma_load_2d(sb, &tma_b, &full[s], tile.n0, k0);
-          tma_load_2d(sb + kChunkBytes, &tma_b, &full[s], tile.n0 + 64, k0);
+#pragma unroll
+          for (int c = 0; c < kBChunks; ++c) tma_load_2d(sb + c * kChunkBytes, &tma_b, &full[s], tile.n0 + 64 * c, k0);
         }
       }
     }
@@ -248,30 +310,51 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
 
   // consumers
-  const int cw = wg;                // which 64 rows of the tile
+  const int cw = threadIdx.x / 128;  // which 64 rows of the tile
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
-  float acc[64];
+  float acc[kAcc];
   int it = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const Tile tile = decode_tile<kMode>(t, tile_start, row_off, experts, n_blocks, p);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+    if (kMode == kWgrad && lane % 4 == 0) {
+      // Bring this thread quad's 32-byte pieces of dw into L2 while the wgmmas run, so the
+      // epilogue's read-modify-write waits on L2 rather than on memory.
+      const size_t base = static_cast<size_t>(tile.e) * p.dw_rows * p.out_cols;
+      const size_t elem = p.out_f32 ? 4 : 2;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = tile.m0 + cw * 64 + warp * 16 + lane / 4 + 8 * half;
+        if (row >= p.dw_rows) continue;
+        for (int j = 0; j < kBN / 8; j += (p.out_f32 ? 1 : 2)) {
+          const int col = tile.n0 + 8 * j;
+          if (col >= p.out_cols) break;
+          const char* ptr = static_cast<const char*>(p.out) + (base + static_cast<size_t>(row) * p.out_cols + col) * elem;
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+        }
+      }
+    }
     int prev_s = -1;
     for (int k0 = tile.k_begin; k0 < tile.k_end; k0 += kBK, ++it) {
       const int s = it % kStages, round = it / kStages;
       mbar_wait(&full[s], round & 1);
       uint8_t* sa = smem + s * kStageBytes + cw * kChunkBytes;  // this warpgroup's 64 rows of A
-      uint8_t* sb = smem + s * kStageBytes + kTileBytes;
+      uint8_t* sb = smem + s * kStageBytes + kATileBytes;
       if (kMode == kWgrad) {
         const int valid = tile.k_end - k0;  // reduction rows of this expert in the block
         if (valid < kBK) {
-          // Zero rows [valid, 64) of this warpgroup's A chunk and of B chunk cw (both MN-major:
-          // one 128-byte row per reduction index, whatever the swizzle).
+          // Zero rows [valid, 64) of this warpgroup's A chunk and of its share of the B chunks
+          // (MN-major: one 128-byte row per reduction index, whatever the swizzle).
           const int words = (kBK - valid) * 8;  // 16-byte words per chunk
           uint4* a_rows = reinterpret_cast<uint4*>(sa + valid * 128);
-          uint4* b_rows = reinterpret_cast<uint4*>(sb + cw * kChunkBytes + valid * 128);
-          for (int i = tid; i < words; i += 128) a_rows[i] = make_uint4(0, 0, 0, 0), b_rows[i] = make_uint4(0, 0, 0, 0);
+          for (int i = tid; i < words; i += 128) a_rows[i] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int c = cw * kBChunks / 2; c < (cw + 1) * kBChunks / 2; ++c) {
+            uint4* b_rows = reinterpret_cast<uint4*>(sb + c * kChunkBytes + valid * 128);
+            for (int i = tid; i < words; i += 128) b_rows[i] = make_uint4(0, 0, 0, 0);
+          }
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
           asm volatile("bar.sync 1, 256;\n" ::: "memory");
         }
@@ -284,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         else da = smem_desc(smem_u32(sa) + kk * 32, 16, 1024);
         if (kTransB) db = smem_desc(smem_u32(sb) + kk * 2048, kMnLbo, kMnSbo);
         else db = smem_desc(smem_u32(sb) + kk * 32, 16, 1024);
-        wgmma_m64n128k16<kTransA, kTransB>(acc, da, db, 1);
+        wgmma_m64k16<kTransA, kTransB>(acc, da, db);
       }
       wgmma_commit();
       if (prev_s >= 0) {  // the previous stage's wgmmas are done: give its buffers back
@@ -298,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     if (prev_s >= 0 && tid == 0) mbar_arrive(&empty[prev_s]);
 
     // Epilogue. Accumulator fragment of m64nNk16: thread (warp, lane) holds rows
-    // 16 warp + lane/4 (+8) and columns 8 j + 2 (lane % 4) (+1), j = 0..15.
+    // 16 warp + lane/4 (+8) and columns 8 j + 2 (lane % 4) (+1), j = 0..N/8-1.
     const int r_lo = cw * 64 + warp * 16 + lane / 4;
     const int c_lo = 2 * (lane % 4);
     if (kMode == kWgrad) {
@@ -308,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         const int row = tile.m0 + r_lo + 8 * half;
         if (row >= p.dw_rows) continue;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < kBN / 8; ++j) {
           const int col = tile.n0 + 8 * j + c_lo;
           if (col >= p.out_cols) continue;
           const size_t idx = base + static_cast<size_t>(row) * p.out_cols + col;
@@ -333,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (row >= row_end) continue;
         __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(row) * p.out_cols;
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < kBN / 8; ++j) {
           const int col = tile.n0 + 8 * j + c_lo;
           if (col >= p.out_cols) continue;
           *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
@@ -392,14 +475,16 @@ DeviceInfo device_info(int device) {
   return info[device];
 }
 
+template <int kMode>
 size_t smem_bytes(int experts) {
-  return 1024 + static_cast<size_t>(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) +
+  using C = ConfigOf<kMode>;
+  return 1024 + static_cast<size_t>(C::kStages) * C::kStageBytes + 2 * C::kStages * sizeof(uint64_t) +
          2 * (static_cast<size_t>(experts) + 1) * sizeof(int);
 }
 
 template <int kMode>
 void launch(const CUtensorMap& a, const CUtensorMap& b, const Params& p, int sms, cudaStream_t stream) {
-  const size_t smem = smem_bytes(p.experts);
+  const size_t smem = smem_bytes<kMode>(p.experts);
   {  // the shared-memory limit is raised once per device (the caller has made it current)
     static std::mutex m;
     static bool raised[64] = {};
@@ -408,11 +493,11 @@ void launch(const CUtensorMap& a, const CUtensorMap& b, const Params& p, int sms
     std::lock_guard<std::mutex> lock(m);
     if (device >= 0 && device < 64 && !raised[device]) {
       MC_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem_bytes(kMaxExperts))));
+                                         static_cast<int>(smem_bytes<kMode>(kMaxExperts))));
       raised[device] = true;
     }
   }
-  grouped_gemm_kernel<kMode><<<sms * kCtasPerSm, kThreads, smem, stream>>>(a, b, p);
+  grouped_gemm_kernel<kMode><<<sms * ConfigOf<kMode>::kCtasPerSm, kThreads, smem, stream>>>(a, b, p);
   MC_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -451,7 +536,7 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
       const uint64_t da[2] = {K, rows}, sa[1] = {K * 2};
       const uint32_t ba[2] = {64, kBM};
       const uint64_t db[3] = {K, N, E}, sb[2] = {K * 2, N * K * 2};
-      const uint32_t bb[3] = {64, kBN, 1};
+      const uint32_t bb[3] = {64, WideConfig::kBN, 1};
       ma = make_map(a.data_ptr(), 2, da, sa, ba);
       mb = make_map(b.data_ptr(), 3, db, sb, bb);
       p.out_cols = static_cast<int>(N), p.red_len = static_cast<int>(K);
