@@ -1,10 +1,13 @@
 // gpu tier: the Hopper grouped GEMM kernel (ops/grouped_gemm_hopper.cu: TMA + wgmma, persistent,
 // tile schedule from device offsets) held to the CPU loop, called directly so a silent fallback
 // cannot pass for it. Shapes chosen to hit every edge of the kernel: experts with 0, 1 and
-// 129..513 rows (m-blocks that end inside an expert or run into the next one), N and K that are
-// multiples of 8 but not of the 128 x 128 x 64 tile, reductions longer than the 5-stage ring, and
-// more tiles than SMs (each CTA loops). The public entry points with MOECORE_GROUPED_GEMM=hopper
-// are covered by test_gpu_grouped_gemm.cpp (including the fallback for unaligned shapes).
+// 129..2200 rows (m-blocks that end inside an expert or run into the next one), N and K that are
+// multiples of 8 but not of the tiles (128 x 256 forward/dgrad, 128 x 128 wgrad, 64 deep),
+// reductions longer than the 4-stage ring, more than one raster group of 8 m-blocks with a
+// partial last group, and several hundred tiles, so every CTA runs several tiles (on 132 SMs).
+// The wgrad's zeroing of the next expert's rows is checked with NaN in those rows. The public
+// entry points with MOECORE_GROUPED_GEMM=hopper|mixed are covered by test_gpu_grouped_gemm.cpp
+// (including the fallback for unaligned shapes).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,6 +48,12 @@ std::vector<Case> cases() {
       {"long_reduction", {70, 513, 33}, 128, 1032},
       {"many_experts_more_tiles_than_sms", many, 256, 192},
       {"single_expert", {1000}, 384, 64},
+      // 12 x 5 + 18 m-blocks; forward 78 x 5 = 390 tiles, dgrad 78 x 4, wgrad 12 x 10 x 8 (dw has
+      // 10 m-blocks: a second, partial raster group); the 2200-row expert: 18 m-blocks, 3 groups.
+      {"several_tiles_per_cta_and_raster_groups",
+       {600, 600, 600, 2200, 600, 600, 600, 600, 0, 600, 600, 600, 600, 600},
+       1280,
+       1024},
   };
 }
 
@@ -108,8 +117,31 @@ TEST(HopperGroupedGemm, WgradAccumulatesLikeCpuAndLeavesEmptyExpertsAlone) {
   }
 }
 
+// The wgrad's last reduction block of an expert runs into the next expert's rows, which the
+// kernel zeroes in shared memory. With finite data, zeroing only one operand would hide a broken
+// other; NaN in the next expert's rows of dout only, then of x only, shows either: expert 0's
+// slice must stay finite and correct.
+TEST(HopperGroupedGemm, WgradIgnoresTheNextExpertsRowsEvenWhenTheyAreNaN) {
+  MC_REQUIRE_CUDA();
+  const std::vector<int64_t> rows = {100, 60};  // expert 0: 64 + 36 rows, 28 rows of expert 1 in its block
+  const int64_t n = 256, k = 128, m = 160;
+  for (int poison_dout = 0; poison_dout < 2; ++poison_dout) {
+    SCOPED_TRACE(poison_dout ? "NaN in dout" : "NaN in x");
+    Tensor dout = random_tensor({m, n}, DType::BF16), x = random_tensor({m, k}, DType::BF16);
+    Tensor dw_ref = Tensor::zeros({2, n, k}, DType::F32);
+    ops::grouped_gemm_wgrad(dout, x, rows, dw_ref);  // clean data: expert 0's reference
+    Tensor& target = poison_dout ? dout : x;
+    Tensor nan_rows = poisoned({rows[1], target.size(1)}, DType::BF16);
+    target.slice(0, rows[0], m).copy_from(nan_rows);
+    Tensor dw = Tensor::zeros({2, n, k}, DType::F32, Device::cuda(0));
+    ASSERT_TRUE(ops::cuda::hopper_grouped_gemm_wgrad(cuda(dout), cuda(x), rows, dw));
+    const Tensor got = host(dw).slice(0, 0, 1).contiguous(), want = dw_ref.slice(0, 0, 1).contiguous();
+    EXPECT_TRUE(allclose(got, want, tolerance(DType::F32, rows[0])));
+  }
+}
+
 // The kernel declines what it cannot do (the caller then loops): f32 inputs, a last dimension
-// that is not a multiple of 8 (TMA row strides), no experts.
+// that is not a multiple of 8 (TMA row strides), a non-contiguous weight.
 TEST(HopperGroupedGemm, DeclinesUnsupportedCases) {
   MC_REQUIRE_CUDA();
   const Device d = Device::cuda(0);
@@ -119,6 +151,9 @@ TEST(HopperGroupedGemm, DeclinesUnsupportedCases) {
   Tensor x = Tensor::zeros({8, 60}, DType::BF16, d), w = Tensor::zeros({2, 16, 60}, DType::BF16, d);
   Tensor o = Tensor::zeros({8, 16}, DType::BF16, d);
   EXPECT_FALSE(ops::cuda::hopper_grouped_gemm_forward(x, w, {4, 4}, o));
+  Tensor w_wide = Tensor::zeros({2, 32, 64}, DType::BF16, d), x64 = Tensor::zeros({8, 64}, DType::BF16, d);
+  Tensor w_view = w_wide.slice(1, 0, 16);  // [2, 16, 64] with the strides of [2, 32, 64]
+  EXPECT_FALSE(ops::cuda::hopper_grouped_gemm_forward(x64, w_view, {4, 4}, o));
 }
 
 }  // namespace

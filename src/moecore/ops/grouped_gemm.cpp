@@ -48,9 +48,10 @@ void check_dtypes(const char* op, const char* na, const Tensor& a, const char* n
 // Measured on an H200 (docs/performance.md, "Hopper grouped GEMM kernel"): training with Mixed
 // against the loop, same call: finegrained-small 1.59x tokens/s, mixtral-small 1.09x; the MoE
 // layer at the Qwen3-30B-A3B shape 10.97 vs 12.08 ms, at the Mixtral-8x7B shape 31.6 vs 28.9 ms
-// (there cuBLAS's per-expert GEMMs are faster). The kernel's wgrad is slower than cuBLAS's
-// everywhere measured, hence Mixed rather than Hopper. Where the kernel cannot run (another GPU,
-// f32, unaligned shapes) Mixed is the loop.
+// (there cuBLAS's per-expert GEMMs are faster). With the TMA reduce-add wgrad, Hopper beats
+// Mixed by 14% on finegrained-small but is 8.6% slower at the Mixtral-8x7B layer shape (an H100,
+// one call), and mixtral-small is not measured with it yet: Mixed stays the default. Where the
+// kernel cannot run (another GPU, f32, unaligned shapes) Mixed is the loop.
 constexpr GroupedGemmImpl kDefaultImpl = GroupedGemmImpl::Mixed;
 
 // -1: not decided yet (read MOECORE_GROUPED_GEMM on first use).

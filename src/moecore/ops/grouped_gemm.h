@@ -23,8 +23,8 @@
 //            launch over all experts, the tile schedule built on the GPU from the experts' row
 //            offsets) for all three GEMMs; bf16 inputs, last dimensions multiples of 8. Other
 //            cases (f32, unaligned shapes, another GPU) fall back to the loop.
-//   Mixed    the Hopper kernel for forward and dgrad, the loop for the wgrad (where cuBLAS is
-//            faster today: docs/performance.md).
+//   Mixed    the Hopper kernel for forward and dgrad, the loop for the wgrad (cuBLAS's wgrad
+//            is faster at the Mixtral shape, ours at the Qwen3 one: docs/performance.md).
 // The choice: set_grouped_gemm_impl(), else the environment
 // MOECORE_GROUPED_GEMM=loop|grouped|hopper|mixed, else the default, Mixed (see kDefaultImpl in
 // grouped_gemm.cpp for the measurements behind it; bench/bench_grouped_gemm.cpp,

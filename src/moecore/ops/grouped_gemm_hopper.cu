@@ -1,16 +1,17 @@
 // Hopper grouped GEMM over experts: one persistent kernel per GEMM (forward, dgrad, wgrad), bf16
-// in, fp32 accumulate, with TMA loads, wgmma on 128x128 tiles and a tile schedule over all
+// in, fp32 accumulate, with TMA loads, wgmma on 128x256 / 128x128 tiles and a tile schedule over all
 // experts built in the kernel from the experts' row offsets in DEVICE memory (no host copy of
 // the counts is needed by the kernel; see grouped_gemm.h for the operations).
 //
-// Geometry: one CTA = 2 consumer warpgroups + 1 producer warp (288 threads):
-//   producer warp  one thread issues the TMA loads of a ring of stages (an A tile 128 x 64 and a
+// Geometry: one CTA = 2 consumer warpgroups + 1 producer warp (288 threads), one CTA per SM:
+//   producer warp  one thread issues the TMA loads of a 4-stage ring (an A tile 128 x 64 and a
 //                  B tile BN x 64, bf16, 128-byte swizzle);
 //   warpgroups 0, 1  consumers: each runs wgmma m64nBNk16 on its 64 rows of the 128 x BN tile and
-//                  writes them (bf16 output, or dw += for the wgrad).
-//   Forward and dgrad: BN = 256, 4 stages, one CTA per SM. Wgrad: BN = 128, 3 stages, two CTAs
-//   per SM, so one CTA's read-modify-write of dw (as large as the reduction is short) overlaps
-//   the other's wgmma; dw is prefetched into L2 at the start of each tile.
+//                  writes them: bf16 outputs with plain stores; the wgrad into f32 dw through
+//                  shared memory and a TMA reduce-add (asynchronous: the next tile's wgmmas
+//                  start while it runs); into bf16 dw with loads, adds and stores.
+//   Forward and dgrad: BN = 256. Wgrad: BN = 128 (its output is as large as its reduction is
+//   short).
 //   The tiles of all experts are numbered expert by expert (an expert's tiles: groups of 8
 //   m-blocks, each group m fastest then n); CTA b takes tiles b, b + grid, ... (grid = the SM count times the CTAs per SM).
 //
@@ -66,7 +67,11 @@ struct Config {
   static constexpr int kAcc = BN / 2;  // fp32 accumulators per thread (m64nBN over 128 threads)
 };
 using WideConfig = Config<256, 4, 1>;
-using NarrowConfig = Config<128, 3, 2>;
+using NarrowConfig = Config<128, 4, 1>;
+// Wgrad into f32 dw: each consumer warpgroup stages its 64 x 128 fp32 result in shared memory
+// and one TMA reduce-add (cp.reduce.async.bulk.tensor .add) adds it to dw in L2, asynchronously,
+// while the warpgroup goes on to the next tile.
+constexpr int kStagingBytes = 2 * 64 * 128 * 4;
 template <int kMode>
 using ConfigOf = std::conditional_t<kMode == kWgrad, NarrowConfig, WideConfig>;
 
@@ -131,6 +136,21 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// dw[e][row0.., col0..] += the 64 x 128 fp32 block at src (TMA reduce-add; out-of-range parts
+// of the box are not written).
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -243,7 +263,7 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* tile_start, const 
 template <int kMode>
 __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-                        const Params p) {
+                        const __grid_constant__ CUtensorMap tma_dw, const Params p) {
 #ifdef MOECORE_HOPPER_DEVICE
   using C = ConfigOf<kMode>;
   constexpr int kBN = C::kBN, kStages = C::kStages, kStageBytes = C::kStageBytes, kAcc = C::kAcc;
@@ -252,7 +272,9 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
   constexpr int kTransB = kMode == kForward ? 0 : 1;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  constexpr int kStaging = kMode == kWgrad ? kStagingBytes : 0;
+  float* staging = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // wgrad, f32 dw
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + kStaging);
   uint64_t* empty = full + kStages;
   int* row_off = reinterpret_cast<int*>(empty + kStages);  // [experts + 1]
   int* tile_start = row_off + p.experts + 1;               // [experts + 1]
@@ -319,23 +341,6 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
     const Tile tile = decode_tile<kMode>(t, tile_start, row_off, experts, n_blocks, p);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
-    if (kMode == kWgrad && lane % 4 == 0) {
-      // Bring this thread quad's 32-byte pieces of dw into L2 while the wgmmas run, so the
-      // epilogue's read-modify-write waits on L2 rather than on memory.
-      const size_t base = static_cast<size_t>(tile.e) * p.dw_rows * p.out_cols;
-      const size_t elem = p.out_f32 ? 4 : 2;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = tile.m0 + cw * 64 + warp * 16 + lane / 4 + 8 * half;
-        if (row >= p.dw_rows) continue;
-        for (int j = 0; j < kBN / 8; j += (p.out_f32 ? 1 : 2)) {
-          const int col = tile.n0 + 8 * j;
-          if (col >= p.out_cols) break;
-          const char* ptr = static_cast<const char*>(p.out) + (base + static_cast<size_t>(row) * p.out_cols + col) * elem;
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
-        }
-      }
-    }
     int prev_s = -1;
     for (int k0 = tile.k_begin; k0 < tile.k_end; k0 += kBK, ++it) {
       const int s = it % kStages, round = it / kStages;
@@ -384,7 +389,24 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
     // 16 warp + lane/4 (+8) and columns 8 j + 2 (lane % 4) (+1), j = 0..N/8-1.
     const int r_lo = cw * 64 + warp * 16 + lane / 4;
     const int c_lo = 2 * (lane % 4);
-    if (kMode == kWgrad) {
+    if (kMode == kWgrad && p.out_f32) {
+      // Stage the 64 x 128 block (row-major, 512-byte rows), then one TMA reduce-add. The
+      // previous tile's reduce must have finished reading the buffer first.
+      float* block = staging + cw * 64 * 128;
+      if (tid == 0) bulk_wait_read_all();
+      named_barrier(2 + cw, 128);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp * 16 + lane / 4 + 8 * half;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j)
+          *reinterpret_cast<float2*>(block + r * 128 + 8 * j + c_lo) =
+              make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      named_barrier(2 + cw, 128);
+      if (tid == 0) tma_reduce_add_3d(&tma_dw, block, tile.n0, tile.m0 + cw * 64, tile.e);
+    } else if (kMode == kWgrad) {  // bf16 dw: read-modify-write
       const size_t base = static_cast<size_t>(tile.e) * p.dw_rows * p.out_cols;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -396,16 +418,9 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
           if (col >= p.out_cols) continue;
           const size_t idx = base + static_cast<size_t>(row) * p.out_cols + col;
           const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-          if (p.out_f32) {
-            float2* o = reinterpret_cast<float2*>(static_cast<float*>(p.out) + idx);
-            float2 cur = *o;
-            cur.x += v0, cur.y += v1;
-            *o = cur;
-          } else {
-            __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + idx);
-            const float2 cur = __bfloat1622float2(*o);
-            *o = __floats2bfloat162_rn(cur.x + v0, cur.y + v1);
-          }
+          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + idx);
+          const float2 cur = __bfloat1622float2(*o);
+          *o = __floats2bfloat162_rn(cur.x + v0, cur.y + v1);
         }
       }
     } else {
@@ -425,6 +440,9 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
       }
     }
   }
+  if (kMode == kWgrad && p.out_f32 && threadIdx.x % 128 == 0) bulk_wait_all();  // before smem goes away
+#elif defined(__CUDA_ARCH__)
+  __trap();  // an image without sm_90a features was loaded: fail loudly rather than write nothing
 #endif  // MOECORE_HOPPER_DEVICE
 }
 
@@ -439,16 +457,19 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// A bf16 tensor map, 128-byte swizzle, out-of-bounds elements read as zero. dims/box innermost
-// first; strides in bytes of dims 1.. .
-CUtensorMap make_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides, const uint32_t* box) {
+// A tensor map, out-of-bounds elements read as zero (and not written). dims/box innermost first;
+// strides in bytes of dims 1.. . Operands: bf16 with the 128-byte swizzle; the f32 dw of the
+// wgrad's reduce-add: no swizzle.
+CUtensorMap make_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
+                     CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                     CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   CUtensorMap map;
   cuuint64_t gdim[3], gstride[2];
   cuuint32_t bdim[3], estride[3] = {1, 1, 1};
   for (int i = 0; i < rank; ++i) gdim[i] = dims[i], bdim[i] = box[i];
   for (int i = 0; i + 1 < rank; ++i) gstride[i] = strides[i];
-  const CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), gdim, gstride,
-                                 bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult r = encode_fn()(&map, type, rank, const_cast<void*>(base), gdim, gstride,
+                                 bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MC_CHECK(r == CUDA_SUCCESS, "grouped GEMM (Hopper): cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
   return map;
@@ -478,12 +499,14 @@ DeviceInfo device_info(int device) {
 template <int kMode>
 size_t smem_bytes(int experts) {
   using C = ConfigOf<kMode>;
-  return 1024 + static_cast<size_t>(C::kStages) * C::kStageBytes + 2 * C::kStages * sizeof(uint64_t) +
+  return 1024 + static_cast<size_t>(C::kStages) * C::kStageBytes + (kMode == kWgrad ? kStagingBytes : 0) +
+         2 * C::kStages * sizeof(uint64_t) +
          2 * (static_cast<size_t>(experts) + 1) * sizeof(int);
 }
 
 template <int kMode>
-void launch(const CUtensorMap& a, const CUtensorMap& b, const Params& p, int sms, cudaStream_t stream) {
+void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& dw, const Params& p, int sms,
+            cudaStream_t stream) {
   const size_t smem = smem_bytes<kMode>(p.experts);
   {  // the shared-memory limit is raised once per device (the caller has made it current)
     static std::mutex m;
@@ -497,7 +520,7 @@ void launch(const CUtensorMap& a, const CUtensorMap& b, const Params& p, int sms
       raised[device] = true;
     }
   }
-  grouped_gemm_kernel<kMode><<<sms * ConfigOf<kMode>::kCtasPerSm, kThreads, smem, stream>>>(a, b, p);
+  grouped_gemm_kernel<kMode><<<sms * ConfigOf<kMode>::kCtasPerSm, kThreads, smem, stream>>>(a, b, dw, p);
   MC_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -512,8 +535,9 @@ bool available(const Tensor& a, const Tensor& b, const Tensor& c, int64_t expert
   if (!a.device().is_cuda() || a.dtype() != DType::BF16 || b.dtype() != DType::BF16) return false;
   if (experts < 1 || experts > kMaxExperts) return false;
   if (!device_info(a.device().index).hopper) return false;
+  if (a.ndim() != 2 || b.ndim() < 2 || b.ndim() > 3 || c.ndim() < 2 || c.ndim() > 3) return false;
   for (const Tensor* t : {&a, &b, &c}) {
-    if (!aligned16(t->data_ptr())) return false;
+    if (!t->is_contiguous() || !aligned16(t->data_ptr())) return false;
     for (int64_t d : t->shape()) if (d == 0 || d > INT32_MAX / 2) return false;
     if (t->size(t->ndim() - 1) % 8 != 0) return false;  // TMA: 16-byte row strides
   }
@@ -540,7 +564,7 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
       ma = make_map(a.data_ptr(), 2, da, sa, ba);
       mb = make_map(b.data_ptr(), 3, db, sb, bb);
       p.out_cols = static_cast<int>(N), p.red_len = static_cast<int>(K);
-      launch<kForward>(ma, mb, p, info.sms, stream);
+      launch<kForward>(ma, mb, mb, p, info.sms, stream);  // no dw map: b's is passed, unused
       break;
     }
     case GroupedMode::Dgrad: {  // a = dout [rows, N], b = w [E, N, K], c = dx [rows, K]
@@ -552,7 +576,7 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
       ma = make_map(a.data_ptr(), 2, da, sa, ba);
       mb = make_map(b.data_ptr(), 3, db, sb, bb);
       p.out_cols = static_cast<int>(K), p.red_len = static_cast<int>(N);
-      launch<kDgrad>(ma, mb, p, info.sms, stream);
+      launch<kDgrad>(ma, mb, mb, p, info.sms, stream);
       break;
     }
     case GroupedMode::Wgrad: {  // a = dout [rows, N], b = x [rows, K], c = dw [E, N, K]
@@ -564,7 +588,13 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
       mb = make_map(b.data_ptr(), 2, db, sb, box);
       p.out_cols = static_cast<int>(K), p.dw_rows = static_cast<int>(N);
       p.out_f32 = c.dtype() == DType::F32;
-      launch<kWgrad>(ma, mb, p, info.sms, stream);
+      CUtensorMap mc = mb;  // bf16 dw: the epilogue adds with plain loads and stores
+      if (p.out_f32) {
+        const uint64_t dc[3] = {K, N, static_cast<uint64_t>(c.size(0))}, sc[2] = {K * 4, N * K * 4};
+        const uint32_t bc[3] = {128, 64, 1};
+        mc = make_map(c.data_ptr(), 3, dc, sc, bc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_NONE);
+      }
+      launch<kWgrad>(ma, mb, mc, p, info.sms, stream);
       break;
     }
   }

@@ -14,9 +14,9 @@ namespace moecore::ops::cuda::hopper {
 enum class GroupedMode { Forward, Dgrad, Wgrad };
 
 // True when the kernel can run this case: the library was built for sm_90a, the tensors are on
-// a compute-capability 9.0 GPU, inputs bf16, every dimension non-zero, last dimensions multiples
-// of 8 and base addresses 16-byte aligned (TMA), 1..1024 experts. Shapes and output dtypes are
-// the caller's to check (grouped_gemm.cpp).
+// a compute-capability 9.0 GPU, contiguous, inputs bf16, every dimension non-zero, last
+// dimensions multiples of 8 and base addresses 16-byte aligned (TMA), 1..1024 experts. Shapes
+// and output dtypes are the caller's to check (grouped_gemm.cpp).
 bool available(const Tensor& a, const Tensor& b, const Tensor& c, int64_t experts);
 
 // One launch on `stream`. offsets: device int32 [experts + 1], offsets[e] = first row of expert
