@@ -13,7 +13,8 @@
 //   Forward and dgrad: BN = 256. Wgrad: BN = 128 (its output is as large as its reduction is
 //   short).
 //   The tiles of all experts are numbered expert by expert (an expert's tiles: groups of 8
-//   m-blocks, each group m fastest then n); CTA b takes tiles b, b + grid, ... (grid = the SM count times the CTAs per SM).
+//   m-blocks, each group m fastest then n); CTA b takes tiles b, b + grid, ... (grid = the SM
+//   count times the CTAs per SM).
 //
 // Operands (C[m, n] = sum_k A(m, k) B(n, k)), per expert e with rows [r_e, r_{e+1}):
 //   forward  A = x rows (K-major: [rows, K]),  B = w_e (K-major: w [E, N, K], a 3-D TMA map)
@@ -57,9 +58,9 @@ constexpr int kMaxExperts = 1024;
 constexpr int kRasterGroup = 8;             // m-blocks per raster group (decode_tile)
 
 // Tile width, ring depth and CTAs per SM. Forward and dgrad: 128 x 256 tiles (wgmma m64n256k16,
-// 128 accumulators a thread), 4 stages of 48 KB, one CTA per SM. Wgrad: 128 x 128 tiles, 3
-// stages of 32 KB, two CTAs per SM, so one CTA's read-modify-write of dw overlaps the other's
-// wgmma (its output is as large as its reduction is short).
+// 128 accumulators a thread), 4 stages of 48 KB. Wgrad: 128 x 128 tiles (its output is as large
+// as its reduction is short), 4 stages of 32 KB and a 64 KB staging buffer. (Measured before the
+// reduce-add: two wgrad CTAs per SM with 3 stages beat one with 5; docs/performance.md.)
 template <int BN, int STAGES, int CTAS>
 struct Config {
   static constexpr int kBN = BN, kStages = STAGES, kCtasPerSm = CTAS;
