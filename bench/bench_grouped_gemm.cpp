@@ -22,7 +22,10 @@
 //
 // bf16 in, fp32 accumulate. Timing: CUDA events around `iters` back-to-back calls after warm-up,
 // the median of `repeats` runs. Without a CUDA device it prints one line saying so.
-// Flags: --repeats N, --quick (qwen3 balanced only).
+//   mixtral-small      h2048 f5632 E8  k2 T8192    (configs/mixtral-small.yaml, micro-batch 4)   --presets
+//   finegrained-small  h1024 f512  E64 k8 T16384   (configs/finegrained-small.yaml, micro-batch 8)
+// (the presets' shapes have no target; they measure which implementation each GEMM should take).
+// Flags: --repeats N, --quick (qwen3 balanced only), --presets (add the two presets' shapes).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -207,10 +210,11 @@ Row run_gemm(const Shape5& s, const std::string& dist, const std::vector<int64_t
 int main(int argc, char** argv) {
   try {
     int64_t repeats = 5;
-    bool quick = false;
+    bool quick = false, presets = false;
     cli::FlagSet flags("bench_grouped_gemm", "Grouped expert GEMMs: cuBLAS grouped, per-expert loop, Hopper kernel, dense.");
     flags.add_int("repeats", &repeats, "timed repetitions (median reported)");
     flags.add_bool("quick", &quick, "only the qwen3 shape, balanced");
+    flags.add_bool("presets", &presets, "also the expert shapes of mixtral-small and finegrained-small");
     flags.parse(std::vector<std::string>(argv + 1, argv + argc));
     if (flags.help_requested()) {
       std::printf("%s", flags.help().c_str());
@@ -228,6 +232,10 @@ int main(int argc, char** argv) {
                                   {"qwen3 h2048 f768 E128 k8 T16384", 2048, 768, 128, 8, 16384, 60.0}};
     std::vector<bool> skews = {false, true};
     if (quick) shapes.erase(shapes.begin()), skews = {false};
+    if (presets && !quick) {
+      shapes.push_back({"mixtral-small h2048 f5632 E8 k2 T8192", 2048, 5632, 8, 2, 8192, 0.0});
+      shapes.push_back({"finegrained-small h1024 f512 E64 k8 T16384", 1024, 512, 64, 8, 16384, 0.0});
+    }
     const std::vector<Gemm> gemms = {Gemm::Fc1Fwd, Gemm::Fc2Fwd, Gemm::Fc1Dgrad, Gemm::Fc1Wgrad, Gemm::Fc2Dgrad, Gemm::Fc2Wgrad};
     std::vector<Row> rows;
     for (const Shape5& s : shapes)

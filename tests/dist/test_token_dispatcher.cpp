@@ -86,12 +86,12 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
   TokenDispatcher::Ctx ctx;
   const Tensor expert_in = d.dispatch(x, idx, kept, pad, ctx);
   int64_t rows = 0;
-  for (int64_t g : ctx.local_groups) rows += g;
+  for (int64_t g : ctx.local_rows.host) rows += g;
   EXPECT_EQ(rows, expert_in.size(0));
-  const Tensor out = d.combine(run_experts(expert_in, ctx.local_groups, d.first_expert(), etp_size, etp_rank), probs, ctx);
+  const Tensor out = d.combine(run_experts(expert_in, ctx.local_rows.host, d.first_expert(), etp_size, etp_rank), probs, ctx);
   Tensor d_expert_out, dprobs;
   d.combine_backward(dout, ctx, d_expert_out, dprobs);
-  const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_groups, d.first_expert(), etp_size, etp_rank), ctx);
+  const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_rows.host, d.first_expert(), etp_size, etp_rank), ctx);
 
   const std::vector<float> o = out.to_vector<float>(), g = dx.to_vector<float>(), dp = dprobs.to_vector<float>();
   for (int64_t t = 0; t < tokens; ++t) {

@@ -123,7 +123,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Hopper},
                       Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Hopper},
                       Param{DType::BF16, DType::BF16, ops::GroupedGemmImpl::Mixed},
-                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Mixed}),
+                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Mixed},
+                      Param{DType::BF16, DType::F32, ops::GroupedGemmImpl::Auto}),
     param_name);
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndImpls, GroupedGemmGpuSameDtype,

@@ -132,3 +132,36 @@ TEST(GroupedGemm, RejectsBadArguments) {
   Tensor dw = Tensor::zeros({kE, kN, kK}, DType::BF16);
   EXPECT_THROW(ops::grouped_gemm_wgrad(out, x, kGroups, dw), Error);  // f32 inputs, bf16 dw
 }
+
+// ExpertRows: device offsets alone (on the CPU: copied back and run as host counts) give the same
+// results as the host counts; bad offsets are named.
+TEST(GroupedGemm, ExpertRowsFromOffsetsEqualHostCounts) {
+  const Tensor x = random_tensor({kM, kK}, DType::F32), w = random_tensor({kE, kN, kK}, DType::F32);
+  const Tensor dout = random_tensor({kM, kN}, DType::F32);
+  std::vector<int32_t> off = {0};
+  for (int64_t g : kGroups) off.push_back(off.back() + static_cast<int32_t>(g));
+  const ops::ExpertRows rows{{}, Tensor::from_vector(off, {kE + 1})};
+  EXPECT_EQ(rows.counts(), kGroups);
+  Tensor out_ref = Tensor::zeros({kM, kN}, DType::F32), out = Tensor::zeros({kM, kN}, DType::F32);
+  Tensor dx_ref = Tensor::zeros({kM, kK}, DType::F32), dx = Tensor::zeros({kM, kK}, DType::F32);
+  Tensor dw_ref = random_tensor({kE, kN, kK}, DType::F32), dw = dw_ref.clone();
+  ops::grouped_gemm_forward(x, w, kGroups, out_ref);
+  ops::grouped_gemm_dgrad(dout, w, kGroups, dx_ref);
+  ops::grouped_gemm_wgrad(dout, x, kGroups, dw_ref);
+  ops::grouped_gemm_forward(x, w, rows, out);
+  ops::grouped_gemm_dgrad(dout, w, rows, dx);
+  ops::grouped_gemm_wgrad(dout, x, rows, dw);
+  EXPECT_EQ(out.to_vector<float>(), out_ref.to_vector<float>());
+  EXPECT_EQ(dx.to_vector<float>(), dx_ref.to_vector<float>());
+  EXPECT_EQ(dw.to_vector<float>(), dw_ref.to_vector<float>());
+  try {
+    ops::grouped_gemm_forward(x, w, ops::ExpertRows{{}, Tensor::from_vector(off, {kE + 1}).slice(0, 0, kE)}, out);
+    FAIL() << "offsets of the wrong length accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("grouped_gemm_forward: argument 'rows.offsets' has shape (6); expected (7)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(ops::grouped_gemm_forward(x, w, ops::ExpertRows{}, out), Error);  // neither counts nor offsets
+  EXPECT_THROW(ops::grouped_gemm_forward(x, w, ops::ExpertRows{{}, Tensor::zeros({kE + 1}, DType::I64)}, out), Error);
+}

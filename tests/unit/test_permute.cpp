@@ -369,3 +369,40 @@ TEST(MoePermute, RejectsBadArguments) {
   EXPECT_THROW(ops::moe_unpermute_forward(y, Tensor::zeros({4, 2}, DType::F32), r, o16), Error);
   EXPECT_THROW(ops::moe_permute_forward(x, ops::MoeRouting{}, out), Error);
 }
+
+// The plan's device-side fields on the CPU backend: row offsets (prefix sums of the GEMM sizes),
+// kept counts (the real ones when padded), no deferred status; accumulate_counts adds them up.
+TEST(MoeRouting, RowOffsetsAndKeptCountsMatchTheLayout) {
+  const Tensor idx = Tensor::from_vector(kIdx, {4, 2});
+  for (int64_t pad : {0, 4}) {
+    SCOPED_TRACE(pad);
+    const ops::MoeRouting r = ops::make_moe_routing(idx, Tensor(), 3, pad, false);  // CPU: counts always on host
+    ASSERT_EQ(r.host_tokens_per_expert.size(), 3u);
+    EXPECT_FALSE(r.status.defined());
+    // kIdx: expert 0 twice, expert 1 three times, expert 2 three times.
+    EXPECT_EQ(to_i64(r.kept_per_expert), (std::vector<int64_t>{2, 3, 3}));
+    const std::vector<int64_t> expected_off =
+        pad > 0 ? std::vector<int64_t>{0, 4, 8, 12} : std::vector<int64_t>{0, 2, 5, 8};
+    EXPECT_EQ(to_i64(r.row_offsets), expected_off);
+    EXPECT_EQ(r.num_rows, expected_off.back());
+    const std::vector<int64_t> ex = row_experts(r, idx);
+    for (int64_t e = 0; e < 3; ++e)
+      for (int64_t row = expected_off[e]; row < expected_off[e] + to_i64(r.kept_per_expert)[e]; ++row)
+        EXPECT_EQ(ex[static_cast<size_t>(row)], e) << "row " << row;
+    EXPECT_NO_THROW(ops::check_moe_routing(r, idx));
+  }
+  Tensor acc = Tensor::zeros({5}, DType::I64);
+  const ops::MoeRouting r = ops::make_moe_routing(idx, Tensor(), 3);
+  ops::accumulate_routing_counts(r, acc);
+  ops::accumulate_routing_counts(r, acc);
+  EXPECT_EQ(acc.to_vector<int64_t>(), (std::vector<int64_t>{4, 6, 6, 0, 0}));
+  Tensor wrong = Tensor::zeros({5}, DType::F32);
+  try {
+    ops::accumulate_routing_counts(r, wrong);
+    FAIL() << "an f32 accumulator accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("accumulate_routing_counts"), std::string::npos) << e.what();
+  }
+  Tensor short_acc = Tensor::zeros({3}, DType::I64);
+  EXPECT_THROW(ops::accumulate_routing_counts(r, short_acc), Error);  // E + 2 entries expected
+}

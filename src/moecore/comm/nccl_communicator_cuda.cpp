@@ -167,9 +167,11 @@ void NcclCommunicator::barrier() {
   if (mpi_ == MPI_COMM_NULL) {  // TCP bootstrap: a 1-element all-reduce stands in for MPI_Barrier
     Tensor token = Tensor::zeros({1}, DType::I32, device_);
     MC_NCCL_CHECK(ncclAllReduce(token.data_ptr(), token.data_ptr(), 1, ncclInt32, ncclSum, comm_, MC_NCCL_STREAM));
+    count_host_synchronization();
     MC_CUDA_CHECK(cudaStreamSynchronize(MC_NCCL_STREAM));
     return;
   }
+  count_host_synchronization();
   MC_CUDA_CHECK(cudaStreamSynchronize(MC_NCCL_STREAM));
   MC_MPI_CHECK(MPI_Barrier(mpi_));
 }

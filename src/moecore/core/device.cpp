@@ -1,5 +1,6 @@
 #include "moecore/core/device.h"
 
+#include <atomic>
 #include <chrono>
 #include <map>
 
@@ -69,6 +70,13 @@ void set_current_device(Device d) {
 
 // ---- streams ------------------------------------------------------------------
 namespace {
+std::atomic<uint64_t> g_host_syncs{0};
+}  // namespace
+
+uint64_t host_synchronizations() { return g_host_syncs.load(std::memory_order_relaxed); }
+void count_host_synchronization() { g_host_syncs.fetch_add(1, std::memory_order_relaxed); }
+
+namespace {
 thread_local std::map<int, void*> t_current_stream;  // CUDA device index -> cudaStream_t
 }
 
@@ -93,7 +101,10 @@ void Stream::destroy() {
 
 void Stream::synchronize() const {
 #if MOECORE_WITH_CUDA
-  if (device_.is_cuda()) MC_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(handle_)));
+  if (device_.is_cuda()) {
+    count_host_synchronization();
+    MC_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(handle_)));
+  }
 #endif
 }
 
@@ -110,6 +121,7 @@ void set_current_stream(Stream stream) {
 void synchronize(Device device) {
 #if MOECORE_WITH_CUDA
   if (device.is_cuda()) {
+    count_host_synchronization();
     MC_CUDA_CHECK(cudaSetDevice(device.index));
     MC_CUDA_CHECK(cudaDeviceSynchronize());
   }
@@ -163,7 +175,10 @@ void Event::wait(Stream stream) const {
 
 void Event::synchronize() const {
 #if MOECORE_WITH_CUDA
-  if (handle_) MC_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_)));
+  if (handle_) {
+    count_host_synchronization();
+    MC_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_)));
+  }
 #endif
 }
 

@@ -258,7 +258,10 @@ void Tensor::copy_from(const Tensor& src) {
     MC_CUDA_CHECK(cudaMemcpyAsync(data_ptr(), src.data_ptr(), nbytes(), cudaMemcpyDefault, stream));
   }
   // A host destination that is not pinned would be read right after we return.
-  if (dd.is_cpu() && !is_pinned()) MC_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (dd.is_cpu() && !is_pinned()) {
+    count_host_synchronization();
+    MC_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
 #else
   MC_FAIL("copy between ", sd.str(), " and ", dd.str(), ": ", cuda_unavailable_reason());
 #endif

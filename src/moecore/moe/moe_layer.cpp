@@ -207,18 +207,26 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   const DType combine = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
   ctx.combine_probs = cast_to(ctx.probs, combine);
 
-  ctx.permuted = dispatcher_.dispatch(x, ctx.indices, kept, pad, ctx.dispatch);
+  // Expert GEMMs that read device offsets (the Hopper kernel for all three) let the plan's
+  // counts stay on the device: nothing in this layer then waits for the GPU.
+  const bool device_rows = ops::grouped_gemm_device_rows(fc1_->weight) && ops::grouped_gemm_device_rows(fc2_->weight);
+  ctx.permuted = dispatcher_.dispatch(x, ctx.indices, kept, pad, ctx.dispatch, device_rows);
+  const ops::MoeRouting& plan = ctx.dispatch.routing;
   if (training) {
     // Tokens per expert after capacity dropping (Megatron counts its final routing map): the
     // expert-bias update and the per-layer log use them. When the dispatcher's plan covers
-    // exactly this rank's tokens over all E experts without padding, its host counts (already
-    // copied for the GEMM sizes) are these numbers; otherwise count from the indices.
-    const ops::MoeRouting& plan = ctx.dispatch.routing;
-    if (pad == 0 && plan.num_tokens == tokens && plan.num_experts == e &&
-        static_cast<int64_t>(plan.host_tokens_per_expert.size()) == e) {
+    // exactly this rank's tokens over all E experts, its counts are these numbers: on the host
+    // when they were copied for the GEMM sizes (unpadded), else summed on the device and read
+    // with the losses; otherwise count from the indices.
+    const bool whole = plan.num_tokens == tokens && plan.num_experts == e;
+    if (whole && pad == 0 && static_cast<int64_t>(plan.host_tokens_per_expert.size()) == e) {
       for (int64_t i = 0; i < e; ++i)
         stats_.tokens_per_expert[static_cast<size_t>(i)] +=
             static_cast<double>(plan.host_tokens_per_expert[static_cast<size_t>(i)]);
+    } else if (whole && plan.kept_per_expert.device().is_cuda()) {
+      // With the plan's deferred checks (a plan made without the host copy): read together.
+      if (!counts_acc_.defined()) counts_acc_ = Tensor::zeros({e + 2}, DType::I64, dev);
+      ops::accumulate_routing_counts(plan, counts_acc_);
     } else {
       const std::vector<int32_t> idx = ctx.indices.to_vector<int32_t>();
       const std::vector<uint8_t> keep = kept.defined() ? kept.to_vector<uint8_t>() : std::vector<uint8_t>();
@@ -228,7 +236,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
     stats_.micro_batches++;
   }
   const int64_t rows = ctx.permuted.size(0);
-  const std::vector<int64_t>& groups = ctx.dispatch.local_groups;
+  const ops::ExpertRows& groups = ctx.dispatch.local_rows;
   ctx.fc1_out = Tensor::empty({rows, fc1_->shape[1]}, x.dtype(), dev);
   ops::grouped_gemm_forward(ctx.permuted, fc1_->weight, groups, ctx.fc1_out);
   ctx.act = Tensor::empty({rows, fc2_->shape[2]}, x.dtype(), dev);
@@ -251,7 +259,8 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
       Tensor gate = Tensor::empty({tokens, 1}, x.dtype(), dev);
       ops::sigmoid_forward(ctx.gate_logit, gate);
       ctx.gate_prob = cast_to(gate, combine);
-      ctx.gate_routing = ops::make_moe_routing(Tensor::zeros({tokens, 1}, DType::I32, dev), Tensor(), 1);
+      // Every token to "expert" 0: the row count is known, so no host copy of the counts.
+      ctx.gate_routing = ops::make_moe_routing(Tensor::zeros({tokens, 1}, DType::I32, dev), Tensor(), 1, 0, false);
       Tensor scaled = Tensor::empty({tokens, hidden_}, x.dtype(), dev);
       ops::moe_unpermute_forward(ctx.shared_out, ctx.gate_prob, ctx.gate_routing, scaled);
       add_into(out, scaled);
@@ -281,7 +290,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   }
 
   // combine and experts
-  const std::vector<int64_t>& groups = ctx.dispatch.local_groups;
+  const ops::ExpertRows& groups = ctx.dispatch.local_rows;
   Tensor d_expert_out, dprobs;
   dispatcher_.combine_backward(dy, ctx.dispatch, d_expert_out, dprobs);
   if (!ctx.act.defined()) {  // recompute the activation from the kept fc1 output
@@ -341,6 +350,15 @@ void MoeLayer::accumulate_loss(Tensor& acc, const Tensor& loss) {
 }
 
 void MoeLayer::sync_stats() const {
+  if (counts_acc_.defined()) {
+    const std::vector<int64_t> c = counts_acc_.to_vector<int64_t>();
+    counts_acc_ = Tensor();
+    const size_t e = stats_.tokens_per_expert.size();
+    // The router's top-k cannot produce these; they guard the plan's deferred checks.
+    MC_CHECK(c[e] == 0, prefix_, ": an expert index outside [0, ", e, ") reached the token dispatch");
+    MC_CHECK(c[e + 1] == 0, prefix_, ": an expert received more assignments than its padded capacity");
+    for (size_t i = 0; i < e; ++i) stats_.tokens_per_expert[i] += static_cast<double>(c[i]);
+  }
   if (aux_acc_.defined()) {
     stats_.aux_loss += read_scalar(aux_acc_) / moe_.aux_loss_coeff;
     aux_acc_ = Tensor();

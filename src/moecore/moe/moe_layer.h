@@ -104,6 +104,10 @@ class MoeLayer {
   void sync_stats() const;  // device loss sums -> stats_
   mutable MoeStepStats stats_;
   mutable Tensor aux_acc_, z_acc_;  // this step's balancing losses not yet read, on the device
+  // Tokens per expert summed on the device (i64 [E + 2]: counts, then the deferred-check flags of
+  // ops::accumulate_routing_counts) when the routing plan's counts stayed there or were padded;
+  // read and checked by sync_stats.
+  mutable Tensor counts_acc_;
   Tensor global_counts_;  // global_aux_loss: counts summed over this step's micro-batches [1, E]
   int64_t global_micro_ = 0;
   int64_t token_ranks_ = 1;  // N = |token_group|

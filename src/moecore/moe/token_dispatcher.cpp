@@ -96,7 +96,7 @@ Tensor TokenDispatcher::reduce_scatter_rows(const Tensor& in) const {
 }
 
 Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const Tensor& kept, int64_t pad,
-                                 Ctx& ctx) const {
+                                 Ctx& ctx, bool device_rows) const {
   const Device dev = x.device();
   const int64_t hidden = x.size(1);
   ctx.tokens = x.size(0);
@@ -121,15 +121,17 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
                                         local_experts_, pad * gather_size_);
     Tensor expert_in = Tensor::empty({ctx.routing.num_rows, hidden}, x.dtype(), dev);
     ops::moe_permute_forward(xg, ctx.routing, expert_in);
-    ctx.local_groups = ctx.routing.host_tokens_per_expert;
+    ctx.local_rows = {ctx.routing.host_tokens_per_expert, ctx.routing.row_offsets};
     return expert_in;
   }
 
-  ctx.routing = ops::make_moe_routing(indices, kept, num_experts_, pad);
+  // One rank without ETP: the plan's counts need not come to the host when the expert GEMMs
+  // read the device offsets (device_rows); everything else here needs them.
+  ctx.routing = ops::make_moe_routing(indices, kept, num_experts_, pad, !(device_rows && !ep_ && !etp_));
   Tensor permuted = Tensor::empty({ctx.routing.num_rows, hidden}, x.dtype(), dev);
   ops::moe_permute_forward(x, ctx.routing, permuted);
   if (!ep_) {
-    ctx.local_groups = ctx.routing.host_tokens_per_expert;
+    ctx.local_rows = {ctx.routing.host_tokens_per_expert, ctx.routing.row_offsets};
     return etp_ ? etp_gather(permuted, ctx, true) : permuted;
   }
 
@@ -159,7 +161,7 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   ctx.sort = ops::make_moe_routing(Tensor::from_vector(local_ids, {rows, 1}).to(dev), Tensor(), local_experts_);
   Tensor expert_in = Tensor::empty({rows, hidden}, x.dtype(), dev);
   ops::moe_permute_forward(received, ctx.sort, expert_in);
-  ctx.local_groups = ctx.sort.host_tokens_per_expert;
+  ctx.local_rows = {ctx.sort.host_tokens_per_expert, ctx.sort.row_offsets};
   return etp_ ? etp_gather(expert_in, ctx, true) : expert_in;
 }
 
@@ -168,7 +170,7 @@ Tensor TokenDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) cons
   const int64_t n = etp_->size(), hidden = rows.size(1);
   if (plan) {
     // Every ETP rank's rows per local expert ([ETP, L], one small all-gather).
-    Tensor mine = Tensor::from_vector(ctx.local_groups, {1, local_experts_}).to(etp_->device());
+    Tensor mine = Tensor::from_vector(ctx.local_rows.host, {1, local_experts_}).to(etp_->device());
     Tensor all = Tensor::empty({n, local_experts_}, DType::I64, etp_->device());
     {
       CommTimer timer(dev);
@@ -185,7 +187,7 @@ Tensor TokenDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) cons
       }
     const int64_t total_rows = static_cast<int64_t>(ids.size());
     ctx.etp_sort = ops::make_moe_routing(Tensor::from_vector(ids, {total_rows, 1}).to(dev), Tensor(), local_experts_);
-    ctx.local_groups = ctx.etp_sort.host_tokens_per_expert;
+    ctx.local_rows = {ctx.etp_sort.host_tokens_per_expert, ctx.etp_sort.row_offsets};
   }
   // all-gather with per-rank row counts: a send to every ETP rank (itself too) and a receive from each.
   Tensor gathered = Tensor::empty({ctx.etp_sort.num_tokens, hidden}, rows.dtype(), dev);

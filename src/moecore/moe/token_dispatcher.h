@@ -5,7 +5,7 @@
 // runs on every rank for its own T tokens; indices [T, k] hold GLOBAL expert ids.
 //
 //   dispatch(x, indices, kept, pad)   x [T, H] -> expert_in [rows, H], grouped by local expert
-//                                     (local_tokens_per_expert() gives the L group sizes)
+//                                     (Ctx::local_rows gives the L experts' rows)
 //   combine(expert_out, probs)        expert_out [rows, H] -> out [T, H]: each token's kept
 //                                     assignments weighted by probs [T, k] and summed
 //   combine_backward(dout)            -> d_expert_out [rows, H] and dprobs [T, k]
@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "moecore/comm/communicator.h"
+#include "moecore/ops/grouped_gemm.h"
 #include "moecore/ops/permute.h"
 
 namespace moecore {
@@ -71,13 +72,16 @@ class TokenDispatcher {
     std::vector<int64_t> send_rows, recv_rows;  // alltoall: rows per EP rank
     Tensor probs;                    // allgather: gathered probs [EP*T, k]
     Tensor unpermute_in;             // what the unpermute read in combine (its backward needs it)
-    std::vector<int64_t> local_groups;  // rows per local expert of expert_in
+    ops::ExpertRows local_rows;      // rows per local expert of expert_in (host counts may be absent)
     int64_t tokens = 0, topk = 0;
     ops::MoeRouting etp_sort;           // ETP: gathered rows (ETP rank-major) -> local-expert order
     std::vector<int64_t> etp_rows;      // ETP: rows each ETP rank contributed
   };
 
-  Tensor dispatch(const Tensor& x, const Tensor& indices, const Tensor& kept, int64_t pad, Ctx& ctx) const;
+  // device_rows: the caller's expert GEMMs take device offsets (ops::grouped_gemm_device_rows);
+  // on one rank without ETP the plan's counts then stay on the device (ctx.local_rows.host empty).
+  Tensor dispatch(const Tensor& x, const Tensor& indices, const Tensor& kept, int64_t pad, Ctx& ctx,
+                  bool device_rows = false) const;
   Tensor combine(const Tensor& expert_out, const Tensor& probs, Ctx& ctx) const;
   void combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_expert_out, Tensor& dprobs) const;
   Tensor dispatch_backward(const Tensor& d_expert_in, Ctx& ctx) const;

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 #include "moecore/ops/common.h"
@@ -45,14 +46,23 @@ void check_dtypes(const char* op, const char* na, const Tensor& a, const char* n
 }
 
 // The implementation used when neither set_grouped_gemm_impl nor MOECORE_GROUPED_GEMM says.
-// Measured on an H200 (docs/performance.md, "Hopper grouped GEMM kernel"): training with Mixed
+// Mixed was the default first. Measured on an H200 (docs/performance.md, "Hopper grouped GEMM kernel"): training with Mixed
 // against the loop, same call: finegrained-small 1.59x tokens/s, mixtral-small 1.09x; the MoE
 // layer at the Qwen3-30B-A3B shape 10.97 vs 12.08 ms, at the Mixtral-8x7B shape 31.6 vs 28.9 ms
 // (there cuBLAS's per-expert GEMMs are faster). With the TMA reduce-add wgrad, Hopper beats
 // Mixed by 14% on finegrained-small but is 8.6% slower at the Mixtral-8x7B layer shape (an H100,
 // one call), and mixtral-small is not measured with it yet: Mixed stays the default. Where the
 // kernel cannot run (another GPU, f32, unaligned shapes) Mixed is the loop.
-constexpr GroupedGemmImpl kDefaultImpl = GroupedGemmImpl::Mixed;
+//
+// Auto (the default since then): H100, one call (docs/performance.md, "GEMMs without host
+// synchronisation"): at the Mixtral-8x7B expert shape (one expert's matrix 4096 x 14336 = 58.7M
+// elements) cuBLAS's per-expert GEMMs beat the kernel on all six GEMMs (25.9 vs 29.6 ms) and the
+// host's wait for the counts hides behind them; at mixtral-small's (2048 x 11264 = 23M and
+// 2048 x 5632) the loop wins the GEMMs alone by 0.5 ms per layer but loses in training (the host
+// waits for each layer's counts, then enqueues per-expert calls while the GPU idles): all-kernel
+// with device offsets there, and below (Qwen3, finegrained-small) the kernel wins outright.
+constexpr int64_t kAutoLoopFromElements = 40'000'000;
+constexpr GroupedGemmImpl kDefaultImpl = GroupedGemmImpl::Auto;
 
 // -1: not decided yet (read MOECORE_GROUPED_GEMM on first use).
 std::atomic<int> g_impl{-1};
@@ -60,10 +70,17 @@ std::atomic<int> g_impl{-1};
 #if MOECORE_WITH_CUDA
 // True when a CUDA call should go to the grouped backend.
 bool use_cuda_grouped(const Tensor& t) { return t.device().is_cuda() && grouped_gemm_impl() == GroupedGemmImpl::Grouped; }
-// Forward and dgrad take the Hopper kernel under Hopper and Mixed, the wgrad only under Hopper.
-bool use_hopper(const Tensor& t, bool wgrad) {
-  const GroupedGemmImpl impl = grouped_gemm_impl();
-  return t.device().is_cuda() && (impl == GroupedGemmImpl::Hopper || (!wgrad && impl == GroupedGemmImpl::Mixed));
+// Whether a GEMM with the expert weight (or weight gradient) w [E, N, K] takes the Hopper
+// kernel: forward and dgrad under Hopper and Mixed, the wgrad only under Hopper; under Auto all
+// three when one expert's matrix has fewer than kAutoLoopFromElements elements, none otherwise.
+bool use_hopper(const Tensor& w, bool wgrad) {
+  if (!w.device().is_cuda()) return false;
+  switch (grouped_gemm_impl()) {
+    case GroupedGemmImpl::Hopper: return true;
+    case GroupedGemmImpl::Mixed: return !wgrad;
+    case GroupedGemmImpl::Auto: return w.ndim() == 3 && w.size(1) * w.size(2) < kAutoLoopFromElements;
+    default: return false;
+  }
 }
 #endif
 
@@ -78,6 +95,7 @@ const char* grouped_gemm_impl_name(GroupedGemmImpl impl) {
     case GroupedGemmImpl::Grouped: return "grouped";
     case GroupedGemmImpl::Hopper: return "hopper";
     case GroupedGemmImpl::Mixed: return "mixed";
+    case GroupedGemmImpl::Auto: return "auto";
   }
   return "?";
 }
@@ -88,12 +106,13 @@ GroupedGemmImpl grouped_gemm_impl() {
   GroupedGemmImpl impl = kDefaultImpl;
   if (const char* env = std::getenv("MOECORE_GROUPED_GEMM"); env && *env) {
     const std::string s = env;
-    MC_CHECK(s == "loop" || s == "grouped" || s == "hopper" || s == "mixed", "MOECORE_GROUPED_GEMM='", s,
-             "'; expected 'loop', 'grouped', 'hopper' or 'mixed'");
+    MC_CHECK(s == "loop" || s == "grouped" || s == "hopper" || s == "mixed" || s == "auto", "MOECORE_GROUPED_GEMM='",
+             s, "'; expected 'auto', 'loop', 'grouped', 'hopper' or 'mixed'");
     impl = s == "loop"      ? GroupedGemmImpl::Loop
            : s == "grouped" ? GroupedGemmImpl::Grouped
            : s == "hopper"  ? GroupedGemmImpl::Hopper
-                            : GroupedGemmImpl::Mixed;
+           : s == "mixed"   ? GroupedGemmImpl::Mixed
+                            : GroupedGemmImpl::Auto;
   }
   int expected = -1;
   g_impl.compare_exchange_strong(expected, static_cast<int>(impl));
@@ -115,7 +134,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<in
   check_dtypes(op, "x", x, "w", w, "out", out, false);
 #if MOECORE_WITH_CUDA
   if (use_cuda_grouped(x) && cuda::grouped_gemm_forward(x, w, rows_per_group, out)) return;
-  if (use_hopper(x, false) && cuda::hopper_grouped_gemm_forward(x, w, rows_per_group, out)) return;
+  if (use_hopper(w, false) && cuda::hopper_grouped_gemm_forward(x, w, rows_per_group, out)) return;
 #endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
@@ -142,7 +161,7 @@ void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<i
   check_dtypes(op, "dout", dout, "w", w, "dx", dx, false);
 #if MOECORE_WITH_CUDA
   if (use_cuda_grouped(dout) && cuda::grouped_gemm_dgrad(dout, w, rows_per_group, dx)) return;
-  if (use_hopper(dout, false) && cuda::hopper_grouped_gemm_dgrad(dout, w, rows_per_group, dx)) return;
+  if (use_hopper(w, false) && cuda::hopper_grouped_gemm_dgrad(dout, w, rows_per_group, dx)) return;
 #endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
@@ -168,7 +187,7 @@ void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<i
   check_dtypes(op, "dout", dout, "x", x, "dw", dw, true);
 #if MOECORE_WITH_CUDA
   if (use_cuda_grouped(dout) && cuda::grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
-  if (use_hopper(dout, true) && cuda::hopper_grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
+  if (use_hopper(dw, true) && cuda::hopper_grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
 #endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
@@ -179,6 +198,88 @@ void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<i
     }
     begin = end;
   }
+}
+
+std::vector<int64_t> ExpertRows::counts() const {
+  if (!host.empty() || !offsets.defined()) return host;
+  const std::vector<int32_t> off = offsets.to_vector<int32_t>();
+  std::vector<int64_t> c(off.size() - 1);
+  for (size_t e = 0; e + 1 < off.size(); ++e) c[e] = static_cast<int64_t>(off[e + 1]) - off[e];
+  return c;
+}
+
+namespace {
+
+// Offsets [E + 1] i32 on `t`'s device for E experts; on the CPU (and only there) their values
+// are checked here, on a GPU by the host path when the counts are copied.
+void check_offsets(const char* op, const ExpertRows& rows, int64_t experts, const Tensor& t) {
+  MC_CHECK(!rows.host.empty() || rows.offsets.defined(), op, ": the expert rows have neither host counts nor device offsets");
+  if (!rows.offsets.defined()) return;
+  check_contiguous(op, "rows.offsets", rows.offsets);
+  check_dtype(op, "rows.offsets", rows.offsets, {DType::I32});
+  check_shape(op, "rows.offsets", rows.offsets, {experts + 1});
+  check_same_device(op, t, rows.offsets);
+}
+
+#if MOECORE_WITH_CUDA
+// True when the GEMM ran on the device offsets alone.
+bool device_rows_ran(bool wgrad, const ExpertRows& rows, const Tensor& w, const std::function<bool()>& kernel) {
+  return rows.host.empty() && rows.offsets.defined() && use_hopper(w, wgrad) && kernel();
+}
+#endif
+
+}  // namespace
+
+void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows, Tensor& out) {
+  check_weights("grouped_gemm_forward", "w", w);
+  check_offsets("grouped_gemm_forward", rows, w.size(0), x);
+#if MOECORE_WITH_CUDA
+  if (device_rows_ran(false, rows, w, [&] {
+        return x.ndim() == 2 && out.ndim() == 2 && x.size(1) == w.size(2) && out.size(0) == x.size(0) &&
+               out.size(1) == w.size(1) && out.dtype() == x.dtype() && w.dtype() == x.dtype() &&
+               cuda::hopper_grouped_gemm_forward(x, w, rows.offsets, out);
+      }))
+    return;
+#endif
+  grouped_gemm_forward(x, w, rows.counts(), out);
+}
+
+void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const ExpertRows& rows, Tensor& dx) {
+  check_weights("grouped_gemm_dgrad", "w", w);
+  check_offsets("grouped_gemm_dgrad", rows, w.size(0), dout);
+#if MOECORE_WITH_CUDA
+  if (device_rows_ran(false, rows, w, [&] {
+        return dout.ndim() == 2 && dx.ndim() == 2 && dout.size(1) == w.size(1) && dx.size(0) == dout.size(0) &&
+               dx.size(1) == w.size(2) && dx.dtype() == dout.dtype() && w.dtype() == dout.dtype() &&
+               cuda::hopper_grouped_gemm_dgrad(dout, w, rows.offsets, dx);
+      }))
+    return;
+#endif
+  grouped_gemm_dgrad(dout, w, rows.counts(), dx);
+}
+
+void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const ExpertRows& rows, Tensor& dw) {
+  check_weights("grouped_gemm_wgrad", "dw", dw);
+  check_offsets("grouped_gemm_wgrad", rows, dw.size(0), dout);
+#if MOECORE_WITH_CUDA
+  if (device_rows_ran(true, rows, dw, [&] {
+        return dout.ndim() == 2 && x.ndim() == 2 && x.size(0) == dout.size(0) && dw.size(1) == dout.size(1) &&
+               dw.size(2) == x.size(1) && x.dtype() == dout.dtype() &&
+               (dw.dtype() == dout.dtype() || (dout.dtype() == DType::BF16 && dw.dtype() == DType::F32)) &&
+               cuda::hopper_grouped_gemm_wgrad(dout, x, rows.offsets, dw);
+      }))
+    return;
+#endif
+  grouped_gemm_wgrad(dout, x, rows.counts(), dw);
+}
+
+bool grouped_gemm_device_rows(const Tensor& w) {
+#if MOECORE_WITH_CUDA
+  return use_hopper(w, false) && use_hopper(w, true) && cuda::hopper_grouped_gemm_takes(w);
+#else
+  (void)w;
+  return false;
+#endif
 }
 
 }  // namespace moecore::ops

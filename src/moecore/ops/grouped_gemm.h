@@ -25,8 +25,18 @@
 //            cases (f32, unaligned shapes, another GPU) fall back to the loop.
 //   Mixed    the Hopper kernel for forward and dgrad, the loop for the wgrad (cuBLAS's wgrad
 //            is faster at the Mixtral shape, ours at the Qwen3 one: docs/performance.md).
+//   Auto     by the expert weight's shape: Hopper for all three GEMMs when one expert's matrix
+//            (N x K) has fewer than 40M elements, the loop for all three from there (Mixtral-8x7B
+//            experts, 58.7M: cuBLAS's large GEMMs are faster there); see grouped_gemm.cpp.
+// Row counts on the device only (ExpertRows without host counts, e.g. a routing plan made
+// without its host copy): the Hopper kernel reads the offsets where the implementation would
+// run it for that GEMM, so the call enqueues work and returns without waiting for the GPU;
+// anything else (the loop, cuBLAS grouped, a case the kernel declines) first copies the counts
+// to the host (one synchronisation) and runs as with host counts. Same results either way.
+// grouped_gemm_device_rows(w) says in advance whether all three GEMMs of an expert weight w
+// would run without that copy.
 // The choice: set_grouped_gemm_impl(), else the environment
-// MOECORE_GROUPED_GEMM=loop|grouped|hopper|mixed, else the default, Mixed (see kDefaultImpl in
+// MOECORE_GROUPED_GEMM=auto|loop|grouped|hopper|mixed, else the default, Auto (see kDefaultImpl in
 // grouped_gemm.cpp for the measurements behind it; bench/bench_grouped_gemm.cpp,
 // docs/performance.md "Grouped GEMM").
 #pragma once
@@ -42,7 +52,25 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<in
 void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
 void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
 
-enum class GroupedGemmImpl { Loop, Grouped, Hopper, Mixed };
+// The experts' rows of a permuted buffer: offsets [E + 1] i32 on the tensors' device (expert e
+// owns rows [offsets[e], offsets[e + 1]), offsets[E] = the buffer's row count), and the counts
+// on the host when they are known there (empty otherwise). At least one of the two is set; when
+// both are, they must agree (the host counts are used).
+struct ExpertRows {
+  std::vector<int64_t> host;
+  Tensor offsets;
+  // The counts on the host: `host`, else copied from the offsets (synchronises).
+  std::vector<int64_t> counts() const;
+};
+void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows, Tensor& out);
+void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const ExpertRows& rows, Tensor& dx);
+void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const ExpertRows& rows, Tensor& dw);
+
+enum class GroupedGemmImpl { Loop, Grouped, Hopper, Mixed, Auto };
+// True when forward, dgrad and wgrad with the expert weight w ([E, N, K]; its gradient in f32 or
+// w's dtype) run from device offsets alone under the current implementation (Hopper, or Auto
+// below its size limit, on a GPU and shape the kernel takes).
+bool grouped_gemm_device_rows(const Tensor& w);
 GroupedGemmImpl grouped_gemm_impl();
 // For tests and benchmarks (process-wide; overrides MOECORE_GROUPED_GEMM).
 void set_grouped_gemm_impl(GroupedGemmImpl impl);
@@ -62,6 +90,13 @@ bool grouped_gemm_bf16_f32_refused();
 bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out);
 bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
 bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
+// The same with the offsets [E + 1] i32 already on the device (no upload, no host counts).
+bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out);
+bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const Tensor& offsets, Tensor& dx);
+bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const Tensor& offsets, Tensor& dw);
+// Whether the kernel takes an expert weight w like this one (the checks of hopper::available
+// that depend on w alone: build, GPU, dtype, dims, experts).
+bool hopper_grouped_gemm_takes(const Tensor& w);
 }  // namespace cuda
 
 }  // namespace moecore::ops

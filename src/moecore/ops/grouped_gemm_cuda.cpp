@@ -284,6 +284,38 @@ bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::v
   return run_hopper(hopper::GroupedMode::Wgrad, dout, x, rows, dw);
 }
 
+namespace {
+bool run_hopper_offsets(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c) {
+  const int64_t experts = offsets.numel() - 1;
+  if (!hopper::available(a, b, c, experts)) return false;
+  MC_CUDA_CHECK(cudaSetDevice(a.device().index));
+  cudaStream_t stream = static_cast<cudaStream_t>(current_stream(a.device()).handle());
+  hopper::grouped_gemm(mode, a, b, c, offsets.data<int32_t>(), static_cast<int>(experts), stream);
+  return true;
+}
+}  // namespace
+
+bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out) {
+  return run_hopper_offsets(hopper::GroupedMode::Forward, x, w, offsets, out);
+}
+
+bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const Tensor& offsets, Tensor& dx) {
+  return run_hopper_offsets(hopper::GroupedMode::Dgrad, dout, w, offsets, dx);
+}
+
+bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const Tensor& offsets, Tensor& dw) {
+  return run_hopper_offsets(hopper::GroupedMode::Wgrad, dout, x, offsets, dw);
+}
+
+bool hopper_grouped_gemm_takes(const Tensor& w) {
+  // available() on stand-ins shaped from w: a [N, K] and c [K, N] (w's first expert viewed),
+  // so both N and K meet the multiple-of-8 rule. The activations the caller passes later are
+  // fresh contiguous allocations of w's dtype; rows = 0 is declined then (the counts path runs).
+  if (w.ndim() != 3 || !w.device().is_cuda() || w.size(0) == 0) return false;
+  const Tensor first = w.slice(0, 0, 1);
+  return hopper::available(first.view({w.size(1), w.size(2)}), w, first.view({w.size(2), w.size(1)}), w.size(0));
+}
+
 bool grouped_gemm_bf16_f32_refused() {
   std::lock_guard<std::mutex> lock(g_refused_mutex);
   return g_bf16_f32_refused;

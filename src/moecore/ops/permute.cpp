@@ -100,7 +100,8 @@ void capacity_mask(const Tensor& indices, const Tensor& probs, int64_t num_exper
   MC_CUDA_BACKEND(op, cuda::capacity_mask(indices, probs, num_experts, capacity, policy, kept));
 }
 
-MoeRouting make_moe_routing(const Tensor& indices, const Tensor& kept, int64_t num_experts, int64_t pad_to_capacity) {
+MoeRouting make_moe_routing(const Tensor& indices, const Tensor& kept, int64_t num_experts, int64_t pad_to_capacity,
+                            bool copy_counts) {
   constexpr const char* op = "make_moe_routing";
   check_indices(op, indices);
   if (kept.defined()) {
@@ -121,9 +122,42 @@ MoeRouting make_moe_routing(const Tensor& indices, const Tensor& kept, int64_t n
   if (indices.device().is_cpu()) {
     cpu::make_moe_routing(indices, kept, r);
   } else {
-    MC_CUDA_BACKEND(op, cuda::make_moe_routing(indices, kept, r));
+    // Without the counts, num_rows is known only when nothing is dropped or every expert is padded.
+    const bool copy = copy_counts || (kept.defined() && pad_to_capacity == 0);
+    MC_CUDA_BACKEND(op, cuda::make_moe_routing(indices, kept, r, copy));
   }
   return r;
+}
+
+void accumulate_routing_counts(const MoeRouting& r, Tensor& acc) {
+  constexpr const char* op = "accumulate_routing_counts";
+  MC_CHECK(r.kept_per_expert.defined(), op, ": the routing is empty (build it with make_moe_routing)");
+  check_contiguous(op, "acc", acc);
+  check_dtype(op, "acc", acc, {DType::I64});
+  check_same_device(op, r.kept_per_expert, acc);
+  check_shape(op, "acc", acc, {r.num_experts + 2});
+  if (acc.device().is_cpu()) {
+    const int32_t* c = r.kept_per_expert.data<int32_t>();
+    int64_t* a = acc.data<int64_t>();
+    for (int64_t e = 0; e < r.num_experts; ++e) a[e] += c[e];  // CPU plans were checked when made
+  } else {
+    MC_CUDA_BACKEND(op, cuda::accumulate_routing_counts(r, acc));
+  }
+}
+
+void check_moe_routing(const MoeRouting& r, const Tensor& indices) {
+  if (!r.status.defined()) return;
+  const std::vector<int32_t> host = r.status.to_vector<int32_t>();
+  const int64_t E = r.num_experts;
+  const int32_t first_bad = host[static_cast<size_t>(E)];
+  if (first_bad != std::numeric_limits<int32_t>::max()) {
+    MC_CHECK(indices.defined(), "make_moe_routing: indices[", first_bad / r.topk, ", ", first_bad % r.topk,
+             "] is out of range [0, ", E, ")");
+    const int32_t value = indices.view({-1}).slice(0, first_bad, first_bad + 1).to_vector<int32_t>()[0];
+    detail::fail_bad_expert_index("make_moe_routing", first_bad / r.topk, first_bad % r.topk, value, E);
+  }
+  for (int64_t e = 0; e < E && r.capacity > 0; ++e)
+    if (host[static_cast<size_t>(e)] > r.capacity) detail::fail_over_capacity(e, host[static_cast<size_t>(e)], r.capacity);
 }
 
 void moe_permute_forward(const Tensor& x, const MoeRouting& r, Tensor& out) {

@@ -83,6 +83,14 @@ void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r) 
     r.tokens_per_expert.data<int32_t>()[e] = static_cast<int32_t>(C > 0 ? C : n);
   }
   r.num_rows = C > 0 ? E * C : base;
+  r.row_offsets = Tensor::empty({E + 1}, DType::I32);
+  r.kept_per_expert = Tensor::empty({E}, DType::I32);
+  int32_t* off = r.row_offsets.data<int32_t>();
+  off[0] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    off[e + 1] = static_cast<int32_t>(off[e] + r.host_tokens_per_expert[static_cast<size_t>(e)]);
+    r.kept_per_expert.data<int32_t>()[e] = static_cast<int32_t>(groups[static_cast<size_t>(e)].size());
+  }
 }
 
 void moe_permute_forward(const Tensor& x, const MoeRouting& r, Tensor& out) {

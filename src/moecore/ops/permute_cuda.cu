@@ -364,7 +364,7 @@ __global__ void chunk_hist_kernel(const int32_t* idx, const uint8_t* kept, int64
 }
 
 __global__ void chunk_scan_kernel(int32_t* cc, const int32_t* bad, int64_t chunks, int E, int64_t capacity,
-                                  int32_t* status) {
+                                  int32_t* status, int32_t* offsets) {
   extern __shared__ int64_t base[];  // [E]: first row of each expert
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int64_t total = 0;
@@ -376,8 +376,10 @@ __global__ void chunk_scan_kernel(int32_t* cc, const int32_t* bad, int64_t chunk
     int64_t at = 0;
     for (int e = 0; e < E; ++e) {
       base[e] = capacity > 0 ? static_cast<int64_t>(e) * capacity : at;
+      offsets[e] = static_cast<int32_t>(base[e]);
       at += status[e];
     }
+    offsets[E] = static_cast<int32_t>(capacity > 0 ? static_cast<int64_t>(E) * capacity : at);
     int first = INT_MAX;
     for (int64_t c = 0; c < chunks; ++c) first = min(first, bad[c]);
     status[E] = first;
@@ -486,7 +488,18 @@ void capacity_mask(const Tensor& indices, const Tensor& probs, int64_t num_exper
   MC_CUDA_CHECK_LAUNCH();
 }
 
-void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r) {
+// offsets [E + 1] from the counts in status (the path without chunks; one thread: E is small
+// next to the kernels around it).
+__global__ void row_offsets_kernel(const int32_t* status, int E, int64_t capacity, int32_t* offsets) {
+  int64_t at = 0;
+  for (int e = 0; e < E; ++e) {
+    offsets[e] = static_cast<int32_t>(capacity > 0 ? static_cast<int64_t>(e) * capacity : at);
+    at += status[e];
+  }
+  offsets[E] = static_cast<int32_t>(capacity > 0 ? static_cast<int64_t>(E) * capacity : at);
+}
+
+void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r, bool copy_counts) {
   cudaStream_t s = prepare(indices);
   const Device dev = indices.device();
   const int64_t n = indices.numel(), E = r.num_experts, C = r.capacity;
@@ -494,6 +507,7 @@ void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r) 
   const uint8_t* kp = kept.defined() ? kept.data<uint8_t>() : nullptr;
   Tensor status = Tensor::empty({E + 1}, DType::I32, dev);
   r.row_map = Tensor::empty({r.num_tokens, r.topk}, DType::I32, dev);
+  r.row_offsets = Tensor::empty({E + 1}, DType::I32, dev);
   const unsigned blocks = static_cast<unsigned>(E);
   if (E <= kChunkMaxExperts && n > 0 && n < INT_MAX) {
     const int64_t chunks = (n + kChunk - 1) / kChunk;
@@ -503,7 +517,8 @@ void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r) 
         idx, kp, n, static_cast<int>(E), cc.data<int32_t>(), bad.data<int32_t>());
     MC_CUDA_CHECK_LAUNCH();
     chunk_scan_kernel<<<1, 1024, sizeof(int64_t) * static_cast<size_t>(E), s>>>(
-        cc.data<int32_t>(), bad.data<int32_t>(), chunks, static_cast<int>(E), C, status.data<int32_t>());
+        cc.data<int32_t>(), bad.data<int32_t>(), chunks, static_cast<int>(E), C, status.data<int32_t>(),
+        r.row_offsets.data<int32_t>());
     MC_CUDA_CHECK_LAUNCH();
     chunk_place_kernel<<<static_cast<unsigned>(chunks), kChunkThreads, hist_bytes, s>>>(
         idx, kp, n, static_cast<int>(E), cc.data<int32_t>(), C, r.row_map.data<int32_t>());
@@ -514,6 +529,23 @@ void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r) 
     position_kernel<<<blocks, kScanThreads, 0, s>>>(idx, kp, n, status.data<int32_t>(), C,
                                                     r.row_map.data<int32_t>());
     MC_CUDA_CHECK_LAUNCH();
+    row_offsets_kernel<<<1, 1, 0, s>>>(status.data<int32_t>(), static_cast<int>(E), C, r.row_offsets.data<int32_t>());
+    MC_CUDA_CHECK_LAUNCH();
+  }
+  r.kept_per_expert = status.slice(0, 0, E);
+  if (!copy_counts) {
+    // No host copy: the row count follows from the shapes (dropless: every assignment has a row;
+    // padded: E*C) and the checks wait for check_moe_routing.
+    r.num_rows = C > 0 ? E * C : n;
+    r.status = status;
+    if (C > 0) {
+      r.tokens_per_expert = Tensor::empty({E}, DType::I32, dev);
+      fill_kernel<<<grid_for(E), 256, 0, s>>>(r.tokens_per_expert.data<int32_t>(), E, static_cast<int32_t>(C));
+      MC_CUDA_CHECK_LAUNCH();
+    } else {
+      r.tokens_per_expert = r.kept_per_expert;
+    }
+    return;
   }
   // The one synchronisation: the counts (GEMM sizes) and the index check come to the host.
   const std::vector<int32_t> host = status.to_vector<int32_t>();
@@ -627,6 +659,35 @@ void moe_unpermute_backward(const Tensor& y, const Tensor& probs, const MoeRouti
         y.data<T_>(), probs.data<float>(), r.row_map.data<int32_t>(), dout.data<T_>(), dy.data<T_>(),
         dprobs.data<float>(), static_cast<int>(r.topk), H);
   });
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+// One block: acc[e] += counts[e]; acc[E] += 1 if status[E] names a bad id; acc[E + 1] += 1 if a
+// padded expert went over capacity (status: the plan's deferred-check word, or null).
+__global__ void accumulate_routing_counts_kernel(const int32_t* counts, const int32_t* status, int E,
+                                                 int64_t capacity, int64_t* acc) {
+  __shared__ int over;
+  if (threadIdx.x == 0) over = 0;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    acc[e] += counts[e];
+    if (status != nullptr && capacity > 0 && status[e] > capacity) over = 1;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (status != nullptr && status[E] != INT_MAX) acc[E] += 1;
+    if (over) acc[E + 1] += 1;
+  }
+}
+}  // namespace
+
+void accumulate_routing_counts(const MoeRouting& r, Tensor& acc) {
+  cudaStream_t s = prepare(acc);
+  const int E = static_cast<int>(r.num_experts);
+  const int32_t* status = r.status.defined() ? r.status.data<int32_t>() : nullptr;
+  accumulate_routing_counts_kernel<<<1, 256, 0, s>>>(r.kept_per_expert.data<int32_t>(), status, E, r.capacity,
+                                                     acc.data<int64_t>());
   MC_CUDA_CHECK_LAUNCH();
 }
 

@@ -385,6 +385,7 @@ int run_training(const TrainArgs& args) {
   double interval_loss = 0, interval_ms = 0;
   int64_t interval_steps = 0, interval_skipped = 0, interval_nan = 0;  // Megatron logs these per interval
   int64_t interval_loss_steps = 0;  // steps whose loss enters the average (not the skipped ones)
+  uint64_t interval_syncs = 0;      // host synchronisations in the interval's steps (core/device.h)
   double interval_aux = 0, interval_z = 0;  // balancing losses, averaged over the interval like lm loss
   state.args = args.flag_values;
   auto save = [&] {
@@ -423,6 +424,7 @@ int run_training(const TrainArgs& args) {
 
   for (int64_t it = state.iteration + 1; it <= args.train_iters; ++it) {
     const auto t0 = std::chrono::steady_clock::now();
+    const uint64_t syncs0 = host_synchronizations();
     if (dev.is_cuda()) cuda_allocator(dev.index).reset_peak();
     // Megatron's order: micro-batch m of the step is [dp rank 0's samples | dp rank 1's | ...];
     // its seed is the same on every pipeline stage and equals the single-rank run's.
@@ -511,6 +513,7 @@ int run_training(const TrainArgs& args) {
     }
     synchronize(dev);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    interval_syncs += host_synchronizations() - syncs0;  // includes the timing synchronisation just above
     const double dispatch_ms = take_dispatch_comm_seconds() * 1e3;  // MOECORE_COMM_TIMERS=1 only
     const bool skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
     if (!skipped) {
@@ -568,7 +571,9 @@ int run_training(const TrainArgs& args) {
                           {"consumed_samples", state.consumed_samples},
                           {"skipped_iterations", state.skipped_iterations},
                           {"mem_allocated_bytes", mem.allocated_bytes},
-                          {"mem_max_allocated_bytes", mem.peak_allocated_bytes}};
+                          {"mem_max_allocated_bytes", mem.peak_allocated_bytes},
+                          {"host_syncs_per_iteration",
+                           static_cast<double>(interval_syncs) / static_cast<double>(interval_steps)}};
       if (!moe_layers.empty()) {
         j["load_balancing_loss"] = avg_aux;
         j["z_loss"] = avg_z;
@@ -603,6 +608,7 @@ int run_training(const TrainArgs& args) {
       }
       interval_loss = interval_ms = interval_aux = interval_z = 0;
       interval_steps = interval_skipped = interval_nan = interval_loss_steps = 0;
+      interval_syncs = 0;
     }
 
     if (args.eval_interval > 0 && data.valid && (it % args.eval_interval == 0 || it == args.train_iters)) {

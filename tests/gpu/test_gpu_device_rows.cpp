@@ -1,0 +1,271 @@
+// gpu tier: the MoE path without host synchronisation. A routing plan made without its host copy
+// (make_moe_routing copy_counts = false) equals the one made with it; its deferred checks raise
+// the same errors; grouped GEMMs given only device offsets run the Hopper kernel without waiting
+// for the GPU (the loop copies the counts first, same results); and a whole MoE layer forward +
+// backward under the Hopper implementation makes no host synchronisation at all, with the
+// outputs, gradients and statistics of the host-count path. host_synchronizations() counts every
+// stream/event/device synchronisation and device -> pageable host copy (core/device.h).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moecore/core/device.h"
+#include "moecore/model/config.h"
+#include "moecore/model/params.h"
+#include "moecore/moe/moe_layer.h"
+#include "moecore/ops/grouped_gemm.h"
+#include "moecore/ops/permute.h"
+#include "op_harness.h"
+
+using namespace moecore;
+using namespace moecore::testing;
+
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+// Valid expert ids, deliberately uneven (expert e gets ~ (e % 4 + 1) shares), one expert empty.
+Tensor skewed_indices(int64_t tokens, int64_t k, int64_t experts, uint64_t salt) {
+  std::vector<int32_t> v(static_cast<size_t>(tokens * k));
+  uint64_t s = salt * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& x : v) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    int32_t e = static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(experts * 2)) / 2;
+    if (e == 3) e = 4;  // expert 3 receives nothing
+    x = e;
+  }
+  return Tensor::from_vector(v, {tokens, k}).to(kGpu);
+}
+
+std::vector<int32_t> ints(const Tensor& t) { return t.to_vector<int32_t>(); }
+
+// The Hopper kernel must take these cases on a compute-capability 9.0 GPU (the default build
+// has sm_90a code); elsewhere the tests check the fallback instead.
+bool hopper_gpu() {
+  int major = 0;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major == 9;
+}
+
+// Restores the process-wide grouped GEMM implementation when a test ends.
+struct ImplGuard {
+  ops::GroupedGemmImpl saved = ops::grouped_gemm_impl();
+  ~ImplGuard() { ops::set_grouped_gemm_impl(saved); }
+};
+
+}  // namespace
+
+TEST(DeviceRowsRouting, PlanWithoutHostCopyEqualsPlanWithIt) {
+  const int64_t T = 300, k = 4, E = 16;
+  const Tensor idx = skewed_indices(T, k, E, 1);
+  for (bool padded : {false, true}) {
+    SCOPED_TRACE(padded ? "padded" : "dropless");
+    Tensor kept;
+    int64_t pad = 0;
+    if (padded) {
+      pad = ops::expert_capacity(T, k, E, 1.0);
+      kept = Tensor::empty({T, k}, DType::U8, kGpu);
+      ops::capacity_mask(idx, random_tensor({T, k}, DType::F32, kGpu), E, pad, ops::DropPolicy::Probs, kept);
+    }
+    const ops::MoeRouting ref = ops::make_moe_routing(idx, kept, E, pad, true);
+    synchronize(kGpu);
+    const uint64_t before = host_synchronizations();
+    const ops::MoeRouting r = ops::make_moe_routing(idx, kept, E, pad, false);
+    EXPECT_EQ(host_synchronizations(), before) << "the plan without the host copy waited for the GPU";
+    EXPECT_TRUE(r.host_tokens_per_expert.empty());
+    EXPECT_EQ(r.num_rows, padded ? E * pad : T * k);
+    EXPECT_EQ(ref.num_rows, r.num_rows);
+    EXPECT_EQ(ints(r.row_map), ints(ref.row_map));
+    EXPECT_EQ(ints(r.row_offsets), ints(ref.row_offsets));
+    EXPECT_EQ(ints(r.kept_per_expert), ints(ref.kept_per_expert));
+    EXPECT_EQ(ints(r.tokens_per_expert), ints(ref.tokens_per_expert));
+    // The offsets are the prefix sums of the host counts of the plan that copied them.
+    const std::vector<int32_t> off = ints(ref.row_offsets);
+    ASSERT_EQ(off.size(), static_cast<size_t>(E + 1));
+    for (int64_t e = 0; e < E; ++e) EXPECT_EQ(off[e + 1] - off[e], ref.host_tokens_per_expert[static_cast<size_t>(e)]);
+    EXPECT_EQ(ints(r.kept_per_expert)[3], 0);
+    EXPECT_NO_THROW(ops::check_moe_routing(r, idx));
+    // The CPU plan of the same indices: the same layout and counts; accumulated counts agree.
+    const ops::MoeRouting cpu =
+        ops::make_moe_routing(idx.to(Device::cpu()), kept.defined() ? kept.to(Device::cpu()) : Tensor(), E, pad);
+    EXPECT_EQ(ints(r.row_map), ints(cpu.row_map));
+    EXPECT_EQ(ints(r.row_offsets), ints(cpu.row_offsets));
+    Tensor acc = Tensor::zeros({E + 2}, DType::I64, kGpu), acc_cpu = Tensor::zeros({E + 2}, DType::I64);
+    for (int i = 0; i < 2; ++i) ops::accumulate_routing_counts(r, acc), ops::accumulate_routing_counts(cpu, acc_cpu);
+    EXPECT_EQ(acc.to_vector<int64_t>(), acc_cpu.to_vector<int64_t>());
+  }
+}
+
+TEST(DeviceRowsRouting, DeferredChecksRaiseTheSameErrors) {
+  const int64_t T = 40, k = 2, E = 8;
+  std::vector<int32_t> v(static_cast<size_t>(T * k));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>(i % E);
+  v[5 * k + 1] = static_cast<int32_t>(E);  // indices[5, 1] = 8: out of range
+  const Tensor bad = Tensor::from_vector(v, {T, k}).to(kGpu);
+  EXPECT_THROW(ops::make_moe_routing(bad, Tensor(), E, 0, true), Error);
+  const ops::MoeRouting r = ops::make_moe_routing(bad, Tensor(), E, 0, false);  // nothing raised yet
+  try {
+    ops::check_moe_routing(r, bad);
+    ADD_FAILURE() << "check_moe_routing accepted an out-of-range expert id";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("indices[5, 1] = 8 is out of range [0, 8)"), std::string::npos) << e.what();
+  }
+  Tensor acc = Tensor::zeros({E + 2}, DType::I64, kGpu);
+  ops::accumulate_routing_counts(r, acc);
+  EXPECT_EQ(acc.to_vector<int64_t>()[E], 1) << "the bad id must be flagged in the accumulated counts";
+  EXPECT_EQ(acc.to_vector<int64_t>()[E + 1], 0);
+  // Padded to a capacity some expert exceeds (no capacity_mask first).
+  for (auto& x : v) x = 0;
+  const Tensor crowded = Tensor::from_vector(v, {T, k}).to(kGpu);
+  const ops::MoeRouting p = ops::make_moe_routing(crowded, Tensor(), E, 4, false);
+  try {
+    ops::check_moe_routing(p, crowded);
+    ADD_FAILURE() << "check_moe_routing accepted an expert over capacity";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 0 has 80 kept assignments, more than pad_to_capacity = 4"),
+              std::string::npos)
+        << e.what();
+  }
+  Tensor acc_p = Tensor::zeros({E + 2}, DType::I64, kGpu);
+  ops::accumulate_routing_counts(p, acc_p);
+  EXPECT_EQ(acc_p.to_vector<int64_t>()[E], 0);
+  EXPECT_EQ(acc_p.to_vector<int64_t>()[E + 1], 1) << "the over-capacity expert must be flagged";
+}
+
+TEST(DeviceRowsGroupedGemm, KernelReadsDeviceOffsetsWithoutWaitingLoopCopiesThem) {
+  ImplGuard guard;
+  const int64_t E = 12, N = 192, K = 136;
+  const std::vector<int64_t> counts = {70, 0, 129, 1, 300, 64, 0, 257, 33, 90, 8, 200};
+  int64_t rows = 0;
+  std::vector<int32_t> off = {0};
+  for (int64_t c : counts) off.push_back(static_cast<int32_t>(rows += c));
+  const ops::ExpertRows device_only{{}, Tensor::from_vector(off, {E + 1}).to(kGpu)};
+  const Tensor x = random_tensor({rows, K}, DType::BF16, kGpu), w = random_tensor({E, N, K}, DType::BF16, kGpu);
+  const Tensor dout = random_tensor({rows, N}, DType::BF16, kGpu);
+  const bool kernel = ops::cuda::hopper_grouped_gemm_takes(w);
+  for (ops::GroupedGemmImpl impl : {ops::GroupedGemmImpl::Hopper, ops::GroupedGemmImpl::Loop}) {
+    ops::set_grouped_gemm_impl(impl);
+    SCOPED_TRACE(ops::grouped_gemm_impl_name(impl));
+    Tensor out_ref = Tensor::empty({rows, N}, DType::BF16, kGpu), out = Tensor::empty({rows, N}, DType::BF16, kGpu);
+    Tensor dx_ref = Tensor::empty({rows, K}, DType::BF16, kGpu), dx = Tensor::empty({rows, K}, DType::BF16, kGpu);
+    Tensor dw_ref = Tensor::zeros({E, N, K}, DType::F32, kGpu), dw = Tensor::zeros({E, N, K}, DType::F32, kGpu);
+    ops::grouped_gemm_forward(x, w, counts, out_ref);
+    ops::grouped_gemm_dgrad(dout, w, counts, dx_ref);
+    ops::grouped_gemm_wgrad(dout, x, counts, dw_ref);
+    synchronize(kGpu);
+    const uint64_t before = host_synchronizations();
+    ops::grouped_gemm_forward(x, w, device_only, out);
+    ops::grouped_gemm_dgrad(dout, w, device_only, dx);
+    ops::grouped_gemm_wgrad(dout, x, device_only, dw);
+    const uint64_t waited = host_synchronizations() - before;
+    const bool on_device = impl == ops::GroupedGemmImpl::Hopper && kernel;
+    if (on_device) {
+      EXPECT_EQ(waited, 0u) << "the kernel with device offsets waited for the GPU";
+    } else {
+      EXPECT_GE(waited, 1u) << "the loop needs the counts on the host: it must have copied them";
+    }
+    EXPECT_EQ(ops::grouped_gemm_device_rows(w), on_device);
+    // The same implementation on the same rows: identical bits.
+    EXPECT_EQ(to_doubles(out), to_doubles(out_ref));
+    EXPECT_EQ(to_doubles(dx), to_doubles(dx_ref));
+    EXPECT_EQ(to_doubles(dw), to_doubles(dw_ref));
+  }
+  EXPECT_EQ(kernel, hopper_gpu()) << "the kernel takes this shape exactly on a Hopper GPU";
+}
+
+TEST(DeviceRowsGroupedGemm, AutoTakesTheKernelBelowFortyMillionElementsPerExpert) {
+  ImplGuard guard;
+  ops::set_grouped_gemm_impl(ops::GroupedGemmImpl::Auto);
+  const Tensor small = Tensor::empty({4, 2048, 11264}, DType::BF16, kGpu);  // mixtral-small fc1: 23M
+  const Tensor large = Tensor::empty({1, 4096, 14336}, DType::BF16, kGpu);  // Mixtral-8x7B: 58.7M
+  EXPECT_EQ(ops::grouped_gemm_device_rows(small), hopper_gpu());
+  EXPECT_FALSE(ops::grouped_gemm_device_rows(large));
+  ops::set_grouped_gemm_impl(ops::GroupedGemmImpl::Mixed);  // the loop's wgrad needs host counts
+  EXPECT_FALSE(ops::grouped_gemm_device_rows(small));
+}
+
+TEST(DeviceRowsMoeLayer, ForwardBackwardMakesNoHostSynchronisation) {
+  ImplGuard guard;
+  ModelConfig c;
+  c.num_layers = 1;
+  c.hidden_size = 256;
+  c.num_attention_heads = 2;
+  c.seq_length = 128;
+  c.vocab_size = 64;
+  c.add_bias_linear = false;
+  c.swiglu = true;
+  c.init_method_std = 0.05;
+  c.moe.num_experts = 16;
+  c.moe.router.topk = 4;
+  c.moe.ffn_hidden_size = 128;
+  c.moe.aux_loss_coeff = 1e-2;
+  c.moe.z_loss_coeff = 1e-3;
+  finalize_model_config(c, "1");
+  ParamStore store(kGpu, DType::F32, DType::BF16, 7);
+  MoeLayer layer(store, "moe", c);
+  store.initialize();
+  const int64_t T = 512;
+  const Tensor x = random_tensor({T, c.hidden_size}, DType::BF16, kGpu);
+  const Tensor dy = random_tensor({T, c.hidden_size}, DType::BF16, kGpu);
+  const std::vector<std::string> names = {"moe.experts.linear_fc1.weight", "moe.experts.linear_fc2.weight",
+                                          "moe.router.weight"};
+
+  struct Run {
+    std::vector<double> out, dx, tokens_per_expert;
+    std::vector<std::vector<double>> grads;
+    uint64_t syncs = 0;
+  };
+  auto run = [&](ops::GroupedGemmImpl impl) {
+    ops::set_grouped_gemm_impl(impl);
+    store.zero_grad();
+    Run r;
+    for (int pass = 0; pass < 2; ++pass) {  // the second pass is measured (the first fills caches)
+      store.zero_grad();
+      layer.finish_step();
+      synchronize(kGpu);
+      const uint64_t before = host_synchronizations();
+      MoeLayer::Ctx ctx;
+      const Tensor out = layer.forward(x, 4, true, 11, ctx);
+      const Tensor dx = layer.backward(dy, 1.0, ctx);
+      r.syncs = host_synchronizations() - before;
+      r.out = to_doubles(out);
+      r.dx = to_doubles(dx);
+    }
+    for (const std::string& n : names) r.grads.push_back(to_doubles(store.get(n).grad));
+    r.tokens_per_expert = layer.finish_step().tokens_per_expert;
+    return r;
+  };
+  const Run host = run(ops::GroupedGemmImpl::Mixed);   // kernel forward/dgrad, cuBLAS wgrad: host counts
+  const Run device = run(ops::GroupedGemmImpl::Hopper);
+  const bool kernel = ops::grouped_gemm_device_rows(store.get(names[0]).weight) &&
+                      ops::grouped_gemm_device_rows(store.get(names[1]).weight);
+  EXPECT_GE(host.syncs, 1u) << "the host-count path copies the plan's counts";
+  if (kernel) {
+    EXPECT_EQ(device.syncs, 0u) << "the MoE layer waited for the GPU with device-side expert offsets";
+  }
+  EXPECT_EQ(kernel, hopper_gpu()) << "the kernel takes this layer exactly on a Hopper GPU";
+  // Forward and dgrad run the same kernel on the same rows in both: identical outputs and input
+  // gradients; the weight gradients differ only in the wgrad's summation order (kernel vs cuBLAS).
+  EXPECT_EQ(device.out, host.out);
+  EXPECT_EQ(device.dx, host.dx);
+  for (size_t i = 0; i < names.size(); ++i) {
+    SCOPED_TRACE(names[i]);
+    ASSERT_EQ(device.grads[i].size(), host.grads[i].size());
+    double worst = 0, scale = 0;
+    for (size_t j = 0; j < host.grads[i].size(); ++j) {
+      worst = std::max(worst, std::fabs(device.grads[i][j] - host.grads[i][j]));
+      scale = std::max(scale, std::fabs(host.grads[i][j]));
+    }
+    EXPECT_GT(scale, 0.0);
+    EXPECT_LE(worst, 1e-4 * scale + 1e-6);  // fp32 accumulation in both; bf16 inputs identical
+  }
+  EXPECT_EQ(device.tokens_per_expert, host.tokens_per_expert);
+  double total = 0;
+  for (double t : device.tokens_per_expert) total += t;
+  EXPECT_EQ(total, static_cast<double>(T * c.moe.router.topk));
+}
