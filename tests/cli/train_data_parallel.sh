@@ -135,6 +135,13 @@ for case in "4 --bf16 --use-distributed-optimizer" \
   compare "$dir/dp.jsonl" "$dir/single.jsonl" 1e-3 || { echo "FAIL: np=$case differs from one bf16 rank"; exit 1; }
   echo "np=$case: same losses and grad norm as one bf16 rank"
 done
+# bf16 AdamW states (precision-aware optimizer): sharded by the distributed optimizer as on one rank.
+bf16_states=(--bf16 --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)
+run_single "${bf16_states[@]}"
+run_ranks 4 "${bf16_states[@]}" --use-distributed-optimizer --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+grep -q "exp_avg in bf16, exp_avg_sq in bf16" "$dir/dp.log" || { cat "$dir/dp.log"; echo "FAIL: bf16 states not in use"; exit 1; }
+compare "$dir/dp.jsonl" "$dir/single.jsonl" 1e-3 || { echo "FAIL: bf16 AdamW states on 4 ranks differ from one rank"; exit 1; }
+echo "np=4 bf16 AdamW states + distributed optimizer + EP=2: same losses and grad norm as one rank"
 rm -f "$dir/single.jsonl"
 "$bin" "${base[@]}" --bf16 "${sched[@]}" --train-iters 4 --metrics-file "$dir/single.jsonl" > "$dir/single.log" 2>&1 || { cat "$dir/single.log"; exit 1; }
 "$mpiexec" -np 4 "$bin" "${base[@]}" --bf16 "${sched[@]}" --train-iters 2 --use-distributed-optimizer \

@@ -283,6 +283,27 @@ TEST(GpuAdamW, ThreeStepsMatchCpu) {
                           {Tolerance{1e-6, 1e-5}});
 }
 
+// bf16 moments (the precision-aware optimizer): the same per-element function and the same
+// rounding on store on both devices.
+TEST(GpuAdamW, Bf16MomentsMatchCpu) {
+  MC_REQUIRE_CUDA();
+  const int64_t n = 100003;
+  Tensor p = random_tensor({n}, DType::F32), m = random_tensor({n}, DType::BF16, Device::cpu(), -0.1, 0.1);
+  Tensor v = random_tensor({n}, DType::BF16, Device::cpu(), 0.0, 0.01);
+  Tensor g = random_tensor({n}, DType::F32, Device::cpu(), -3.0, 3.0);
+  // Last-bit f32 differences (fused multiply-adds) may move a bf16 rounding by one unit (2^-8).
+  expect_cuda_matches_cpu({p, g, m, v}, {{{n}, DType::F32}, {{n}, DType::BF16}, {{n}, DType::BF16}},
+                          [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                            out[0].copy_from(in[0]);
+                            out[1].copy_from(in[2]);
+                            out[2].copy_from(in[3]);
+                            for (int64_t step = 1; step <= 3; ++step)
+                              ops::adamw_step(out[0], in[1], out[1], out[2], {1e-3, 0.9, 0.95, 1e-8, 0.1, step},
+                                              step == 2 ? 0.5f : 1.0f);
+                          },
+                          {Tolerance{1e-6, 1e-5}, Tolerance{1e-6, 8e-3}, Tolerance{1e-9, 8e-3}});
+}
+
 TEST(GpuAdamW, F64IsRefusedOnCuda) {
   MC_REQUIRE_CUDA();
   Tensor p = Tensor::zeros({4}, DType::F64, kCuda), g = p.clone(), m = p.clone(), v = p.clone();

@@ -148,3 +148,48 @@ TEST(AdamW, RejectsMismatchedTensors) {
   Tensor pb = Tensor::zeros({4}, DType::BF16);
   EXPECT_THROW(ops::adamw_step(pb, Tensor::zeros({4}, DType::BF16), m, v, c), Error);  // bf16 master weights
 }
+
+// The precision-aware optimizer: f32 params with bf16 moments follow the reference with the
+// moments rounded to bf16 after every step (and the update computed from the rounded values).
+TEST(AdamW, Bf16MomentsMatchReferenceRoundedEachStep) {
+  const int64_t n = 1000;
+  auto round_bf16 = [](std::vector<double>& x) {
+    for (double& d : x) d = static_cast<double>(static_cast<float>(bf16(static_cast<float>(d))));
+  };
+  for (int which = 0; which < 3; ++which) {  // bf16 m only, v only, both
+    const bool m16 = which != 1, v16 = which != 0;
+    State s{to_doubles(random_tensor({n}, DType::F64)), std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+    Tensor p = vec(s.p, DType::F32);
+    Tensor m = Tensor::zeros({n}, m16 ? DType::BF16 : DType::F32), v = Tensor::zeros({n}, v16 ? DType::BF16 : DType::F32);
+    ops::AdamWConfig c{3e-3, 0.9, 0.95, 1e-8, 0.1, 0};
+    for (int step = 1; step <= 12; ++step) {
+      c.step = step;
+      const std::vector<double> g = to_doubles(random_tensor({n}, DType::F32, Device::cpu(), -2, 2));
+      // The reference's update uses the moments before rounding; the kernel's too (rounding
+      // happens on store): round after the step, as the kernel does.
+      reference_step(s, g, c, 1.0);
+      if (m16) round_bf16(s.m);
+      if (v16) round_bf16(s.v);
+      ops::adamw_step(p, vec(g, DType::F32), m, v, c);
+    }
+    // bf16 keeps 8 significant bits: the moments agree to one bf16 rounding (2^-8 relative),
+    // the parameters (f32) to f32 rounding plus the moments' effect through later steps.
+    EXPECT_TRUE(allclose(m, Tensor::from_vector(s.m, {n}), {1e-6, m16 ? 8e-3 : 1e-5})) << "exp_avg, case " << which;
+    EXPECT_TRUE(allclose(v, Tensor::from_vector(s.v, {n}), {1e-9, v16 ? 8e-3 : 1e-5})) << "exp_avg_sq, case " << which;
+    EXPECT_TRUE(allclose(p, Tensor::from_vector(s.p, {n}), {1e-5, 1e-4})) << "param, case " << which;
+    EXPECT_EQ(m.dtype(), m16 ? DType::BF16 : DType::F32);
+  }
+  // bf16 moments need f32 params, and only moments may be bf16.
+  Tensor p = Tensor::zeros({4}, DType::F32), g = Tensor::zeros({4}, DType::F32);
+  Tensor m = Tensor::zeros({4}, DType::BF16), v = Tensor::zeros({4}, DType::BF16);
+  const ops::AdamWConfig c{1e-3, 0.9, 0.999, 1e-8, 0.1, 1};
+  EXPECT_NO_THROW(ops::adamw_step(p, g, m, v, c));
+  EXPECT_THROW(ops::adamw_step(p, Tensor::zeros({4}, DType::BF16), m, v, c), Error);  // bf16 grad
+  Tensor p64 = Tensor::zeros({4}, DType::F64);
+  try {
+    ops::adamw_step(p64, Tensor::zeros({4}, DType::F64), m, v, c);
+    FAIL() << "bf16 moments with f64 params accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "adamw_step: 'exp_avg' has dtype bf16; expected param's dtype f64");
+  }
+}

@@ -9,7 +9,21 @@
 namespace moecore {
 
 ParamStore::ParamStore(Device device, DType master_dtype, DType compute_dtype, uint64_t seed)
-    : device_(device), master_(master_dtype), compute_(compute_dtype), seed_(seed) {}
+    : device_(device), master_(master_dtype), compute_(compute_dtype), exp_avg_(master_dtype),
+      exp_avg_sq_(master_dtype), seed_(seed) {}
+
+void ParamStore::set_optimizer_state_dtypes(DType exp_avg, DType exp_avg_sq) {
+  for (DType d : {exp_avg, exp_avg_sq})
+    MC_CHECK(d == master_ || (d == DType::BF16 && master_ == DType::F32), "optimizer state dtype ", dtype_name(d),
+             ": expected the master dtype (", dtype_name(master_), ") or bf16 with f32 masters");
+  exp_avg_ = exp_avg;
+  exp_avg_sq_ = exp_avg_sq;
+  for (const auto& p : params_) {
+    if (!p->exp_avg.defined()) continue;  // buffers, or states the distributed optimizer released
+    p->exp_avg = Tensor::zeros(p->shape, exp_avg_, device_);
+    p->exp_avg_sq = Tensor::zeros(p->shape, exp_avg_sq_, device_);
+  }
+}
 
 Param& ParamStore::add(const std::string& name, const Shape& shape, Init init, double std, bool weight_decay,
                        DType compute_dtype, bool use_store_compute) {
@@ -25,8 +39,8 @@ Param& ParamStore::add(const std::string& name, const Shape& shape, Init init, d
   p->master = Tensor::empty(shape, master_, device_);
   p->weight = p->compute_dtype == master_ ? p->master : Tensor::empty(shape, p->compute_dtype, device_);
   p->grad = Tensor::zeros(shape, master_, device_);
-  p->exp_avg = Tensor::zeros(shape, master_, device_);
-  p->exp_avg_sq = Tensor::zeros(shape, master_, device_);
+  p->exp_avg = Tensor::zeros(shape, exp_avg_, device_);
+  p->exp_avg_sq = Tensor::zeros(shape, exp_avg_sq_, device_);
   p->full_rows = shape.empty() ? 0 : shape[0];
   params_.push_back(std::move(p));
   return *params_.back();

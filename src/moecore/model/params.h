@@ -103,10 +103,17 @@ class ParamStore {
   Device device() const { return device_; }
   DType master_dtype() const { return master_; }
   DType compute_dtype() const { return compute_; }
+  // AdamW's exp_avg and exp_avg_sq dtypes (--exp-avg-dtype, --exp-avg-sq-dtype with
+  // --use-precision-aware-optimizer): the master dtype (default) or bf16 with f32 masters.
+  // Re-allocates the states of the parameters registered so far (zeros); later ones follow.
+  void set_optimizer_state_dtypes(DType exp_avg, DType exp_avg_sq);
+  DType exp_avg_dtype() const { return exp_avg_; }
+  DType exp_avg_sq_dtype() const { return exp_avg_sq_; }
 
  private:
   Device device_;
   DType master_, compute_;
+  DType exp_avg_, exp_avg_sq_;
   uint64_t seed_;
   std::vector<std::unique_ptr<Param>> params_;
   Tensor grad_buffer_, expert_grad_buffer_, master_buffer_, expert_master_buffer_;

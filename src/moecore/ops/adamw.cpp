@@ -6,12 +6,14 @@ namespace moecore::ops {
 
 namespace {
 
-void check_state(const char* op, const char* name, const Tensor& t, const Tensor& param) {
+// bf16_ok: the moments may also be bf16 when param is f32.
+void check_state(const char* op, const char* name, const Tensor& t, const Tensor& param, bool bf16_ok = false) {
   check_contiguous(op, name, t);
   check_same_device(op, param, t);
   check_same_shape(op, "param", param, name, t);
-  MC_CHECK(t.dtype() == param.dtype(), op, ": '", name, "' has dtype ", dtype_name(t.dtype()),
-           "; expected param's dtype ", dtype_name(param.dtype()));
+  const bool ok = t.dtype() == param.dtype() || (bf16_ok && t.dtype() == DType::BF16 && param.dtype() == DType::F32);
+  MC_CHECK(ok, op, ": '", name, "' has dtype ", dtype_name(t.dtype()), "; expected param's dtype ",
+           dtype_name(param.dtype()), bf16_ok && param.dtype() == DType::F32 ? " or bf16" : "");
 }
 
 // The comparisons are written so that NaN fails them too.
@@ -33,8 +35,8 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   check_dtype(op, "param", param, {DType::F32, DType::F64});
   MC_CHECK(!(param.device().is_cuda() && param.dtype() == DType::F64), op, ": f64 is CPU-only");
   check_state(op, "grad", grad, param);
-  check_state(op, "exp_avg", exp_avg, param);
-  check_state(op, "exp_avg_sq", exp_avg_sq, param);
+  check_state(op, "exp_avg", exp_avg, param, true);
+  check_state(op, "exp_avg_sq", exp_avg_sq, param, true);
   check_config(op, config);
   const AdamWCoefficients<float> k32 = adamw_coefficients<float>(config, grad_scale);
   if (param.device().is_cpu()) {

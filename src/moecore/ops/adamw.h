@@ -7,7 +7,9 @@
 //   p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),   bc1 = 1 - beta1^step, bc2 = 1 - beta2^step
 // (= p - lr * (m / bc1) / (sqrt(v / bc2) + eps), in PyTorch's order of operations).
 // param, grad, exp_avg (m), exp_avg_sq (v): one shape, contiguous, all f32 (all f64 allowed
-// on the CPU). step is 1-based. The scalar coefficients (1 - lr*wd, 1 - beta, lr / bc1,
+// on the CPU); with f32 param and grad, m and/or v may be bf16 (the precision-aware optimizer,
+// --exp-avg-dtype / --exp-avg-sq-dtype bf16): they are read into f32, updated by the same
+// function and rounded to bf16 (nearest even) when stored. step is 1-based. The scalar coefficients (1 - lr*wd, 1 - beta, lr / bc1,
 // sqrt(bc2)) are computed once on the host in double and rounded to the compute type, and
 // both backends apply the same per-element function (adamw_update, MC_HD).
 // Bad configs raise an Error: lr, eps or weight_decay negative (or NaN), beta1 or beta2

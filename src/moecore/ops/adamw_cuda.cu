@@ -1,4 +1,4 @@
-// CUDA AdamW: one grid-stride elementwise kernel (f32); the per-step coefficients (bias
+// CUDA AdamW: one grid-stride elementwise kernel (f32; moments f32 or bf16); the per-step coefficients (bias
 // corrections included) come from the host, the per-element update is adamw.h's adamw_update.
 #include "moecore/ops/adamw.h"
 #include "moecore/ops/cuda_common.cuh"
@@ -7,15 +7,24 @@ namespace moecore::ops::cuda {
 
 namespace {
 
-__global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                             float* __restrict__ v, int64_t n, AdamWCoefficients<float> k) {
+// M and V: float or bf16 (the moments' storage; the update runs in f32 either way).
+template <typename M, typename V>
+__global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, M* __restrict__ m,
+                             V* __restrict__ v, int64_t n, AdamWCoefficients<float> k) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    float pi = p[i], mi = m[i], vi = v[i];
+    float pi = p[i], mi = static_cast<float>(m[i]), vi = static_cast<float>(v[i]);
     adamw_update<float>(pi, g[i], mi, vi, k);
     p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
+    m[i] = M(mi);
+    v[i] = V(vi);
   }
+}
+
+template <typename M, typename V>
+void launch(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWCoefficients<float>& k,
+            int64_t n, cudaStream_t s) {
+  adamw_kernel<M, V><<<grid_for(n), 256, 0, s>>>(param.data<float>(), grad.data<float>(), exp_avg.data<M>(),
+                                                 exp_avg_sq.data<V>(), n, k);
 }
 
 }  // namespace
@@ -25,8 +34,11 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   const int64_t n = param.numel();
   if (n == 0) return;
   cudaStream_t s = prepare(param);
-  adamw_kernel<<<grid_for(n), 256, 0, s>>>(param.data<float>(), grad.data<float>(), exp_avg.data<float>(),
-                                           exp_avg_sq.data<float>(), n, k);
+  const bool m16 = exp_avg.dtype() == DType::BF16, v16 = exp_avg_sq.dtype() == DType::BF16;
+  if (m16 && v16) launch<bf16, bf16>(param, grad, exp_avg, exp_avg_sq, k, n, s);
+  else if (m16) launch<bf16, float>(param, grad, exp_avg, exp_avg_sq, k, n, s);
+  else if (v16) launch<float, bf16>(param, grad, exp_avg, exp_avg_sq, k, n, s);
+  else launch<float, float>(param, grad, exp_avg, exp_avg_sq, k, n, s);
   MC_CUDA_CHECK_LAUNCH();
 }
 

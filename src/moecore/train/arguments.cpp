@@ -81,6 +81,12 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_double("adam-beta2", &a.adam_beta2, "AdamW beta2");
   f.add_double("adam-eps", &a.adam_eps, "AdamW epsilon");
   f.add_double("clip-grad", &a.clip_grad, "global gradient-norm clip (0: off)");
+  f.add_bool("use-precision-aware-optimizer", &a.precision_aware_optimizer,
+             "allow AdamW states in lower precision (--exp-avg-dtype, --exp-avg-sq-dtype)");
+  f.add_string("exp-avg-dtype", &a.exp_avg_dtype,
+               "AdamW first moment dtype: fp32 or bf16 (needs --use-precision-aware-optimizer)");
+  f.add_string("exp-avg-sq-dtype", &a.exp_avg_sq_dtype,
+               "AdamW second moment dtype: fp32 or bf16 (needs --use-precision-aware-optimizer)");
   f.add_bool("bf16", &a.bf16, "bf16 compute with fp32 master weights (on the CPU too: slow, for tests)");
   f.add_int("seed", &a.seed, "random seed (initialisation, data, jitter)");
   f.add_int("log-interval", &a.log_interval, "steps between log lines");
@@ -352,6 +358,13 @@ void finalize_train_args(TrainArgs& a) {
            "--adam-beta1 and --adam-beta2 must be in [0, 1)");
   MC_CHECK(a.adam_eps > 0, "--adam-eps ", a.adam_eps, " must be > 0");
   MC_CHECK(a.clip_grad >= 0, "--clip-grad ", a.clip_grad, " must be >= 0");
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{"--exp-avg-dtype", a.exp_avg_dtype},
+                                    {"--exp-avg-sq-dtype", a.exp_avg_sq_dtype}}) {
+    MC_CHECK(value == "fp32" || value == "bf16", flag, " '", value, "': expected fp32 or bf16",
+             value == "fp16" || value == "fp8" ? " (moecore does not keep AdamW states in fp16 or fp8)" : "");
+    MC_CHECK(value == "fp32" || a.precision_aware_optimizer, flag, " ", value,
+             " needs --use-precision-aware-optimizer (as in Megatron)");
+  }
   MC_CHECK(a.log_interval >= 1, "--log-interval ", a.log_interval, " must be >= 1");
   MC_CHECK(a.eval_interval >= 0 && a.eval_iters >= 1, "--eval-interval must be >= 0 and --eval-iters >= 1");
   MC_CHECK(a.save_interval >= 0, "--save-interval ", a.save_interval, " must be >= 0");

@@ -34,6 +34,10 @@ struct TrainArgs {
   std::string lr_wsd_decay_style = "exponential";   // WSD's final decay: linear, cosine, exponential, minus_sqrt
   double weight_decay = 0.01, adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8, clip_grad = 1.0;
   bool bf16 = false;
+  // --use-precision-aware-optimizer with --exp-avg-dtype / --exp-avg-sq-dtype: AdamW moments in
+  // bf16 (fp32 default); checkpoints keep them in fp32 either way.
+  bool precision_aware_optimizer = false;
+  std::string exp_avg_dtype = "fp32", exp_avg_sq_dtype = "fp32";
   int64_t seed = 1234;
   int64_t log_interval = 1, eval_interval = 0, eval_iters = 10;
   std::string save, load, tensorboard_dir, metrics_file;

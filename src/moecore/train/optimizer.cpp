@@ -37,6 +37,22 @@ Overlap overlap(int64_t offset, int64_t numel, int64_t begin, int64_t end) {
   return {std::max(offset, begin), std::min(offset + numel, end)};
 }
 
+// dst = src, converting the dtype where they differ (bf16 optimizer states <-> f32 checkpoints).
+void assign(Tensor dst, const Tensor& src) {
+  if (dst.dtype() == src.dtype()) {
+    dst.copy_from(src);
+  } else {
+    ops::cast(src, dst);
+  }
+}
+
+Tensor in_dtype(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
+  ops::cast(t, out);
+  return out;
+}
+
 }  // namespace
 
 std::pair<int64_t, int64_t> Optimizer::shard_multiples(const OptimizerGroups& g, bool distributed) {
@@ -90,8 +106,8 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     // The shard's gradients are this rank's slice of the gradient buffer: the reduce-scatter runs
     // in place (no second copy of the shard; a group of one needs no communication at all).
     s.grad = buffer.slice(0, s.begin, s.end);
-    s.exp_avg = Tensor::zeros({size}, store_.master_dtype(), store_.device());
-    s.exp_avg_sq = Tensor::zeros({size}, store_.master_dtype(), store_.device());
+    s.exp_avg = Tensor::zeros({size}, store_.exp_avg_dtype(), store_.device());
+    s.exp_avg_sq = Tensor::zeros({size}, store_.exp_avg_sq_dtype(), store_.device());
   }
   // The shards replace the per-parameter Adam state.
   for (const auto& p : store_.all())
@@ -396,12 +412,13 @@ Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
 
 Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_state) {
   // Zeros outside this rank's shard, then a sum over the group: each element has one owner.
-  Tensor t = Tensor::zeros(p.shape, shard_state.dtype(), shard_state.device());
+  // In the master dtype (bf16 moments are widened exactly: checkpoints hold f32 moments).
+  Tensor t = Tensor::zeros(p.shape, store_.master_dtype(), shard_state.device());
   const int64_t offset = store_.grad_offset(p), n = numel(p);
   const Overlap o = overlap(offset, n, s.begin, s.end);
   if (!o.empty()) {
     Tensor dst = t.view({n}).slice(0, o.lo - offset, o.hi - offset);
-    dst.copy_from(shard_state.slice(0, o.lo - s.begin, o.hi - s.begin));
+    assign(dst, shard_state.slice(0, o.lo - s.begin, o.hi - s.begin));
   }
   if (s.group) s.group->all_reduce(t, comm::ReduceOp::Sum);
   return t;
@@ -417,6 +434,8 @@ void Optimizer::full_state(const std::function<void(const std::string& name, con
       m = param_state(*p, shard_of(*p), shard_of(*p).exp_avg);
       v = param_state(*p, shard_of(*p), shard_of(*p).exp_avg_sq);
     }
+    m = in_dtype(m, store_.master_dtype());  // bf16 moments are saved widened (exactly) to f32
+    v = in_dtype(v, store_.master_dtype());
     sink(p->name + ".exp_avg", full_rows(*p, m));
     sink(p->name + ".exp_avg_sq", full_rows(*p, v));
   }
@@ -464,8 +483,8 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
     for (int which = 0; which < 2; ++which) {
       const std::string name = p->name + (which == 0 ? ".exp_avg" : ".exp_avg_sq");
       Tensor state = model_only ? Tensor::zeros(p->shape, dt, store_.device()) : local_rows(*p, fetch(name, p->full_shape(), dt));
-      if (!distributed_) {
-        (which == 0 ? p->exp_avg : p->exp_avg_sq).copy_from(state);
+      if (!distributed_) {  // (rounded to bf16 here with the precision-aware optimizer)
+        assign(which == 0 ? p->exp_avg : p->exp_avg_sq, state);
         continue;
       }
       Shard& s = shard_of(*p);
@@ -473,7 +492,7 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
       const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
       if (o.empty()) continue;
       Tensor dst = (which == 0 ? s.exp_avg : s.exp_avg_sq).slice(0, o.lo - s.begin, o.hi - s.begin);
-      dst.copy_from(state.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
+      assign(dst, state.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
     }
   }
   store_.refresh_compute_weights();

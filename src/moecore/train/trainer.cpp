@@ -296,6 +296,8 @@ int run_training(const TrainArgs& args) {
   }
   GPTModel& model = *chunks.front();
   const auto [dense_multiple, expert_multiple] = Optimizer::shard_multiples(groups, args.use_distributed_optimizer);
+  auto state_dtype = [](const std::string& s) { return s == "bf16" ? DType::BF16 : DType::F32; };
+  store.set_optimizer_state_dtypes(state_dtype(args.exp_avg_dtype), state_dtype(args.exp_avg_sq_dtype));
   store.initialize(dense_multiple, expert_multiple);
   // Overlap needs a data-parallel reduction to overlap (over DP x CP, or experts over EDP).
   Optimizer optimizer(store, groups, args.use_distributed_optimizer,
@@ -375,6 +377,10 @@ int run_training(const TrainArgs& args) {
                 dispatcher_name(args.dispatcher), static_cast<long long>(args.etp),
                 static_cast<long long>(dp_size / (args.ep * args.etp)),
                 args.use_distributed_optimizer ? "distributed (ZeRO-1)" : "replicated", static_cast<long long>(store.num_elements()));
+
+  if (logger && args.precision_aware_optimizer)
+    std::printf("moecore train: precision-aware optimizer: AdamW exp_avg in %s, exp_avg_sq in %s (checkpoints: f32)\n",
+                dtype_name(store.exp_avg_dtype()), dtype_name(store.exp_avg_sq_dtype()));
 
   std::vector<MoeLayer*> moe_layers;
   std::vector<int64_t> moe_numbers;
