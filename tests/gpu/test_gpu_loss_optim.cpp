@@ -8,6 +8,7 @@
 #include <string>
 
 #include "moecore/ops/adamw.h"
+#include "moecore/ops/elementwise.h"
 #include "moecore/ops/cross_entropy.h"
 #include "moecore/ops/embedding.h"
 #include "op_harness.h"
@@ -302,6 +303,19 @@ TEST(GpuAdamW, Bf16MomentsMatchCpu) {
                                               step == 2 ? 0.5f : 1.0f);
                           },
                           {Tolerance{1e-6, 1e-5}, Tolerance{1e-6, 8e-3}, Tolerance{1e-9, 8e-3}});
+}
+
+// The fused compute-weight write on the GPU: bit for bit the cast of the updated master.
+TEST(GpuAdamW, ComputeWeightIsTheCastOfTheUpdatedParam) {
+  MC_REQUIRE_CUDA();
+  const int64_t n = 100003;
+  Tensor p = random_tensor({n}, DType::F32, kCuda), g = random_tensor({n}, DType::F32, kCuda, -3.0, 3.0);
+  Tensor m = Tensor::zeros({n}, DType::BF16, kCuda), v = Tensor::zeros({n}, DType::F32, kCuda);
+  Tensor w = Tensor::zeros({n}, DType::BF16, kCuda);
+  for (int64_t step = 1; step <= 2; ++step) ops::adamw_step(p, g, m, v, {1e-3, 0.9, 0.95, 1e-8, 0.1, step}, 1.0f, &w);
+  Tensor cast = Tensor::empty({n}, DType::BF16, kCuda);
+  ops::cast(p, cast);
+  EXPECT_EQ(to_doubles(w), to_doubles(cast));
 }
 
 TEST(GpuAdamW, F64IsRefusedOnCuda) {

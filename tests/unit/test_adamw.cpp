@@ -6,6 +6,7 @@
 #include <string>
 
 #include "moecore/ops/adamw.h"
+#include "moecore/ops/elementwise.h"
 #include "op_harness.h"
 
 using namespace moecore;
@@ -192,4 +193,33 @@ TEST(AdamW, Bf16MomentsMatchReferenceRoundedEachStep) {
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "adamw_step: 'exp_avg' has dtype bf16; expected param's dtype f64");
   }
+}
+
+// The fused compute-weight write: the bf16 weight is exactly cast(updated param), whatever the
+// moments' dtype; other combinations are refused with the argument's name.
+TEST(AdamW, ComputeWeightIsTheCastOfTheUpdatedParam) {
+  const int64_t n = 777;
+  const ops::AdamWConfig c{1e-2, 0.9, 0.95, 1e-8, 0.1, 3};
+  for (DType moments : {DType::F32, DType::BF16}) {
+    Tensor p = random_tensor({n}, DType::F32), g = random_tensor({n}, DType::F32);
+    Tensor m = Tensor::zeros({n}, moments), v = Tensor::zeros({n}, moments);
+    Tensor p_ref = p.clone(), m_ref = m.clone(), v_ref = v.clone();
+    Tensor w = Tensor::zeros({n}, DType::BF16);
+    ops::adamw_step(p, g, m, v, c, 0.5f, &w);
+    ops::adamw_step(p_ref, g, m_ref, v_ref, c, 0.5f);
+    EXPECT_EQ(p.to_vector<float>(), p_ref.to_vector<float>()) << "the weight output changed the update";
+    Tensor cast = Tensor::empty({n}, DType::BF16);
+    ops::cast(p, cast);
+    EXPECT_EQ(to_doubles(w), to_doubles(cast)) << dtype_name(moments);
+  }
+  Tensor p = Tensor::zeros({4}, DType::F32), g = p.clone(), m = p.clone(), v = p.clone();
+  Tensor w32 = Tensor::zeros({4}, DType::F32);
+  try {
+    ops::adamw_step(p, g, m, v, c, 1.0f, &w32);
+    FAIL() << "an f32 compute weight accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "adamw_step: 'compute_weight' is f32 with param f32; expected bf16 with an f32 param");
+  }
+  Tensor w_short = Tensor::zeros({3}, DType::BF16);
+  EXPECT_THROW(ops::adamw_step(p, g, m, v, c, 1.0f, &w_short), Error);
 }

@@ -250,9 +250,10 @@ void ParamStore::zero_grad() {
     if (p->trainable) ops::fill(p->grad, 0.0);
 }
 
-void ParamStore::refresh_compute_weights() {
+void ParamStore::refresh_compute_weights(const std::function<bool(const Param&)>& done) {
   for (auto& p : params_)
-    if (p->master.defined() && p->weight.data_ptr() != p->master.data_ptr()) ops::cast(p->master, p->weight);
+    if (p->master.defined() && p->weight.data_ptr() != p->master.data_ptr() && !(done && done(*p)))
+      ops::cast(p->master, p->weight);
 }
 
 int64_t ParamStore::num_elements(bool trainable_only) const {

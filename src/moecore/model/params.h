@@ -9,6 +9,7 @@
 // parameters without gradients or optimizer state, saved with the checkpoint.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,8 +97,9 @@ class ParamStore {
   // Where a parameter's gradient lives in its buffer (elements).
   int64_t grad_offset(const Param& p) const;
   void zero_grad();
-  // weight = cast(master) where they differ (after the optimizer step or a checkpoint load).
-  void refresh_compute_weights();
+  // weight = cast(master) where they differ (after the optimizer step or a checkpoint load),
+  // except for the parameters `done` says are already fresh (the optimizer wrote them).
+  void refresh_compute_weights(const std::function<bool(const Param&)>& done = {});
   int64_t num_elements(bool trainable_only = true) const;
 
   Device device() const { return device_; }

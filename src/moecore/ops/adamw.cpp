@@ -29,7 +29,7 @@ void check_config(const char* op, const AdamWConfig& c) {
 }  // namespace
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWConfig& config,
-                float grad_scale) {
+                float grad_scale, Tensor* compute_weight) {
   constexpr const char* op = "adamw_step";
   check_contiguous(op, "param", param);
   check_dtype(op, "param", param, {DType::F32, DType::F64});
@@ -38,11 +38,20 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   check_state(op, "exp_avg", exp_avg, param, true);
   check_state(op, "exp_avg_sq", exp_avg_sq, param, true);
   check_config(op, config);
+  if (compute_weight) {
+    check_contiguous(op, "compute_weight", *compute_weight);
+    check_same_device(op, param, *compute_weight);
+    check_same_shape(op, "param", param, "compute_weight", *compute_weight);
+    MC_CHECK(compute_weight->dtype() == DType::BF16 && param.dtype() == DType::F32, op, ": 'compute_weight' is ",
+             dtype_name(compute_weight->dtype()), " with param ", dtype_name(param.dtype()),
+             "; expected bf16 with an f32 param");
+  }
   const AdamWCoefficients<float> k32 = adamw_coefficients<float>(config, grad_scale);
   if (param.device().is_cpu()) {
-    cpu::adamw_step(param, grad, exp_avg, exp_avg_sq, adamw_coefficients<double>(config, grad_scale), k32);
+    cpu::adamw_step(param, grad, exp_avg, exp_avg_sq, adamw_coefficients<double>(config, grad_scale), k32,
+                    compute_weight);
   } else {
-    MC_CUDA_BACKEND(op, cuda::adamw_step(param, grad, exp_avg, exp_avg_sq, k32));
+    MC_CUDA_BACKEND(op, cuda::adamw_step(param, grad, exp_avg, exp_avg_sq, k32, compute_weight));
   }
 }
 

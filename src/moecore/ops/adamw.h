@@ -31,8 +31,11 @@ struct AdamWConfig {
   int64_t step;  // 1-based
 };
 
+// compute_weight (optional, f32 param only): a bf16 tensor of param's shape that receives the
+// updated param rounded to bf16 in the same pass (bit-identical to ops::cast afterwards; saves
+// re-reading the fp32 masters to refresh the compute weights).
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWConfig& config,
-                float grad_scale = 1.0f);
+                float grad_scale = 1.0f, Tensor* compute_weight = nullptr);
 
 // Per-step coefficients in the compute type C (float or double).
 template <typename C>
@@ -73,11 +76,11 @@ MC_HD void adamw_update(C& p, C grad, C& m, C& v, const AdamWCoefficients<C>& k)
 
 namespace cpu {
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
-                const AdamWCoefficients<double>& k64, const AdamWCoefficients<float>& k32);
+                const AdamWCoefficients<double>& k64, const AdamWCoefficients<float>& k32, Tensor* compute_weight);
 }  // namespace cpu
 namespace cuda {
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
-                const AdamWCoefficients<float>& k);
+                const AdamWCoefficients<float>& k, Tensor* compute_weight);
 }  // namespace cuda
 
 }  // namespace moecore::ops

@@ -345,11 +345,18 @@ double Optimizer::params_norm_sq() {
 }
 
 void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t step) {
+  // Replicated state: the AdamW kernel also writes the bf16 compute weight of an f32 master in
+  // the same pass (no second read of the masters to refresh them).
+  auto writes_weight = [&](const Param& p) {
+    return !distributed_ && p.trainable && p.master.defined() && p.master.dtype() == DType::F32 &&
+           p.weight.dtype() == DType::BF16 && p.weight.data_ptr() != p.master.data_ptr();
+  };
   for (const auto& p : store_.all()) {
     if (!p->trainable) continue;
     const ops::AdamWConfig c{lr, h.beta1, h.beta2, h.eps, p->weight_decay ? h.weight_decay : 0.0, step};
     if (!distributed_) {
-      ops::adamw_step(p->master, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale);
+      ops::adamw_step(p->master, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale,
+                      writes_weight(*p) ? &p->weight : nullptr);
       continue;
     }
     Shard& s = shard_of(*p);
@@ -386,7 +393,7 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
       s.group->all_gather(mine, masters);
     }
   }
-  store_.refresh_compute_weights();
+  store_.refresh_compute_weights(writes_weight);
   store_.zero_grad();
 }
 
