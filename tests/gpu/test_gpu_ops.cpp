@@ -174,6 +174,40 @@ TEST_P(GpuElementwise, FillMatchesCpu) {
                           {{0.0, 0.0}});
 }
 
+// Views one element into their buffers are not aligned to the kernels' 8-element packs: the
+// one-element path runs (offset 1), and at offset 0 the packed path with a tail (4092 = 8 * 511
+// + 4 elements); both equal the CPU (the cast and the fill exactly).
+TEST_P(GpuElementwise, UnalignedViewsAndTailsMatchCpu) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  const int64_t n = 4093;
+  const Tensor a = random_tensor({n + 1}, t, Device::cpu(), -3.0, 3.0), b = random_tensor({n + 1}, t);
+  for (int64_t offset : {0, 1}) {
+    SCOPED_TRACE(offset);
+    std::vector<std::vector<double>> results[2];
+    for (int d = 0; d < 2; ++d) {
+      const Device dev = d == 0 ? Device::cpu() : kCuda;
+      const Tensor ad = a.to(dev), bd = b.to(dev);
+      const Tensor av = ad.slice(0, offset, offset + n - 1), bv = bd.slice(0, offset, offset + n - 1);
+      Tensor sum_buf = Tensor::zeros({n + 1}, t, dev), act_buf = Tensor::zeros({n + 1}, t, dev);
+      Tensor cast_buf = Tensor::zeros({n + 1}, DType::F32, dev), fill_buf = Tensor::zeros({n + 1}, t, dev);
+      Tensor sum = sum_buf.slice(0, offset, offset + n - 1), act = act_buf.slice(0, offset, offset + n - 1);
+      Tensor cast = cast_buf.slice(0, offset, offset + n - 1), fill = fill_buf.slice(0, offset, offset + n - 1);
+      ops::add(av, bv, sum);
+      ops::silu_backward(av, bv, act);
+      ops::cast(av, cast);
+      ops::fill(fill, 0.7);
+      for (const Tensor* r : {&sum_buf, &act_buf, &cast_buf, &fill_buf}) results[d].push_back(to_doubles(*r));
+    }
+    const Tolerance tol = default_tolerance(t);
+    for (size_t k = 0; k < results[0].size(); ++k)
+      for (size_t i = 0; i < results[0][k].size(); ++i) {
+        const double e = results[0][k][i], g = results[1][k][i];
+        ASSERT_LE(std::fabs(g - e), k >= 2 ? 0.0 : tol.atol + tol.rtol * std::fabs(e)) << "output " << k << " element " << i;
+      }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuElementwise, ::testing::Values(DType::F32, DType::BF16),
                          [](const ::testing::TestParamInfo<DType>& i) { return std::string(dtype_name(i.param)); });
 
