@@ -22,6 +22,7 @@
 #include "moecore/train/lr_schedule.h"
 #include "moecore/train/tensorboard.h"
 #include "moecore/train/trainer.h"
+#include "op_harness.h"
 
 using namespace moecore;
 namespace fs = std::filesystem;
@@ -336,6 +337,36 @@ TEST(TrainingPieces, CheckpointRoundTripsBitForBit) {
       }
     }
     EXPECT_EQ(buffers, 1);  // the expert bias of the MoE layer
+  }
+}
+
+// bf16 AdamW states (precision-aware optimizer): the checkpoint holds them widened to f32, and a
+// store with f32 states loads them (exactly), as does one with bf16 states (bit for bit).
+TEST(TrainingPieces, Bf16OptimizerStatesAreSavedAsF32) {
+  TempDir dir;
+  Model a = make_model(ckpt_config(), 1);
+  a.store->set_optimizer_state_dtypes(DType::BF16, DType::BF16);
+  for (const auto& p : a.store->all())
+    if (p->trainable) {
+      ops::fill_uniform(p->exp_avg, 6, rng_key(p->name), -1.0, 1.0);
+      ops::fill_uniform(p->exp_avg_sq, 7, rng_key(p->name), 0.0, 1.0);
+      ASSERT_EQ(p->exp_avg.dtype(), DType::BF16);
+    }
+  save_checkpoint(dir.str(), *a.store, TrainingState{4, 4, 0, 0});
+  Model f32 = make_model(ckpt_config(), 2);
+  load_checkpoint(dir.str(), *f32.store);  // would refuse bf16 tensors: they are f32 in the file
+  Model b16 = make_model(ckpt_config(), 3);
+  b16.store->set_optimizer_state_dtypes(DType::BF16, DType::BF16);
+  load_checkpoint(dir.str(), *b16.store);
+  for (size_t i = 0; i < a.store->all().size(); ++i) {
+    const Param& pa = *a.store->all()[i];
+    if (!pa.trainable) continue;
+    const Param& pf = *f32.store->all()[i];
+    const Param& pb = *b16.store->all()[i];
+    EXPECT_EQ(moecore::testing::to_doubles(pf.exp_avg), moecore::testing::to_doubles(pa.exp_avg)) << pa.name;
+    EXPECT_EQ(moecore::testing::to_doubles(pf.exp_avg_sq), moecore::testing::to_doubles(pa.exp_avg_sq)) << pa.name;
+    EXPECT_EQ(bytes_of(pb.exp_avg), bytes_of(pa.exp_avg)) << pa.name;
+    EXPECT_EQ(bytes_of(pb.exp_avg_sq), bytes_of(pa.exp_avg_sq)) << pa.name;
   }
 }
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "moecore/core/device.h"
 #include "moecore/core/error.h"
 
 #if MOECORE_WITH_CUDA
@@ -154,6 +155,7 @@ CachingAllocator& cuda_allocator(int device_index) {
         },
         [device_index](void* p) {
           cudaSetDevice(device_index);
+          count_host_synchronization();  // cudaFree waits for the device
           cudaFree(p);
         },
         /*cache=*/true});
@@ -179,7 +181,10 @@ CachingAllocator& pinned_allocator() {
           }
           return p;
         },
-        [](void* p) { cudaFreeHost(p); },
+        [](void* p) {
+          count_host_synchronization();  // cudaFreeHost waits for the device
+          cudaFreeHost(p);
+        },
         /*cache=*/true});
   }();
   return *a;

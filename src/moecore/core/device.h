@@ -97,9 +97,11 @@ class Event {
 void synchronize(Device device);
 
 // How many times this process's host has waited for a GPU (process-wide, all threads): stream,
-// event and device synchronisations and copies from a GPU into pageable host memory. A training
-// step's count shows what keeps the host from running ahead (tests/gpu: the MoE layer makes
-// none with device-side expert offsets). CPU builds and CPU tensors never count.
+// event and device synchronisations, copies from a GPU into pageable host memory, and the
+// allocators' cudaFree / cudaFreeHost (a cache release). Not counted: copies from pageable host
+// memory to a GPU (the driver stages them and may wait) and waits inside libraries (NCCL,
+// cuBLAS). A training step's count shows what keeps the host from running ahead (tests/gpu:
+// the MoE layer makes none with device-side expert offsets). CPU builds never count.
 uint64_t host_synchronizations();
 void count_host_synchronization();  // for code that synchronises through CUDA directly
 

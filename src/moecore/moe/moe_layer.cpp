@@ -234,6 +234,10 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
         if (keep.empty() || keep[i]) stats_.tokens_per_expert[static_cast<size_t>(idx[i])] += 1.0;
     }
     stats_.micro_batches++;
+  } else if (plan.status.defined()) {
+    // Evaluation: only the plan's deferred checks (flags), read with the next statistics.
+    if (!eval_checks_.defined()) eval_checks_ = Tensor::zeros({e + 2}, DType::I64, dev);
+    ops::accumulate_routing_counts(plan, eval_checks_);
   }
   const int64_t rows = ctx.permuted.size(0);
   const ops::ExpertRows& groups = ctx.dispatch.local_rows;
@@ -350,13 +354,21 @@ void MoeLayer::accumulate_loss(Tensor& acc, const Tensor& loss) {
 }
 
 void MoeLayer::sync_stats() const {
+  const size_t e = stats_.tokens_per_expert.size();
+  // The router's top-k cannot produce these; they guard the plans' deferred checks.
+  auto check_flags = [&](const std::vector<int64_t>& c) {
+    MC_CHECK(c[e] == 0, prefix_, ": an expert index outside [0, ", e, ") reached the token dispatch");
+    MC_CHECK(c[e + 1] == 0, prefix_, ": an expert received more assignments than its padded capacity");
+  };
+  if (eval_checks_.defined()) {
+    const std::vector<int64_t> c = eval_checks_.to_vector<int64_t>();
+    eval_checks_ = Tensor();
+    check_flags(c);
+  }
   if (counts_acc_.defined()) {
     const std::vector<int64_t> c = counts_acc_.to_vector<int64_t>();
     counts_acc_ = Tensor();
-    const size_t e = stats_.tokens_per_expert.size();
-    // The router's top-k cannot produce these; they guard the plan's deferred checks.
-    MC_CHECK(c[e] == 0, prefix_, ": an expert index outside [0, ", e, ") reached the token dispatch");
-    MC_CHECK(c[e + 1] == 0, prefix_, ": an expert received more assignments than its padded capacity");
+    check_flags(c);
     for (size_t i = 0; i < e; ++i) stats_.tokens_per_expert[i] += static_cast<double>(c[i]);
   }
   if (aux_acc_.defined()) {

@@ -108,6 +108,8 @@ class MoeLayer {
   // ops::accumulate_routing_counts) when the routing plan's counts stayed there or were padded;
   // read and checked by sync_stats.
   mutable Tensor counts_acc_;
+  // Evaluation forwards' deferred-check flags (their counts are not statistics), same layout.
+  mutable Tensor eval_checks_;
   Tensor global_counts_;  // global_aux_loss: counts summed over this step's micro-batches [1, E]
   int64_t global_micro_ = 0;
   int64_t token_ranks_ = 1;  // N = |token_group|

@@ -200,18 +200,21 @@ void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<i
   }
 }
 
-std::vector<int64_t> ExpertRows::counts() const {
+const std::vector<int64_t>& ExpertRows::counts() const {
   if (!host.empty() || !offsets.defined()) return host;
-  const std::vector<int32_t> off = offsets.to_vector<int32_t>();
-  std::vector<int64_t> c(off.size() - 1);
-  for (size_t e = 0; e + 1 < off.size(); ++e) c[e] = static_cast<int64_t>(off[e + 1]) - off[e];
-  return c;
+  if (copied_.empty()) {
+    const std::vector<int32_t> off = offsets.to_vector<int32_t>();
+    copied_.resize(off.size() - 1);
+    for (size_t e = 0; e + 1 < off.size(); ++e) copied_[e] = static_cast<int64_t>(off[e + 1]) - off[e];
+  }
+  return copied_;
 }
 
 namespace {
 
-// Offsets [E + 1] i32 on `t`'s device for E experts; on the CPU (and only there) their values
-// are checked here, on a GPU by the host path when the counts are copied.
+// Offsets [E + 1] i32 on `t`'s device for E experts: shape, dtype and device. Their values are
+// checked (check_groups) only where the counts come to the host (CPU, or a GPU fallback); the
+// kernel trusts them (ExpertRows' preconditions).
 void check_offsets(const char* op, const ExpertRows& rows, int64_t experts, const Tensor& t) {
   MC_CHECK(!rows.host.empty() || rows.offsets.defined(), op, ": the expert rows have neither host counts nor device offsets");
   if (!rows.offsets.defined()) return;

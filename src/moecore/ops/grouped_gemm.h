@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "moecore/core/tensor.h"
@@ -56,11 +57,21 @@ void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<i
 // owns rows [offsets[e], offsets[e + 1]), offsets[E] = the buffer's row count), and the counts
 // on the host when they are known there (empty otherwise). At least one of the two is set; when
 // both are, they must agree (the host counts are used).
+// Preconditions on the offsets (not checked on the GPU, where reading them would wait):
+// non-decreasing, offsets[0] = 0, offsets[E] = the buffer's row count; routing plans
+// (ops::MoeRouting::row_offsets) satisfy them.
 struct ExpertRows {
+  ExpertRows() = default;
+  ExpertRows(std::vector<int64_t> host_counts, Tensor device_offsets)
+      : host(std::move(host_counts)), offsets(std::move(device_offsets)) {}
   std::vector<int64_t> host;
   Tensor offsets;
-  // The counts on the host: `host`, else copied from the offsets (synchronises).
-  std::vector<int64_t> counts() const;
+  // The counts on the host: `host`, else copied from the offsets once (synchronises; later
+  // calls on the same ExpertRows reuse the copy).
+  const std::vector<int64_t>& counts() const;
+
+ private:
+  mutable std::vector<int64_t> copied_;
 };
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows, Tensor& out);
 void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const ExpertRows& rows, Tensor& dx);

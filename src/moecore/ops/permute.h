@@ -37,8 +37,9 @@
 // (with a validation word): that copy synchronises the stream. With copy_counts = false and the
 // row count known without the counts (no capacity dropping: num_rows = T k; or padded:
 // num_rows = E C) it makes no copy: host_tokens_per_expert stays empty, nothing waits for the
-// GPU, and the checks (expert ids in [0, E), no expert over capacity) are deferred to
-// check_moe_routing (call it where the host synchronises anyway). A bad id then leaves its
+// GPU, and the checks (expert ids in [0, E), no expert over capacity) are deferred: to
+// check_moe_routing (it reads the status word: call it where the host synchronises anyway), or
+// to accumulate_routing_counts' flags (the MoE layer reads them with its statistics). A bad id then leaves its
 // assignment out of the plan (row_map -1) until that check raises; with capacity dropping and no
 // padding the copy is made anyway (num_rows is the kept count). capacity_mask on CUDA runs on the
 // device (Probs: a stable segmented radix sort per expert) after a 4-byte index check that also

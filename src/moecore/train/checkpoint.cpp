@@ -175,14 +175,24 @@ void CheckpointWriter::finish() {
   }
 }
 
+namespace {
+// t in `dtype` (a fresh tensor where it differs).
+Tensor in_master_dtype(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
+  ops::cast(t, out);
+  return out;
+}
+}  // namespace
+
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state) {
   std::vector<NamedTensor> tensors;
   for (const auto& p : params.all()) {
     MC_CHECK(!p->sharded(), "save_checkpoint: parameter '", p->name, "' is sharded; gather it first");
     tensors.push_back({p->name, p->master});
-    if (p->trainable) {
-      tensors.push_back({p->name + ".exp_avg", p->exp_avg});
-      tensors.push_back({p->name + ".exp_avg_sq", p->exp_avg_sq});
+    if (p->trainable) {  // moments in the master dtype (bf16 AdamW states are widened exactly)
+      tensors.push_back({p->name + ".exp_avg", in_master_dtype(p->exp_avg, p->master.dtype())});
+      tensors.push_back({p->name + ".exp_avg_sq", in_master_dtype(p->exp_avg_sq, p->master.dtype())});
     }
   }
   save_checkpoint(dir, tensors, state);
@@ -310,9 +320,16 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
         ops::fill(p->exp_avg, 0.0);
         ops::fill(p->exp_avg_sq, 0.0);
       } else {
-        p->exp_avg.copy_from(fetch(p->name + ".exp_avg", p->shape, p->exp_avg.dtype()).to(p->exp_avg.device()));
-        p->exp_avg_sq.copy_from(
-            fetch(p->name + ".exp_avg_sq", p->shape, p->exp_avg_sq.dtype()).to(p->exp_avg_sq.device()));
+        // Checkpoints hold the moments in the master dtype; bf16 states round them here.
+        for (Tensor* state : {&p->exp_avg, &p->exp_avg_sq}) {
+          const Tensor saved = fetch(p->name + (state == &p->exp_avg ? ".exp_avg" : ".exp_avg_sq"), p->shape,
+                                     p->master.dtype()).to(state->device());
+          if (saved.dtype() == state->dtype()) {
+            state->copy_from(saved);
+          } else {
+            ops::cast(saved, *state);
+          }
+        }
       }
     }
     params.refresh_compute_weights();
