@@ -1,5 +1,6 @@
-// CUDA AdamW: one grid-stride elementwise kernel (f32; moments f32 or bf16); the per-step coefficients (bias
-// corrections included) come from the host, the per-element update is adamw.h's adamw_update.
+// CUDA AdamW: one grid-stride elementwise kernel (f32 params; moments f32 or bf16); the per-step
+// coefficients (bias corrections included) come from the host, the per-element update is
+// adamw.h's adamw_update.
 #include "moecore/ops/adamw.h"
 #include "moecore/ops/cuda_common.cuh"
 

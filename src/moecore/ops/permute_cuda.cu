@@ -535,7 +535,8 @@ void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r, 
   r.kept_per_expert = status.slice(0, 0, E);
   if (!copy_counts) {
     // No host copy: the row count follows from the shapes (dropless: every assignment has a row;
-    // padded: E*C) and the checks wait for check_moe_routing.
+    // padded: E*C); the checks are deferred to the status word (check_moe_routing, or the flags
+    // of accumulate_routing_counts).
     r.num_rows = C > 0 ? E * C : n;
     r.status = status;
     if (C > 0) {
