@@ -14,12 +14,7 @@
 namespace moecore {
 
 namespace {
-Tensor cast_to(const Tensor& t, DType dtype) {
-  if (t.dtype() == dtype) return t;
-  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
-  ops::cast(t, out);
-  return out;
-}
+using ops::cast_to;
 
 double read_scalar(const Tensor& t) {
   const Tensor host = cast_to(t, t.dtype() == DType::F64 ? DType::F64 : DType::F32).to(Device::cpu());

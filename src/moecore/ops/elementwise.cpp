@@ -77,6 +77,21 @@ void cast(const Tensor& src, Tensor& dst) {
   }
 }
 
+Tensor cast_to(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
+  cast(t, out);
+  return out;
+}
+
+void assign_cast(const Tensor& src, Tensor& dst) {
+  if (src.dtype() == dst.dtype()) {
+    dst.copy_from(src);
+  } else {
+    cast(src, dst);
+  }
+}
+
 void add(const Tensor& a, const Tensor& b, Tensor& out) { run_binary("add", BinaryOp::Add, 1, a, 1, b, out); }
 void mul(const Tensor& a, const Tensor& b, Tensor& out) { run_binary("mul", BinaryOp::Mul, 1, a, 1, b, out); }
 void axpby(float alpha, const Tensor& x, float beta, const Tensor& y, Tensor& out) {

@@ -11,6 +11,10 @@ namespace moecore::ops {
 void fill(Tensor& t, double value);
 // Converts every element of src to dst's dtype (round to nearest even; fp8 saturates).
 void cast(const Tensor& src, Tensor& dst);
+// t itself when it already has `dtype`, else a new tensor holding cast(t).
+Tensor cast_to(const Tensor& t, DType dtype);
+// dst = src in dst's dtype: a byte copy when the dtypes agree, cast otherwise.
+void assign_cast(const Tensor& src, Tensor& dst);
 void add(const Tensor& a, const Tensor& b, Tensor& out);                          // out = a + b
 void mul(const Tensor& a, const Tensor& b, Tensor& out);                          // out = a * b
 void axpby(float alpha, const Tensor& x, float beta, const Tensor& y, Tensor& out);  // out = alpha*x + beta*y

@@ -2,7 +2,6 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <functional>
 #include <string>
 
 #include "moecore/ops/common.h"
@@ -225,8 +224,9 @@ void check_offsets(const char* op, const ExpertRows& rows, int64_t experts, cons
 }
 
 #if MOECORE_WITH_CUDA
-// True when the GEMM ran on the device offsets alone.
-bool device_rows_ran(bool wgrad, const ExpertRows& rows, const Tensor& w, const std::function<bool()>& kernel) {
+// True when the GEMM ran on the device offsets alone (kernel(): checks the shapes and launches).
+template <typename Kernel>
+bool device_rows_ran(bool wgrad, const ExpertRows& rows, const Tensor& w, Kernel&& kernel) {
   return rows.host.empty() && rows.offsets.defined() && use_hopper(w, wgrad) && kernel();
 }
 #endif

@@ -175,24 +175,14 @@ void CheckpointWriter::finish() {
   }
 }
 
-namespace {
-// t in `dtype` (a fresh tensor where it differs).
-Tensor in_master_dtype(const Tensor& t, DType dtype) {
-  if (t.dtype() == dtype) return t;
-  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
-  ops::cast(t, out);
-  return out;
-}
-}  // namespace
-
 void save_checkpoint(const std::string& dir, const ParamStore& params, const TrainingState& state) {
   std::vector<NamedTensor> tensors;
   for (const auto& p : params.all()) {
     MC_CHECK(!p->sharded(), "save_checkpoint: parameter '", p->name, "' is sharded; gather it first");
     tensors.push_back({p->name, p->master});
     if (p->trainable) {  // moments in the master dtype (bf16 AdamW states are widened exactly)
-      tensors.push_back({p->name + ".exp_avg", in_master_dtype(p->exp_avg, p->master.dtype())});
-      tensors.push_back({p->name + ".exp_avg_sq", in_master_dtype(p->exp_avg_sq, p->master.dtype())});
+      tensors.push_back({p->name + ".exp_avg", ops::cast_to(p->exp_avg, p->master.dtype())});
+      tensors.push_back({p->name + ".exp_avg_sq", ops::cast_to(p->exp_avg_sq, p->master.dtype())});
     }
   }
   save_checkpoint(dir, tensors, state);
@@ -324,11 +314,7 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
         for (Tensor* state : {&p->exp_avg, &p->exp_avg_sq}) {
           const Tensor saved = fetch(p->name + (state == &p->exp_avg ? ".exp_avg" : ".exp_avg_sq"), p->shape,
                                      p->master.dtype()).to(state->device());
-          if (saved.dtype() == state->dtype()) {
-            state->copy_from(saved);
-          } else {
-            ops::cast(saved, *state);
-          }
+          ops::assign_cast(saved, *state);
         }
       }
     }

@@ -37,22 +37,6 @@ Overlap overlap(int64_t offset, int64_t numel, int64_t begin, int64_t end) {
   return {std::max(offset, begin), std::min(offset + numel, end)};
 }
 
-// dst = src, converting the dtype where they differ (bf16 optimizer states <-> f32 checkpoints).
-void assign(Tensor dst, const Tensor& src) {
-  if (dst.dtype() == src.dtype()) {
-    dst.copy_from(src);
-  } else {
-    ops::cast(src, dst);
-  }
-}
-
-Tensor in_dtype(const Tensor& t, DType dtype) {
-  if (t.dtype() == dtype) return t;
-  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
-  ops::cast(t, out);
-  return out;
-}
-
 }  // namespace
 
 std::pair<int64_t, int64_t> Optimizer::shard_multiples(const OptimizerGroups& g, bool distributed) {
@@ -425,7 +409,7 @@ Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_stat
   const Overlap o = overlap(offset, n, s.begin, s.end);
   if (!o.empty()) {
     Tensor dst = t.view({n}).slice(0, o.lo - offset, o.hi - offset);
-    assign(dst, shard_state.slice(0, o.lo - s.begin, o.hi - s.begin));
+    ops::assign_cast(shard_state.slice(0, o.lo - s.begin, o.hi - s.begin), dst);
   }
   if (s.group) s.group->all_reduce(t, comm::ReduceOp::Sum);
   return t;
@@ -441,8 +425,8 @@ void Optimizer::full_state(const std::function<void(const std::string& name, con
       m = param_state(*p, shard_of(*p), shard_of(*p).exp_avg);
       v = param_state(*p, shard_of(*p), shard_of(*p).exp_avg_sq);
     }
-    m = in_dtype(m, store_.master_dtype());  // bf16 moments are saved widened (exactly) to f32
-    v = in_dtype(v, store_.master_dtype());
+    m = ops::cast_to(m, store_.master_dtype());  // bf16 moments are saved widened (exactly) to f32
+    v = ops::cast_to(v, store_.master_dtype());
     sink(p->name + ".exp_avg", full_rows(*p, m));
     sink(p->name + ".exp_avg_sq", full_rows(*p, v));
   }
@@ -491,7 +475,7 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
       const std::string name = p->name + (which == 0 ? ".exp_avg" : ".exp_avg_sq");
       Tensor state = model_only ? Tensor::zeros(p->shape, dt, store_.device()) : local_rows(*p, fetch(name, p->full_shape(), dt));
       if (!distributed_) {  // (rounded to bf16 here with the precision-aware optimizer)
-        assign(which == 0 ? p->exp_avg : p->exp_avg_sq, state);
+        ops::assign_cast(state, which == 0 ? p->exp_avg : p->exp_avg_sq);
         continue;
       }
       Shard& s = shard_of(*p);
@@ -499,7 +483,7 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
       const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
       if (o.empty()) continue;
       Tensor dst = (which == 0 ? s.exp_avg : s.exp_avg_sq).slice(0, o.lo - s.begin, o.hi - s.begin);
-      assign(dst, state.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
+      ops::assign_cast(state.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset), dst);
     }
   }
   store_.refresh_compute_weights();
