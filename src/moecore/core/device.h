@@ -79,6 +79,7 @@ class Event {
   ~Event();
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
+  Device device() const { return device_; }
   void record(Stream stream);
   void record() { record(current_stream(device_)); }
   // Makes `stream` wait for this event without blocking the host.

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "moecore/core/step_timers.h"
 #include "moecore/ops/common.h"
 #include "moecore/ops/cross_entropy.h"
 #include "moecore/ops/elementwise.h"
@@ -143,15 +144,21 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
     const size_t li = static_cast<size_t>(i);
     LayerCtx& lc = ctx.layers[li];
     // New tensors for the residual stream: the norms keep their inputs for the backward.
-    h = add_tensors(h, attention_[li].forward(attn_norm_[li].forward(h, lc.attn_norm), ctx.batch, lc.attn));
-    const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
+    {
+      const TimedRegion timed("attention-forward", 2, h.device());
+      h = add_tensors(h, attention_[li].forward(attn_norm_[li].forward(h, lc.attn_norm), ctx.batch, lc.attn));
+    }
     if (cfg_.is_moe(i)) {
+      const TimedRegion timed("moe-forward", 2, h.device());
+      const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
       h = add_tensors(h, moe_[li].forward(normed, ctx.batch, training, rng_seed + 0x9E3779B97F4A7C15ull * (li + 1), lc.moe));
     } else {
+      const TimedRegion timed("mlp-forward", 2, h.device());
+      const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
       h = add_tensors(h, mlp_[li].forward(normed, lc.mlp, ctx.batch));
     }
   }
-  return stage_.has_head ? final_norm_.forward(h, ctx.final_norm) : h;
+  return h;
 }
 
 void GPTModel::loss_rows(const Tensor& logits, const Tensor& labels, Tensor& loss, Tensor& lse) const {
@@ -254,6 +261,7 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
            tokens.describe(), ", got ", labels.describe());
   Tensor input;
   if (stage_.has_embedding) {
+    const TimedRegion timed("embedding-forward", 2, tokens.device());
     input = embed(tokens, ctx);
   } else {
     const int64_t rows = hidden_rows(tokens);
@@ -269,6 +277,9 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
     ctx.hidden_out = h;
     return 0.0;
   }
+  // With the fused output layer (training) this region holds the output layer's backward too.
+  const TimedRegion timed("output-layer", 2, h.device());
+  h = final_norm_.forward(h, ctx.final_norm);
   ctx.labels = labels.view({labels.numel()});
   // Training with fused_head_scale: loss and backward chunk by chunk; evaluation: the loss chunk
   // by chunk (no backward will come); MOECORE_FUSED_HEAD=0: the plain path (logits kept).
@@ -305,6 +316,7 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
                           const Tensor& d_hidden_out) {
   Tensor dh;
   if (stage_.has_head) {
+    const TimedRegion timed("output-layer-backward", 2, ctx.labels.device());
     dh = head_backward(grad_scale, ctx);
   } else {
     MC_CHECK(ctx.hidden_out.defined() && d_hidden_out.defined() && d_hidden_out.shape() == ctx.hidden_out.shape(),
@@ -315,13 +327,20 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
   for (int64_t i = stage_.end_layer - 1; i >= stage_.first_layer; --i) {
     const size_t li = static_cast<size_t>(i);
     LayerCtx& lc = ctx.layers[li];
-    Tensor d_normed = cfg_.is_moe(i) ? moe_[li].backward(dh, grad_scale, lc.moe) : mlp_[li].backward(dh, lc.mlp);
-    add_into(dh, mlp_norm_[li].backward(d_normed, lc.mlp_norm));
-    add_into(dh, attn_norm_[li].backward(attention_[li].backward(dh, ctx.batch, lc.attn), lc.attn_norm));
+    {
+      const TimedRegion timed(cfg_.is_moe(i) ? "moe-backward" : "mlp-backward", 2, dh.device());
+      Tensor d_normed = cfg_.is_moe(i) ? moe_[li].backward(dh, grad_scale, lc.moe) : mlp_[li].backward(dh, lc.mlp);
+      add_into(dh, mlp_norm_[li].backward(d_normed, lc.mlp_norm));
+    }
+    {
+      const TimedRegion timed("attention-backward", 2, dh.device());
+      add_into(dh, attn_norm_[li].backward(attention_[li].backward(dh, ctx.batch, lc.attn), lc.attn_norm));
+    }
     if (layer_done) layer_done(i);
   }
   Tensor d_input;
   if (stage_.has_embedding) {
+    const TimedRegion timed("embedding-backward", 2, dh.device());
     if (position_embeddings_) ops::embedding_backward(ctx.position_ids, dh, position_embeddings_->grad);
     if (dense_.tp) {
       ops::embedding_backward(ctx.token_ids, dense_.exit_backward(dh, ctx.batch), word_embeddings_->grad, vocab_start_,
@@ -342,7 +361,7 @@ Tensor GPTModel::logits(const Tensor& tokens) {
            "GPTModel::logits needs the whole model (one pipeline stage, no tensor or context parallelism)");
   Ctx ctx;
   Tensor h = decoder_forward(embed(tokens, ctx), false, 0, ctx);
-  return head_.forward(h, ctx.head);
+  return head_.forward(final_norm_.forward(h, ctx.final_norm), ctx.head);
 }
 
 }  // namespace moecore

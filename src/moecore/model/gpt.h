@@ -93,6 +93,7 @@ class GPTModel {
 
  private:
   Tensor embed(const Tensor& tokens, Ctx& ctx);
+  // The transformer layers of this stage (without the final norm).
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
   // (CP-local) tokens; ctx.num_labels counts them.

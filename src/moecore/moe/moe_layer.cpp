@@ -1,8 +1,10 @@
 #include "moecore/moe/moe_layer.h"
 
 #include <cmath>
+#include <optional>
 
 #include "moecore/core/philox.h"
+#include "moecore/core/step_timers.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/gemm.h"
 #include "moecore/ops/grouped_gemm.h"
@@ -143,6 +145,8 @@ Tensor MoeLayer::balancing_counts(const Tensor& aux_scores, int64_t batch, bool 
 Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx) {
   const int64_t tokens = x.size(0), e = moe_.num_experts, k = moe_.router.topk;
   const Device dev = x.device();
+  // --timing-log-level 2: the layer's phases, one after the other.
+  std::optional<TimedRegion> phase(std::in_place, "moe-router", 2, dev);
   ctx.x = x;
   ctx.logits = router_logits(x, batch, training, rng_seed, ctx);
 
@@ -205,6 +209,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   // Expert GEMMs that read device offsets (the Hopper kernel for all three) let the plan's
   // counts stay on the device: nothing in this layer then waits for the GPU.
   const bool device_rows = ops::grouped_gemm_device_rows(fc1_->weight) && ops::grouped_gemm_device_rows(fc2_->weight);
+  phase.emplace("moe-dispatch", 2, dev);
   ctx.permuted = dispatcher_.dispatch(x, ctx.indices, kept, pad, ctx.dispatch, device_rows);
   const ops::MoeRouting& plan = ctx.dispatch.routing;
   if (training) {
@@ -236,6 +241,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   }
   const int64_t rows = ctx.permuted.size(0);
   const ops::ExpertRows& groups = ctx.dispatch.local_rows;
+  phase.emplace("moe-experts", 2, dev);
   ctx.fc1_out = Tensor::empty({rows, fc1_->shape[1]}, x.dtype(), dev);
   ops::grouped_gemm_forward(ctx.permuted, fc1_->weight, groups, ctx.fc1_out);
   ctx.act = Tensor::empty({rows, fc2_->shape[2]}, x.dtype(), dev);
@@ -247,9 +253,11 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   ctx.expert_out = Tensor::empty({rows, hidden_}, x.dtype(), dev);
   ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, ctx.expert_out);
   if (moe_.recompute_act) ctx.act = Tensor();  // --recompute-modules moe_act: rebuilt in the backward
+  phase.emplace("moe-combine", 2, dev);
   Tensor out = dispatcher_.combine(ctx.expert_out, ctx.combine_probs, ctx.dispatch);
 
   if (moe_.shared_expert_size > 0) {
+    phase.emplace("moe-shared-expert", 2, dev);
     ctx.shared_out = shared_.forward(x, ctx.shared, batch);
     if (moe_.shared_expert_gate) {
       // out += sigmoid(x w_gate) * shared: the per-token scale is a combine with one "expert"
@@ -274,7 +282,9 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   const Device dev = dy.device();
   const int64_t tokens = dy.size(0), e = moe_.num_experts, k = moe_.router.topk;
   Tensor dx_shared;
+  std::optional<TimedRegion> phase;  // --timing-log-level 2: the layer's phases
   if (moe_.shared_expert_size > 0) {
+    phase.emplace("moe-shared-expert-backward", 2, dev);
     if (moe_.shared_expert_gate) {
       Tensor d_shared = Tensor::empty({tokens, hidden_}, dy.dtype(), dev);
       Tensor d_gate = Tensor::empty({tokens, 1}, ctx.gate_prob.dtype(), dev);
@@ -291,7 +301,9 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   // combine and experts
   const ops::ExpertRows& groups = ctx.dispatch.local_rows;
   Tensor d_expert_out, dprobs;
+  phase.emplace("moe-combine-backward", 2, dev);
   dispatcher_.combine_backward(dy, ctx.dispatch, d_expert_out, dprobs);
+  phase.emplace("moe-experts-backward", 2, dev);
   if (!ctx.act.defined()) {  // recompute the activation from the kept fc1 output
     ctx.act = Tensor::empty({ctx.fc1_out.size(0), fc2_->shape[2]}, dy.dtype(), dev);
     if (swiglu_) {
@@ -312,7 +324,9 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   Tensor d_perm = Tensor::empty(ctx.permuted.shape(), dy.dtype(), dev);
   ops::grouped_gemm_dgrad(d_fc1, fc1_->weight, groups, d_perm);
   ops::grouped_gemm_wgrad(d_fc1, ctx.permuted, groups, fc1_->grad);
+  phase.emplace("moe-dispatch-backward", 2, dev);
   Tensor dx = dispatcher_.dispatch_backward(d_perm, ctx.dispatch);
+  phase.emplace("moe-router-backward", 2, dev);
 
   // router: probabilities, balancing losses, then the gate GEMM
   if (!ctx.forced) {

@@ -123,7 +123,7 @@ MoeRouting make_moe_routing(const Tensor& indices, const Tensor& kept, int64_t n
     cpu::make_moe_routing(indices, kept, r);
   } else {
     // Without the counts, num_rows is known only when nothing is dropped or every expert is padded.
-    const bool copy = copy_counts || (kept.defined() && pad_to_capacity == 0);
+    [[maybe_unused]] const bool copy = copy_counts || (kept.defined() && pad_to_capacity == 0);
     MC_CUDA_BACKEND(op, cuda::make_moe_routing(indices, kept, r, copy));
   }
   return r;

@@ -90,6 +90,8 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("bf16", &a.bf16, "bf16 compute with fp32 master weights (on the CPU too: slow, for tests)");
   f.add_int("seed", &a.seed, "random seed (initialisation, data, jitter)");
   f.add_int("log-interval", &a.log_interval, "steps between log lines");
+  f.add_int("timing-log-level", &a.timing_log_level,
+            "GPU-event timers in the log: 0 none, 1 the step's phases, 2 also attention / MoE parts / output layer");
   f.add_int("eval-interval", &a.eval_interval, "steps between validation runs (0: none)");
   f.add_int("eval-iters", &a.eval_iters, "validation batches per run");
   f.add_string("save", &a.save, "checkpoint directory");
@@ -366,6 +368,8 @@ void finalize_train_args(TrainArgs& a) {
              " needs --use-precision-aware-optimizer (as in Megatron)");
   }
   MC_CHECK(a.log_interval >= 1, "--log-interval ", a.log_interval, " must be >= 1");
+  MC_CHECK(a.timing_log_level >= 0 && a.timing_log_level <= 2, "--timing-log-level ", a.timing_log_level,
+           " must be 0 (no timers), 1 (the step's phases) or 2 (also the model's parts)");
   MC_CHECK(a.eval_interval >= 0 && a.eval_iters >= 1, "--eval-interval must be >= 0 and --eval-iters >= 1");
   MC_CHECK(a.save_interval >= 0, "--save-interval ", a.save_interval, " must be >= 0");
   MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");

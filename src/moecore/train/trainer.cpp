@@ -12,12 +12,14 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 #include <omp.h>
 
 #include "moecore/comm/communicator.h"
 #include "moecore/core/allocator.h"
+#include "moecore/core/step_timers.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/train/data_source.h"
 #include "moecore/model/gpt.h"
@@ -191,6 +193,17 @@ Tensor recv_stage_tensor(comm::Communicator& pp, int peer, const TensorSpec& spe
   return t;
 }
 
+// --timing-log-level: one line per region, indented by nesting, milliseconds per iteration over
+// the log interval (this rank's current stream) and the share of the step time.
+void print_timers(const std::vector<RegionTime>& timers, int64_t steps, double step_ms) {
+  if (timers.empty() || steps <= 0) return;
+  std::printf("   timers (ms per iteration, this rank's GPU events; nested regions are part of their parent):\n");
+  for (const RegionTime& r : timers) {
+    const double ms = r.ms / static_cast<double>(steps);
+    std::printf("   %*s%-*s %9.2f ms %5.1f%%  (%lld calls)\n", 2 * r.depth, "", 28 - 2 * r.depth, r.name.c_str(), ms,
+                step_ms > 0 ? 100.0 * ms / step_ms : 0.0, static_cast<long long>(r.calls));
+  }
+}
 }  // namespace
 
 int run_training(const TrainArgs& args) {
@@ -428,6 +441,7 @@ int run_training(const TrainArgs& args) {
     if (world) world->barrier();
   };
 
+  set_timing_level(static_cast<int>(args.timing_log_level));
   for (int64_t it = state.iteration + 1; it <= args.train_iters; ++it) {
     const auto t0 = std::chrono::steady_clock::now();
     const uint64_t syncs0 = host_synchronizations();
@@ -446,6 +460,7 @@ int run_training(const TrainArgs& args) {
         optimizer.overlapping() ? std::function<void(int64_t)>([&](int64_t l) { optimizer.layer_ready(l); })
                                 : std::function<void(int64_t)>();
     double loss_sum = 0;
+    std::optional<TimedRegion> phase(std::in_place, "forward-backward", 1, dev);  // --timing-log-level
     if (pp) {
       PipelineStep step;
       step.pp = pp;
@@ -466,7 +481,9 @@ int run_training(const TrainArgs& args) {
         model.backward(1.0 / static_cast<double>(micro), ctx, m == micro - 1 ? layer_done : std::function<void(int64_t)>());
       }
     }
+    phase.emplace("grads-reduce", 1, dev);
     optimizer.reduce_gradients();
+    phase.emplace("moe-statistics", 1, dev);
     for (MoeLayer* l : moe_layers) {
       MoeStepStats& s = l->mutable_stats();
       // One message per group: [aux, z, tokens per expert...]. Each rank of a sequence's TP x CP
@@ -484,9 +501,12 @@ int run_training(const TrainArgs& args) {
       s.z_loss = packed[1];
       std::copy(packed.begin() + 2, packed.end(), s.tokens_per_expert.begin());
     }
+    phase.emplace("grad-norm", 1, dev);
     const double grad_sq = optimizer.grad_norm_sq();
+    phase.emplace("moe-statistics", 1, dev);
     std::vector<MoeStepStats> layer_stats;
     for (MoeLayer* l : moe_layers) layer_stats.push_back(l->finish_step());
+    phase.emplace("loss-and-checks", 1, dev);
     // The loss lives on the last stage, MoE layers on every stage: sums over the pipeline give
     // every rank the same values (the skip decision must agree everywhere).
     std::vector<double> sums = {has_head ? average_over_ranks(dp, loss_sum / static_cast<double>(micro)) : 0.0,
@@ -503,6 +523,7 @@ int run_training(const TrainArgs& args) {
     // Megatron's scheduler: the step after n successful steps uses lr(n); skipped steps do not count.
     const double lr = learning_rate(args, it - 1 - state.skipped_iterations);
     double grad_norm = std::sqrt(grad_sq);
+    phase.emplace("optimizer", 1, dev);
     if (!std::isfinite(lm_loss) || !std::isfinite(grad_sq)) {
       if (logger) std::printf("iteration %lld: %s in the %s; step skipped\n", static_cast<long long>(it),
                   std::isnan(lm_loss) || std::isnan(grad_sq) ? "NaN" : "Inf",
@@ -517,7 +538,9 @@ int run_training(const TrainArgs& args) {
       const AdamHyper hyper{args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay};
       optimizer.step(hyper, lr, static_cast<float>(clip), it - state.skipped_iterations);
     }
+    phase.reset();
     synchronize(dev);
+    collect_region_times();  // after the synchronisation: reads finished events only
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     interval_syncs += host_synchronizations() - syncs0;  // includes the timing synchronisation just above
     const double dispatch_ms = take_dispatch_comm_seconds() * 1e3;  // MOECORE_COMM_TIMERS=1 only
@@ -533,6 +556,7 @@ int run_training(const TrainArgs& args) {
 
     const bool log_now = it % args.log_interval == 0 || it == args.train_iters;
     const double params_norm = log_now ? std::sqrt(optimizer.params_norm_sq()) : 0.0;  // collective
+    const std::vector<RegionTime> timers = log_now ? take_region_times() : std::vector<RegionTime>();
     if (logger && log_now) {
       const double avg_ms = interval_ms / static_cast<double>(interval_steps);
       const double steps_in = static_cast<double>(interval_loss_steps);
@@ -560,6 +584,7 @@ int run_training(const TrainArgs& args) {
       if (dispatch_timers_enabled())
         std::printf(" dispatch communication (ms, last step): %.1f (%.0f%%) |", dispatch_ms, 100.0 * dispatch_ms / ms);
       std::printf("\n");
+      print_timers(timers, interval_steps, avg_ms);
       if (cfg.moe.per_layer_logging) {
         for (size_t l = 0; l < layer_stats.size(); ++l) {
           std::printf("   layer %lld (MoE): load_balancing_loss %.6E z_loss %.6E tokens per expert [",
@@ -580,6 +605,11 @@ int run_training(const TrainArgs& args) {
                           {"mem_max_allocated_bytes", mem.peak_allocated_bytes},
                           {"host_syncs_per_iteration",
                            static_cast<double>(interval_syncs) / static_cast<double>(interval_steps)}};
+      if (!timers.empty()) {
+        nlohmann::json t = nlohmann::json::object();
+        for (const RegionTime& r : timers) t[r.name] = r.ms / static_cast<double>(interval_steps);
+        j["timers_ms_per_iteration"] = t;
+      }
       if (!moe_layers.empty()) {
         j["load_balancing_loss"] = avg_aux;
         j["z_loss"] = avg_z;
@@ -618,6 +648,7 @@ int run_training(const TrainArgs& args) {
     }
 
     if (args.eval_interval > 0 && data.valid && (it % args.eval_interval == 0 || it == args.train_iters)) {
+      set_timing_level(0);  // the timers cover training steps only
       double vsum = 0;
       for (int64_t e = 0; e < args.eval_iters; ++e) {
         const Batch b = context_parallel_batch(data.valid->batch(e * args.micro_batch_size, args.micro_batch_size, dev));
@@ -636,6 +667,7 @@ int run_training(const TrainArgs& args) {
       std::fflush(stdout);
       if (metrics.is_open()) metrics << nlohmann::json({{"iteration", it}, {"valid_lm_loss", vloss}}).dump() << "\n";
       if (tb) tb->add_scalar("lm loss validation", vloss, it);
+      set_timing_level(static_cast<int>(args.timing_log_level));
     }
     if (args.save_interval > 0 && it % args.save_interval == 0 && it != args.train_iters) save();
   }
