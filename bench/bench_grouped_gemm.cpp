@@ -175,7 +175,7 @@ Row run_gemm(const Shape5& s, const std::string& dist, const std::vector<int64_t
     Tensor dw0 = dw.slice(0, 0, 1).view({wn, wk});
     grouped = [&] { ops::grouped_gemm_wgrad(a, b, rows, dw); };
 #if MOECORE_WITH_CUDA
-    hopper_direct = [&] { return ops::cuda::hopper_grouped_gemm_wgrad(a, b, rows, dw); };
+    hopper_direct = [&] { return ops::cuda::hopper_grouped_gemm_wgrad(a, b, rows, dw, true); };
 #endif
     dense = [&, dw0]() mutable { ops::gemm(a, b, dw0, true, false, 1.0f, 1.0f); };
     r.m = wn, r.n = wk, r.k = m;

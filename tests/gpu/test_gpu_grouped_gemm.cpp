@@ -111,6 +111,24 @@ TEST_P(GroupedGemmGpu, WgradAccumulatesOntoNonZeroDwLikeCpu) {
   }
 }
 
+// accumulate = false (the step's first gradient): dw's old contents (poisoned by the harness,
+// on both devices) are ignored and every element is written, zero-row experts with zeros.
+TEST_P(GroupedGemmGpu, WgradOverwriteIgnoresOldDwAndZeroesEmptyExperts) {
+  MC_REQUIRE_CUDA();
+  const Param p = GetParam();
+  ops::set_grouped_gemm_impl(p.impl);
+  for (const Groups& g : group_cases()) {
+    SCOPED_TRACE(g.name);
+    const int64_t m = sum(g.rows), e = static_cast<int64_t>(g.rows.size());
+    Tensor dout = random_tensor({m, g.n}, p.in), x = random_tensor({m, g.k}, p.in);
+    expect_cuda_matches_cpu({dout, x}, {{{e, g.n, g.k}, p.out}},
+                            [&](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::grouped_gemm_wgrad(in[0], in[1], g.rows, out[0], false);
+                            },
+                            {gemm_tolerance(p.out, max_of(g.rows))});
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndImpls, GroupedGemmGpu,
     ::testing::Values(Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Grouped},

@@ -106,7 +106,7 @@ TEST(HopperGroupedGemm, WgradAccumulatesLikeCpuAndLeavesEmptyExpertsAlone) {
       ops::grouped_gemm_wgrad(dout, x, c.rows, dw_ref);
 
       Tensor dw = cuda(dw0);
-      ASSERT_TRUE(ops::cuda::hopper_grouped_gemm_wgrad(cuda(dout), cuda(x), c.rows, dw))
+      ASSERT_TRUE(ops::cuda::hopper_grouped_gemm_wgrad(cuda(dout), cuda(x), c.rows, dw, true))
           << "the Hopper kernel did not take the case";
       const Tensor got = host(dw);
       const int64_t longest = *std::max_element(c.rows.begin(), c.rows.end());
@@ -116,6 +116,46 @@ TEST(HopperGroupedGemm, WgradAccumulatesLikeCpuAndLeavesEmptyExpertsAlone) {
       for (size_t g = 0; g < c.rows.size(); ++g) {
         if (c.rows[g] != 0) continue;
         for (size_t i = g * slice; i < (g + 1) * slice; ++i) ASSERT_EQ(a[i], b[i]) << "empty expert " << g;
+      }
+    }
+  }
+}
+
+// Overwriting (accumulate = false), from host counts and from device offsets: dw starts
+// poisoned (NaN), every element is written (TMA store, or plain bf16 stores, instead of the
+// reduce-add), and experts without rows get tiles of exact zeros.
+TEST(HopperGroupedGemm, WgradOverwriteIgnoresOldDwAndZeroesEmptyExperts) {
+  MC_REQUIRE_CUDA();
+  for (DType dw_type : {DType::F32, DType::BF16}) {
+    for (const Case& c : cases()) {
+      for (int device_offsets = 0; device_offsets < 2; ++device_offsets) {
+        SCOPED_TRACE(c.name + " dw " + dtype_name(dw_type) + (device_offsets ? " device offsets" : " host counts"));
+        const int64_t m = total(c.rows), e = static_cast<int64_t>(c.rows.size());
+        Tensor dout = random_tensor({m, c.n}, DType::BF16), x = random_tensor({m, c.k}, DType::BF16);
+        Tensor dw_ref = Tensor::zeros({e, c.n, c.k}, dw_type);
+        ops::grouped_gemm_wgrad(dout, x, c.rows, dw_ref);
+
+        Tensor dw = poisoned({e, c.n, c.k}, dw_type, Device::cuda(0));
+        bool ran = false;
+        if (device_offsets) {
+          std::vector<int32_t> off(1, 0);
+          for (int64_t r : c.rows) off.push_back(off.back() + static_cast<int32_t>(r));
+          const Tensor offsets = cuda(Tensor::from_vector(off, {e + 1}));
+          ran = ops::cuda::hopper_grouped_gemm_wgrad(cuda(dout), cuda(x), offsets, dw, false);
+        } else {
+          ran = ops::cuda::hopper_grouped_gemm_wgrad(cuda(dout), cuda(x), c.rows, dw, false);
+        }
+        ASSERT_TRUE(ran) << "the Hopper kernel did not take the case";
+        const Tensor got = host(dw);
+        EXPECT_TRUE(all_written(got));
+        const int64_t longest = *std::max_element(c.rows.begin(), c.rows.end());
+        EXPECT_TRUE(allclose(got, dw_ref, tolerance(dw_type, longest)));
+        const std::vector<double> a = to_doubles(got);
+        const size_t slice = static_cast<size_t>(c.n * c.k);
+        for (size_t g = 0; g < c.rows.size(); ++g) {
+          if (c.rows[g] != 0) continue;
+          for (size_t i = g * slice; i < (g + 1) * slice; ++i) ASSERT_EQ(a[i], 0.0) << "empty expert " << g;
+        }
       }
     }
   }
@@ -138,7 +178,7 @@ TEST(HopperGroupedGemm, WgradIgnoresTheNextExpertsRowsEvenWhenTheyAreNaN) {
     Tensor nan_rows = poisoned({rows[1], target.size(1)}, DType::BF16);
     target.slice(0, rows[0], m).copy_from(nan_rows);
     Tensor dw = Tensor::zeros({2, n, k}, DType::F32, Device::cuda(0));
-    ASSERT_TRUE(ops::cuda::hopper_grouped_gemm_wgrad(cuda(dout), cuda(x), rows, dw));
+    ASSERT_TRUE(ops::cuda::hopper_grouped_gemm_wgrad(cuda(dout), cuda(x), rows, dw, true));
     const Tensor got = host(dw).slice(0, 0, 1).contiguous(), want = dw_ref.slice(0, 0, 1).contiguous();
     EXPECT_TRUE(allclose(got, want, tolerance(DType::F32, rows[0])));
   }

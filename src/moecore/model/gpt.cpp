@@ -341,12 +341,12 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
   Tensor d_input;
   if (stage_.has_embedding) {
     const TimedRegion timed("embedding-backward", 2, dh.device());
-    if (position_embeddings_) ops::embedding_backward(ctx.position_ids, dh, position_embeddings_->grad);
+    if (position_embeddings_) ops::embedding_backward(ctx.position_ids, dh, position_embeddings_->grad_to_accumulate());
     if (dense_.tp) {
-      ops::embedding_backward(ctx.token_ids, dense_.exit_backward(dh, ctx.batch), word_embeddings_->grad, vocab_start_,
+      ops::embedding_backward(ctx.token_ids, dense_.exit_backward(dh, ctx.batch), word_embeddings_->grad_to_accumulate(), vocab_start_,
                               cfg_.vocab_size);
     } else {
-      ops::embedding_backward(ctx.token_ids, dh, word_embeddings_->grad);
+      ops::embedding_backward(ctx.token_ids, dh, word_embeddings_->grad_to_accumulate());
     }
   } else {
     d_input = dh;

@@ -69,12 +69,12 @@ Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {
 Tensor Linear::backward(const Tensor& dy, Ctx& ctx) const {
   const int64_t rows = dy.numel() / out;
   const Tensor dy2 = dy.view({rows, out});
-  // dW += dy^T x (accumulated in the master dtype)
-  ops::gemm(dy2, ctx.x, weight->grad, true, false, 1.0f, 1.0f);
+  // dW += dy^T x (accumulated in the master dtype; dW = when the step's first write)
+  ops::gemm(dy2, ctx.x, weight->grad, true, false, 1.0f, weight->grad_beta());
   if (bias && adds_bias) {
     Tensor db = Tensor::empty({out}, bias->grad.dtype(), dy.device());
     ops::sum_leading_dims(dy2, db);
-    add_into(bias->grad, db);
+    add_into(bias->grad_to_accumulate(), db);
   }
   Tensor dx = Tensor::empty({rows, in}, dy.dtype(), dy.device());
   ops::gemm(dy2, weight->weight, dx, false, false);
@@ -107,9 +107,10 @@ Tensor Norm::forward(const Tensor& x, Ctx& ctx) const {
 Tensor Norm::backward(const Tensor& dy, Ctx& ctx) const {
   Tensor dx = Tensor::empty(ctx.x.shape(), ctx.x.dtype(), ctx.x.device());
   if (rmsnorm) {
-    ops::rmsnorm_backward(ctx.x, weight->weight, ctx.rstd, dy, dx, weight->grad);
+    ops::rmsnorm_backward(ctx.x, weight->weight, ctx.rstd, dy, dx, weight->grad_to_accumulate());
   } else {
-    ops::layernorm_backward(ctx.x, weight->weight, ctx.mean, ctx.rstd, dy, dx, weight->grad, bias->grad);
+    ops::layernorm_backward(ctx.x, weight->weight, ctx.mean, ctx.rstd, dy, dx, weight->grad_to_accumulate(),
+                            bias->grad_to_accumulate());
   }
   ctx = {};
   return dx;

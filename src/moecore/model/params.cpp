@@ -240,7 +240,43 @@ int64_t ParamStore::grad_offset(const Param& p) const {
   MC_FAIL("parameter '", p.name, "' is not in this store");
 }
 
+bool Param::grad_accumulates() {
+  const bool stale = grad_stale;
+  grad_stale = false;
+  return !stale;
+}
+
+Tensor& Param::grad_to_accumulate() {
+  if (grad_stale) {
+    ops::fill(grad, 0.0);
+    grad_stale = false;
+  }
+  return grad;
+}
+
+void ParamStore::mark_grads_stale() {
+  for (auto& p : params_)
+    if (p->trainable) p->grad_stale = true;
+}
+
+void ParamStore::zero_stale_grads() {
+  for (auto& p : params_)
+    if (p->trainable) (void)p->grad_to_accumulate();
+}
+
+void ParamStore::zero_stale_grads(bool expert, int64_t begin, int64_t end) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = *params_[i];
+    if (!p.trainable || !p.grad_stale || p.expert != expert) continue;
+    MC_CHECK(i < grad_offsets_.size() && grad_offsets_[i] >= 0, "zero_stale_grads: parameter '", p.name,
+             "' has no gradient buffer slot");
+    const int64_t lo = grad_offsets_[i], hi = lo + p.grad.numel();
+    if (lo < end && hi > begin) (void)p.grad_to_accumulate();  // overlaps the range
+  }
+}
+
 void ParamStore::zero_grad() {
+  for (auto& p : params_) p->grad_stale = false;
   if (grad_buffer_.defined()) {
     if (grad_buffer_.numel() > 0) ops::fill(grad_buffer_, 0.0);
     if (expert_grad_buffer_.numel() > 0) ops::fill(expert_grad_buffer_, 0.0);

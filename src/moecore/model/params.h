@@ -48,6 +48,18 @@ struct Param {
   // TP group before the data-parallel reduction (Megatron's sequence_parallel attribute).
   bool tp_partial_grad = false;
   Tensor master, weight, grad, exp_avg, exp_avg_sq;
+  // The gradient is stale once an optimizer step has consumed it (ParamStore::mark_grads_stale):
+  // its contents are then garbage, and the step's first producer either writes it whole
+  // (grad_accumulates() false: a GEMM with beta 0, a grouped wgrad that overwrites) or has it
+  // zeroed first (grad_to_accumulate()). Either way it is current afterwards. Gradients no
+  // producer reached are zeroed before they are read (ParamStore::zero_stale_grads). This saves
+  // the zero-fill of every gradient each step and the GEMMs' read of the old values.
+  bool grad_stale = false;
+  // Whether the next write adds to the gradient (true) or overwrites it (stale: false).
+  bool grad_accumulates();
+  float grad_beta() { return grad_accumulates() ? 1.0f : 0.0f; }
+  // The gradient for a producer that adds into it (scatter-adds, norms): zeroed first when stale.
+  Tensor& grad_to_accumulate();
 
   Shape full_shape() const;
   bool sharded() const { return full_rows != shape[0] || part_size > 1; }
@@ -97,6 +109,13 @@ class ParamStore {
   // Where a parameter's gradient lives in its buffer (elements).
   int64_t grad_offset(const Param& p) const;
   void zero_grad();
+  // After an optimizer step: every trainable gradient becomes stale (Param::grad_stale) instead
+  // of being zeroed; the next backward overwrites or zeroes each one as it first writes it.
+  void mark_grads_stale();
+  // Zeroes the stale gradients (those no producer wrote since the last step), all of them or
+  // those of one buffer (expert or dense) overlapping elements [begin, end): call before reading.
+  void zero_stale_grads();
+  void zero_stale_grads(bool expert, int64_t begin, int64_t end);
   // weight = cast(master) where they differ (after the optimizer step or a checkpoint load),
   // except for the parameters `done` says are already fresh (the optimizer wrote them).
   void refresh_compute_weights(const std::function<bool(const Param&)>& done = {});

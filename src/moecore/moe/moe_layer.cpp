@@ -314,7 +314,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   }
   Tensor d_act = Tensor::empty(ctx.act.shape(), dy.dtype(), dev);
   ops::grouped_gemm_dgrad(d_expert_out, fc2_->weight, groups, d_act);
-  ops::grouped_gemm_wgrad(d_expert_out, ctx.act, groups, fc2_->grad);
+  ops::grouped_gemm_wgrad(d_expert_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates());
   Tensor d_fc1 = Tensor::empty(ctx.fc1_out.shape(), dy.dtype(), dev);
   if (swiglu_) {
     ops::swiglu_backward(ctx.fc1_out, d_act, d_fc1);
@@ -323,7 +323,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   }
   Tensor d_perm = Tensor::empty(ctx.permuted.shape(), dy.dtype(), dev);
   ops::grouped_gemm_dgrad(d_fc1, fc1_->weight, groups, d_perm);
-  ops::grouped_gemm_wgrad(d_fc1, ctx.permuted, groups, fc1_->grad);
+  ops::grouped_gemm_wgrad(d_fc1, ctx.permuted, groups, fc1_->grad, fc1_->grad_accumulates());
   phase.emplace("moe-dispatch-backward", 2, dev);
   Tensor dx = dispatcher_.dispatch_backward(d_perm, ctx.dispatch);
   phase.emplace("moe-router-backward", 2, dev);
@@ -339,11 +339,11 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
     }
     if (moe_.z_loss_coeff > 0) ops::z_loss_backward(ctx.logits, z_loss_coeff(), loss_grad_scale, dlogits);
     if (gate_weight_->grad.dtype() == router_dtype_) {
-      ops::gemm(dlogits, ctx.router_in, gate_weight_->grad, true, false, 1.0f, 1.0f);
+      ops::gemm(dlogits, ctx.router_in, gate_weight_->grad, true, false, 1.0f, gate_weight_->grad_beta());
     } else {  // fp64 router with fp32 master weights
       Tensor dw = Tensor::empty(gate_weight_->shape, router_dtype_, dev);
       ops::gemm(dlogits, ctx.router_in, dw, true, false);
-      add_into(gate_weight_->grad, cast_to(dw, gate_weight_->grad.dtype()));
+      add_into(gate_weight_->grad_to_accumulate(), cast_to(dw, gate_weight_->grad.dtype()));
     }
     Tensor d_router_in = Tensor::empty({tokens, hidden_}, router_dtype_, dev);
     ops::gemm(dlogits, gate_weight_->weight, d_router_in, false, false);

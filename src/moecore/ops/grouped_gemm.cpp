@@ -5,6 +5,7 @@
 #include <string>
 
 #include "moecore/ops/common.h"
+#include "moecore/ops/elementwise.h"
 #include "moecore/ops/gemm.h"
 
 namespace moecore::ops {
@@ -173,7 +174,8 @@ void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<i
   }
 }
 
-void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw) {
+void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw,
+                        bool accumulate) {
   constexpr const char* op = "grouped_gemm_wgrad";
   check_2d(op, "dout", dout);
   check_2d(op, "x", x);
@@ -185,15 +187,21 @@ void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<i
   check_shape(op, "dw", dw, {dw.size(0), dout.size(1), x.size(1)});
   check_dtypes(op, "dout", dout, "x", x, "dw", dw, true);
 #if MOECORE_WITH_CUDA
-  if (use_cuda_grouped(dout) && cuda::grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
-  if (use_hopper(dw, true) && cuda::hopper_grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
+  if (use_cuda_grouped(dout)) {  // cuBLAS's grouped call accumulates: zero first to overwrite
+    if (!accumulate) fill(dw, 0.0);
+    if (cuda::grouped_gemm_wgrad(dout, x, rows_per_group, dw)) return;
+    accumulate = true;
+  }
+  if (use_hopper(dw, true) && cuda::hopper_grouped_gemm_wgrad(dout, x, rows_per_group, dw, accumulate)) return;
 #endif
   int64_t begin = 0;
   for (size_t e = 0; e < rows_per_group.size(); ++e) {
     const int64_t end = begin + rows_per_group[e];
+    Tensor dwe = expert_matrix(dw, static_cast<int64_t>(e));
     if (end > begin) {
-      Tensor dwe = expert_matrix(dw, static_cast<int64_t>(e));
-      gemm(dout.slice(0, begin, end), x.slice(0, begin, end), dwe, true, false, 1.0f, 1.0f);
+      gemm(dout.slice(0, begin, end), x.slice(0, begin, end), dwe, true, false, 1.0f, accumulate ? 1.0f : 0.0f);
+    } else if (!accumulate) {
+      fill(dwe, 0.0);
     }
     begin = end;
   }
@@ -261,7 +269,7 @@ void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const ExpertRows& r
   grouped_gemm_dgrad(dout, w, rows.counts(), dx);
 }
 
-void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const ExpertRows& rows, Tensor& dw) {
+void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const ExpertRows& rows, Tensor& dw, bool accumulate) {
   check_weights("grouped_gemm_wgrad", "dw", dw);
   check_offsets("grouped_gemm_wgrad", rows, dw.size(0), dout);
 #if MOECORE_WITH_CUDA
@@ -269,11 +277,11 @@ void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const ExpertRows& r
         return dout.ndim() == 2 && x.ndim() == 2 && x.size(0) == dout.size(0) && dw.size(1) == dout.size(1) &&
                dw.size(2) == x.size(1) && x.dtype() == dout.dtype() &&
                (dw.dtype() == dout.dtype() || (dout.dtype() == DType::BF16 && dw.dtype() == DType::F32)) &&
-               cuda::hopper_grouped_gemm_wgrad(dout, x, rows.offsets, dw);
+               cuda::hopper_grouped_gemm_wgrad(dout, x, rows.offsets, dw, accumulate);
       }))
     return;
 #endif
-  grouped_gemm_wgrad(dout, x, rows.counts(), dw);
+  grouped_gemm_wgrad(dout, x, rows.counts(), dw, accumulate);
 }
 
 bool grouped_gemm_device_rows(const Tensor& w) {

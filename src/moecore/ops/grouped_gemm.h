@@ -4,10 +4,13 @@
 //   forward  out_e [M_e, N] = x_e [M_e, K] @ w_e^T            x [M, K], w [E, N, K], out [M, N]
 //   dgrad    dx_e  [M_e, K] = dout_e [M_e, N] @ w_e           dout [M, N], w [E, N, K], dx [M, K]
 //   wgrad    dw_e  [N, K]  += dout_e^T @ x_e                  dout [M, N], x [M, K], dw [E, N, K]
-// with M = sum_e M_e. forward and dgrad overwrite their outputs; wgrad accumulates (beta = 1).
+//            (accumulate = false: dw_e = dout_e^T @ x_e, dw's old contents ignored)
+// with M = sum_e M_e. forward and dgrad overwrite their outputs; wgrad accumulates (beta = 1)
+// unless told to overwrite (the first gradient of a step: no zero-fill and no read of dw).
 // dtypes as ops::gemm (src/moecore/ops/gemm.h): f32, f64 CPU-only, bf16 with fp32 accumulation;
 // out and dx have the input dtype; dw has the input dtype, or f32 for bf16 inputs (fp32
-// accumulation). Experts with zero rows are skipped: their wgrad slice is left unchanged.
+// accumulation). Experts with zero rows: their wgrad slice is left unchanged when accumulating
+// and zeroed when overwriting.
 // All tensors contiguous, on one device.
 //
 // Implementations (GroupedGemmImpl):
@@ -51,7 +54,8 @@ namespace moecore::ops {
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out);
 void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
-void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
+void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw,
+                        bool accumulate = true);
 
 // The experts' rows of a permuted buffer: offsets [E + 1] i32 on the tensors' device (expert e
 // owns rows [offsets[e], offsets[e + 1]), offsets[E] = the buffer's row count), and the counts
@@ -75,7 +79,7 @@ struct ExpertRows {
 };
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows, Tensor& out);
 void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const ExpertRows& rows, Tensor& dx);
-void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const ExpertRows& rows, Tensor& dw);
+void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const ExpertRows& rows, Tensor& dw, bool accumulate = true);
 
 enum class GroupedGemmImpl { Loop, Grouped, Hopper, Mixed, Auto };
 // True when forward, dgrad and wgrad with the expert weight w ([E, N, K]; its gradient in f32 or
@@ -100,11 +104,12 @@ bool grouped_gemm_bf16_f32_refused();
 // nothing, where it cannot run the case (not an sm_90a build or GPU, not bf16, unaligned).
 bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out);
 bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
-bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw);
+bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw,
+                               bool accumulate);
 // The same with the offsets [E + 1] i32 already on the device (no upload, no host counts).
 bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out);
 bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const Tensor& offsets, Tensor& dx);
-bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const Tensor& offsets, Tensor& dw);
+bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const Tensor& offsets, Tensor& dw, bool accumulate);
 // Whether the kernel takes an expert weight w like this one (the checks of hopper::available
 // that depend on w alone: build, GPU, dtype, dims, experts).
 bool hopper_grouped_gemm_takes(const Tensor& w);

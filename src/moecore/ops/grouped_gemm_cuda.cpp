@@ -246,7 +246,7 @@ bool run(Kind kind, const Tensor& a, const Tensor& b, const std::vector<int64_t>
 // The Hopper kernel with host row counts: the offsets go to the device through a pinned slot
 // (the same no-synchronisation reuse rule as the pointer arrays above).
 bool run_hopper(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, const std::vector<int64_t>& rows,
-                Tensor& c) {
+                Tensor& c, bool accumulate = true) {
   const int64_t experts = static_cast<int64_t>(rows.size());
   if (!hopper::available(a, b, c, experts)) return false;
   const Device dev = a.device();
@@ -261,7 +261,8 @@ bool run_hopper(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, cons
     for (int64_t e = 0; e < experts; ++e) host[e] = static_cast<int>(begin), begin += rows[e];
     host[experts] = static_cast<int>(begin);
     MC_CUDA_CHECK(cudaMemcpyAsync(slot.dev, slot.host, ints * sizeof(int), cudaMemcpyHostToDevice, stream));
-    hopper::grouped_gemm(mode, a, b, c, reinterpret_cast<const int*>(slot.dev), static_cast<int>(experts), stream);
+    hopper::grouped_gemm(mode, a, b, c, reinterpret_cast<const int*>(slot.dev), static_cast<int>(experts), stream,
+                         accumulate);
   } catch (...) {
     pool.release(slot, stream);
     throw;
@@ -280,17 +281,19 @@ bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::v
   return run_hopper(hopper::GroupedMode::Dgrad, dout, w, rows, dx);
 }
 
-bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows, Tensor& dw) {
-  return run_hopper(hopper::GroupedMode::Wgrad, dout, x, rows, dw);
+bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows, Tensor& dw,
+                               bool accumulate) {
+  return run_hopper(hopper::GroupedMode::Wgrad, dout, x, rows, dw, accumulate);
 }
 
 namespace {
-bool run_hopper_offsets(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c) {
+bool run_hopper_offsets(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
+                        bool accumulate = true) {
   const int64_t experts = offsets.numel() - 1;
   if (!hopper::available(a, b, c, experts)) return false;
   MC_CUDA_CHECK(cudaSetDevice(a.device().index));
   cudaStream_t stream = static_cast<cudaStream_t>(current_stream(a.device()).handle());
-  hopper::grouped_gemm(mode, a, b, c, offsets.data<int32_t>(), static_cast<int>(experts), stream);
+  hopper::grouped_gemm(mode, a, b, c, offsets.data<int32_t>(), static_cast<int>(experts), stream, accumulate);
   return true;
 }
 }  // namespace
@@ -303,8 +306,8 @@ bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const Tensor
   return run_hopper_offsets(hopper::GroupedMode::Dgrad, dout, w, offsets, dx);
 }
 
-bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const Tensor& offsets, Tensor& dw) {
-  return run_hopper_offsets(hopper::GroupedMode::Wgrad, dout, x, offsets, dw);
+bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const Tensor& offsets, Tensor& dw, bool accumulate) {
+  return run_hopper_offsets(hopper::GroupedMode::Wgrad, dout, x, offsets, dw, accumulate);
 }
 
 bool hopper_grouped_gemm_takes(const Tensor& w) {

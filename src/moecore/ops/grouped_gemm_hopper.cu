@@ -9,7 +9,8 @@
 //   warpgroups 0, 1  consumers: each runs wgmma m64nBNk16 on its 64 rows of the 128 x BN tile and
 //                  writes them: bf16 outputs with plain stores; the wgrad into f32 dw through
 //                  shared memory and a TMA reduce-add (asynchronous: the next tile's wgmmas
-//                  start while it runs); into bf16 dw with loads, adds and stores.
+//                  start while it runs), or a TMA store when overwriting (the step's first
+//                  gradient: dw is not read); into bf16 dw with loads, adds and stores.
 //   Forward and dgrad: BN = 256. Wgrad: BN = 128 (its output is as large as its reduction is
 //   short).
 //   The tiles of all experts are numbered expert by expert (an expert's tiles: groups of 8
@@ -87,6 +88,7 @@ struct Params {
   int dw_rows;         // wgrad: dw rows (dout's N); forward/dgrad: unused
   void* out;           // bf16 [rows, out_cols]; wgrad: dw [E, dw_rows, out_cols], f32 or bf16
   int out_f32;         // wgrad: dw is f32
+  int overwrite;       // wgrad: dw = (not +=); experts without rows get tiles of zeros
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -139,6 +141,15 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 }
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// dw[e][row0.., col0..] = the 64 x 128 fp32 block at src (TMA store; out-of-range parts of the
+// box are not written).
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 // dw[e][row0.., col0..] += the 64 x 128 fp32 block at src (TMA reduce-add; out-of-range parts
 // of the box are not written).
@@ -290,7 +301,8 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
     for (int e = 0; e < experts; ++e) {
       tile_start[e] = acc;
       const int rows = row_off[e + 1] - row_off[e];
-      const int m_blocks = kMode == kWgrad ? (rows > 0 ? wgrad_m_blocks : 0) : (rows + kBM - 1) / kBM;
+      // An expert without rows has no wgrad tiles, except when overwriting (its tiles store zeros).
+      const int m_blocks = kMode == kWgrad ? (rows > 0 || p.overwrite ? wgrad_m_blocks : 0) : (rows + kBM - 1) / kBM;
       acc += m_blocks * n_blocks;
     }
     tile_start[experts] = acc;
@@ -406,8 +418,11 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       named_barrier(2 + cw, 128);
-      if (tid == 0) tma_reduce_add_3d(&tma_dw, block, tile.n0, tile.m0 + cw * 64, tile.e);
-    } else if (kMode == kWgrad) {  // bf16 dw: read-modify-write
+      if (tid == 0) {
+        if (p.overwrite) tma_store_3d(&tma_dw, block, tile.n0, tile.m0 + cw * 64, tile.e);
+        else tma_reduce_add_3d(&tma_dw, block, tile.n0, tile.m0 + cw * 64, tile.e);
+      }
+    } else if (kMode == kWgrad) {  // bf16 dw: read-modify-write (a plain write when overwriting)
       const size_t base = static_cast<size_t>(tile.e) * p.dw_rows * p.out_cols;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -420,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
           const size_t idx = base + static_cast<size_t>(row) * p.out_cols + col;
           const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
           __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + idx);
-          const float2 cur = __bfloat1622float2(*o);
+          const float2 cur = p.overwrite ? make_float2(0.f, 0.f) : __bfloat1622float2(*o);
           *o = __floats2bfloat162_rn(cur.x + v0, cur.y + v1);
         }
       }
@@ -547,9 +562,10 @@ bool available(const Tensor& a, const Tensor& b, const Tensor& c, int64_t expert
 }
 
 void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c, const int* offsets, int experts,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, bool accumulate) {
   const DeviceInfo info = device_info(a.device().index);
   Params p{};
+  p.overwrite = mode == GroupedMode::Wgrad && !accumulate;
   p.offsets = offsets;
   p.experts = experts;
   p.out = c.data_ptr();

@@ -23,8 +23,9 @@ bool available(const Tensor& a, const Tensor& b, const Tensor& c, int64_t expert
 // e in the permuted buffer, offsets[experts] = its row count (a.size(0) for forward and dgrad).
 //   Forward  a = x [rows, K],    b = w [E, N, K],  c = out [rows, N] (bf16)
 //   Dgrad    a = dout [rows, N], b = w [E, N, K],  c = dx [rows, K] (bf16)
-//   Wgrad    a = dout [rows, N], b = x [rows, K],  c = dw [E, N, K] += (f32 or bf16)
+//   Wgrad    a = dout [rows, N], b = x [rows, K],  c = dw [E, N, K] += (f32 or bf16); with
+//            accumulate = false dw = (dw not read; experts without rows get zeros)
 void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c, const int* offsets, int experts,
-                  cudaStream_t stream);
+                  cudaStream_t stream, bool accumulate = true);
 
 }  // namespace moecore::ops::cuda::hopper

@@ -169,7 +169,7 @@ void Optimizer::reduce_tensor_parallel(int64_t layer) {
   for (size_t i = 0; i < params.size(); ++i) {
     Param& p = *params[i];
     if (!p.trainable || !p.tp_partial_grad || tp_done_[i] || p.name.rfind(prefix, 0) != 0) continue;
-    groups_.tp->all_reduce(p.grad, comm::ReduceOp::Sum);
+    groups_.tp->all_reduce(p.grad_to_accumulate(), comm::ReduceOp::Sum);  // zeroed first if nothing wrote it
     tp_done_[i] = true;
   }
 }
@@ -220,10 +220,12 @@ double Optimizer::dense_squares(const Tensor& t, int64_t t_begin) {
 
 void Optimizer::layer_ready(int64_t layer) {
   if (!overlap_) return;
-  reduce_tensor_parallel(layer);  // on the compute stream, before the data-parallel reduction
   const size_t l = static_cast<size_t>(layer);
   const Range dense = l < layer_dense_.size() ? layer_dense_[l] : Range{};
   const Range expert = l < layer_expert_.size() ? layer_expert_[l] : Range{};
+  store_.zero_stale_grads(false, dense.begin, dense.end);  // gradients the backward did not write
+  store_.zero_stale_grads(true, expert.begin, expert.end);
+  reduce_tensor_parallel(layer);  // on the compute stream, before the data-parallel reduction
   if (!has_comm_stream_) {  // CPU: MPI reduces at once
     reduce_range(false, dense);
     reduce_range(true, expert);
@@ -242,6 +244,7 @@ void Optimizer::reduce_gradients() {
   const double expert_scale = 1.0 / static_cast<double>(groups_.dp_size);
   // Dense: an average over DP; with CP a sum over DP x CP, then this factor.
   const double dense_scale = dense_averages() ? 1.0 : 1.0 / static_cast<double>(groups_.dp_size);
+  store_.zero_stale_grads();  // gradients no producer wrote this step (ParamStore::mark_grads_stale)
   reduce_tensor_parallel(-1);
   tp_done_.assign(tp_done_.size(), false);
   if (overlap_) {
@@ -303,7 +306,7 @@ void Optimizer::reduce_gradients() {
     Shard& s = expert ? expert_ : dense_;
     Tensor& buffer = expert ? store_.expert_grad_buffer() : store_.grad_buffer();
     if (buffer.numel() == 0) continue;
-    // In place; the buffer outside the shard keeps partial sums until zero_grad().
+    // In place; the buffer outside the shard keeps partial sums until the next backward overwrites them.
     if (s.group) s.group->reduce_scatter(buffer, s.grad, comm::ReduceOp::Sum);
     scale(s.grad, expert ? expert_scale : 1.0 / static_cast<double>(groups_.dp_size));
   }
@@ -378,10 +381,10 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
     }
   }
   store_.refresh_compute_weights(writes_weight);
-  store_.zero_grad();
+  store_.mark_grads_stale();  // the next backward overwrites them (no zero-fill pass)
 }
 
-void Optimizer::skip() { store_.zero_grad(); }
+void Optimizer::skip() { store_.mark_grads_stale(); }
 
 Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
   Tensor mine = local.contiguous();
