@@ -17,7 +17,7 @@ calls_of() { awk -v n="$1" '$1 == n && $3 == "ms" { gsub(/\(/, "", $5); print $5
 run --timing-log-level 2 --metrics-file "$dir/metrics.jsonl"
 for name in forward-backward embedding-forward attention-forward moe-forward moe-router moe-dispatch moe-experts \
   moe-combine output-layer output-layer-backward moe-backward moe-combine-backward moe-experts-backward \
-  moe-dispatch-backward moe-router-backward attention-backward embedding-backward grads-reduce moe-statistics \
+  moe-dispatch-backward moe-router-backward attention-backward embedding-backward grads-reduce moe-statistics moe-finish-step \
   grad-norm loss-and-checks optimizer; do
   [ -n "$(ms_of $name)" ] || fail "no timer line for $name"
   grep -q "\"$name\":" "$dir/metrics.jsonl" || fail "the metrics file has no timer $name"

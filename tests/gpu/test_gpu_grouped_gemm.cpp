@@ -129,6 +129,31 @@ TEST_P(GroupedGemmGpu, WgradOverwriteIgnoresOldDwAndZeroesEmptyExperts) {
   }
 }
 
+// No rows at all (the Hopper kernel declines a zero dimension): overwriting zeroes every expert,
+// from host counts and from device offsets alone, under every implementation.
+TEST(GroupedGemmGpuEdge, WgradOverwriteWithNoRowsZeroesEveryExpert) {
+  MC_REQUIRE_CUDA();
+  const ops::GroupedGemmImpl previous = ops::grouped_gemm_impl();
+  for (ops::GroupedGemmImpl impl : {ops::GroupedGemmImpl::Loop, ops::GroupedGemmImpl::Grouped, ops::GroupedGemmImpl::Hopper,
+                                    ops::GroupedGemmImpl::Mixed, ops::GroupedGemmImpl::Auto}) {
+    ops::set_grouped_gemm_impl(impl);
+    for (int device_offsets = 0; device_offsets < 2; ++device_offsets) {
+      SCOPED_TRACE(std::string(ops::grouped_gemm_impl_name(impl)) + (device_offsets ? " device offsets" : " host counts"));
+      const Tensor dout = Tensor::empty({0, 64}, DType::BF16, Device::cuda(0));
+      const Tensor x = Tensor::empty({0, 32}, DType::BF16, Device::cuda(0));
+      Tensor dw = poisoned({3, 64, 32}, DType::F32, Device::cuda(0));
+      if (device_offsets) {
+        const ops::ExpertRows rows({}, Tensor::zeros({4}, DType::I32, Device::cuda(0)));
+        ops::grouped_gemm_wgrad(dout, x, rows, dw, false);
+      } else {
+        ops::grouped_gemm_wgrad(dout, x, std::vector<int64_t>{0, 0, 0}, dw, false);
+      }
+      for (double v : to_doubles(dw.to(Device::cpu()))) ASSERT_EQ(v, 0.0);
+    }
+  }
+  ops::set_grouped_gemm_impl(previous);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndImpls, GroupedGemmGpu,
     ::testing::Values(Param{DType::F32, DType::F32, ops::GroupedGemmImpl::Grouped},

@@ -3,10 +3,11 @@
 // the stale buffers hold. Every gradient producer (GEMM wgrads with beta 0, grouped expert
 // wgrads that overwrite, norms, biases, embeddings, the router) goes through Param's
 // grad_accumulates() / grad_to_accumulate(); one that wrote p.grad directly would add to the
-// garbage below and fail here.
+// NaN below (or scale it by beta 0 instead of ignoring it) and fail here.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "moecore/data/mock_data.h"
 #include "moecore/model/gpt.h"
@@ -37,7 +38,7 @@ void check_stale_equals_zeroed(ModelConfig cfg, DType master, const std::string&
   zeroed.initialize();
   stale.initialize();
   for (const auto& p : stale.all())
-    if (p->trainable) ops::fill(p->grad, 7.0);  // what a consumed step leaves
+    if (p->trainable) ops::fill(p->grad, std::numeric_limits<double>::quiet_NaN());  // garbage: NaN poisons 0 * old too
   stale.mark_grads_stale();
   const MockData data(cfg.vocab_size, cfg.seq_length, 3, "train");
   for (int64_t m = 0; m < 2; ++m) {

@@ -58,8 +58,12 @@ TimedRegion::~TimedRegion() {
   if (record_ < 0) return;
   State& s = state();
   Record& r = s.records[static_cast<size_t>(record_)];
-  r.end->record();
   s.depth--;
+  try {
+    r.end->record();
+  } catch (...) {  // a destructor must not throw (e.g. while a CUDA error unwinds the step): drop the sample
+    r.total = -1;
+  }
 }
 
 void collect_region_times() {
@@ -67,6 +71,7 @@ void collect_region_times() {
   MC_CHECK(s.depth == 0, "collect_region_times inside a timed region");  // so every record is closed
   for (size_t i = 0; i < s.used; ++i) {
     Record& r = s.records[i];
+    if (r.total < 0) continue;  // dropped
     RegionTime& t = s.totals[static_cast<size_t>(r.total)];
     t.ms += r.end->elapsed_ms_since(*r.start);
     t.calls++;

@@ -3,10 +3,12 @@
 //
 // A TimedRegion records an event on its device's current stream when it opens and when it
 // closes; collect_region_times() reads the elapsed times once the step has synchronised, so
-// timing adds no host waits. On the CPU the events read the host clock. Times are inclusive
-// (a region contains the regions opened inside it) and follow the current stream only: work on
-// another stream (a gradient reduction overlapped on the communication stream) counts where
-// the current stream waits for it. The state is per thread (the training loop's).
+// timing adds no host waits. On the CPU the events read the host clock. A region's time is an
+// interval of the GPU's timeline: it includes the time the GPU sat idle inside it (waiting for
+// the host to enqueue work, e.g. while the host waits for a statistic or an MPI call). Times are
+// inclusive (a region contains the regions opened inside it) and follow the current stream
+// only: work on another stream (a gradient reduction overlapped on the communication stream)
+// counts where the current stream waits for it. The state is per thread (the training loop's).
 #pragma once
 
 #include <cstdint>
@@ -42,8 +44,8 @@ struct RegionTime {
   int64_t calls = 0;
 };
 
-// Adds the time of every region closed since the last call to the totals. Waits for the
-// regions' events: call it after the step's own synchronisation (then nothing is waited for).
+// Adds the time of every region closed since the last call to the totals. Reads finished
+// events only (an unfinished one is an error): call it after the step's own synchronisation.
 void collect_region_times();
 // The regions timed since the last take (collected first) with their totals, in the order the
 // regions were first opened; resets the totals.

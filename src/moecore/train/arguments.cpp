@@ -215,7 +215,8 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
                                                     "lr-warmup-iters", "lr-wsd-decay-iters", "lr-wsd-decay-style"};
   static const std::vector<std::string> per_run = {"config", "load", "save", "save-interval", "metrics-file",
                                                    "tensorboard-dir", "train-iters", "log-interval", "eval-interval",
-                                                   "eval-iters", "device", "override-opt-param-scheduler"};
+                                                   "eval-iters", "device", "override-opt-param-scheduler",
+                                                   "timing-log-level"};
   auto in = [](const std::vector<std::string>& list, const std::string& n) {
     return std::find(list.begin(), list.end(), n) != list.end();
   };

@@ -91,9 +91,11 @@ class Optimizer {
   void reduce_gradients();
   double grad_norm_sq();    // after reduce_gradients(); the same on every rank
   double params_norm_sq();  // fp32 masters of trainable parameters; the same on every rank
-  // AdamW with gradients scaled by clip_scale, then fresh compute weights and zero gradients.
+  // AdamW with gradients scaled by clip_scale, then fresh compute weights; the gradients are
+  // left stale (ParamStore::mark_grads_stale: garbage until the next backward writes them or
+  // reduce_gradients() zeroes what it did not write).
   void step(const AdamHyper& h, double lr, float clip_scale, int64_t step);
-  // A skipped step: zero the gradients.
+  // A skipped step: the gradients become stale, as after step().
   void skip();
 
   // Collective: every rank calls; returns the full tensors (CPU) under the checkpoint names on

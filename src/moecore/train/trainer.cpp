@@ -503,7 +503,7 @@ int run_training(const TrainArgs& args) {
     }
     phase.emplace("grad-norm", 1, dev);
     const double grad_sq = optimizer.grad_norm_sq();
-    phase.emplace("moe-statistics", 1, dev);
+    phase.emplace("moe-finish-step", 1, dev);
     std::vector<MoeStepStats> layer_stats;
     for (MoeLayer* l : moe_layers) layer_stats.push_back(l->finish_step());
     phase.emplace("loss-and-checks", 1, dev);
