@@ -265,14 +265,15 @@ TEST_P(GpuVocabParallel, EmbeddingPartMatchesCpuBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuVocabParallel, ::testing::Values(DType::F32, DType::BF16), dtype_param_name);
 
 // ---- AdamW (f32 master weights) -------------------------------------------------------
-TEST(GpuAdamW, ThreeStepsMatchCpu) {
-  MC_REQUIRE_CUDA();
+// Three steps (the second with a clip scale of 0.5) from the same random state on both devices;
+// the moments in `moments` (f32, or bf16 for the precision-aware optimizer), second moments
+// drawn from [v_lo, 0.01].
+static void expect_adamw_steps_match_cpu(DType moments, double v_lo, const std::vector<Tolerance>& tolerances) {
   const int64_t n = 100003;
-  Tensor p = random_tensor({n}, DType::F32), m = random_tensor({n}, DType::F32, Device::cpu(), -0.1, 0.1);
-  Tensor v = random_tensor({n}, DType::F32, Device::cpu(), 0.0, 0.01);  // second moments are >= 0
+  Tensor p = random_tensor({n}, DType::F32), m = random_tensor({n}, moments, Device::cpu(), -0.1, 0.1);
+  Tensor v = random_tensor({n}, moments, Device::cpu(), v_lo, 0.01);  // second moments are >= 0
   Tensor g = random_tensor({n}, DType::F32, Device::cpu(), -3.0, 3.0);
-  // nvcc may fuse multiply-adds the host compiler leaves separate: last-bit differences.
-  expect_cuda_matches_cpu({p, g, m, v}, {{{n}, DType::F32}, {{n}, DType::F32}, {{n}, DType::F32}},
+  expect_cuda_matches_cpu({p, g, m, v}, {{{n}, DType::F32}, {{n}, moments}, {{n}, moments}},
                           [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
                             out[0].copy_from(in[0]);
                             out[1].copy_from(in[2]);
@@ -281,33 +282,26 @@ TEST(GpuAdamW, ThreeStepsMatchCpu) {
                               ops::adamw_step(out[0], in[1], out[1], out[2], {1e-3, 0.9, 0.95, 1e-8, 0.1, step},
                                               step == 2 ? 0.5f : 1.0f);
                           },
-                          {Tolerance{1e-6, 1e-5}});
+                          tolerances);
+}
+
+TEST(GpuAdamW, ThreeStepsMatchCpu) {
+  MC_REQUIRE_CUDA();
+  // nvcc may fuse multiply-adds the host compiler leaves separate: last-bit differences.
+  expect_adamw_steps_match_cpu(DType::F32, 0.0, {Tolerance{1e-6, 1e-5}});
 }
 
 // bf16 moments (the precision-aware optimizer): the same per-element function and the same
 // rounding on store on both devices.
 TEST(GpuAdamW, Bf16MomentsMatchCpu) {
   MC_REQUIRE_CUDA();
-  const int64_t n = 100003;
   // v >= 1e-3 keeps m / sqrt(v) (the update's size) bounded: <= ~6.5e-3 a step here.
-  Tensor p = random_tensor({n}, DType::F32), m = random_tensor({n}, DType::BF16, Device::cpu(), -0.1, 0.1);
-  Tensor v = random_tensor({n}, DType::BF16, Device::cpu(), 1e-3, 0.01);
-  Tensor g = random_tensor({n}, DType::F32, Device::cpu(), -3.0, 3.0);
   // Last-bit f32 differences (nvcc fuses multiply-adds) can flip a bf16 rounding of a stored
   // moment by one unit (up to 2^-7 relative); later steps carry it on: in m as an absolute
   // ~2e-3 (m's values reach ~0.4 and later gradients can cancel them), in v as <= 2 units
   // relative (v only grows by positive terms), in p as <= 0.8% of the <= 6.5e-3 updates of
   // steps 2 and 3. A misread or unrounded moment is off by orders of magnitude more.
-  expect_cuda_matches_cpu({p, g, m, v}, {{{n}, DType::F32}, {{n}, DType::BF16}, {{n}, DType::BF16}},
-                          [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
-                            out[0].copy_from(in[0]);
-                            out[1].copy_from(in[2]);
-                            out[2].copy_from(in[3]);
-                            for (int64_t step = 1; step <= 3; ++step)
-                              ops::adamw_step(out[0], in[1], out[1], out[2], {1e-3, 0.9, 0.95, 1e-8, 0.1, step},
-                                              step == 2 ? 0.5f : 1.0f);
-                          },
-                          {Tolerance{3e-4, 1e-5}, Tolerance{3e-3, 8e-3}, Tolerance{1e-6, 2e-2}});
+  expect_adamw_steps_match_cpu(DType::BF16, 1e-3, {Tolerance{3e-4, 1e-5}, Tolerance{3e-3, 8e-3}, Tolerance{1e-6, 2e-2}});
 }
 
 // The fused compute-weight write on the GPU: bit for bit the cast of the updated master.
