@@ -1,7 +1,9 @@
 // Attention benchmark: causal GQA attention forward and backward on CUDA, the tiled CUDA-core
 // kernels, the cuBLAS GEMM path and the fused tensor-core flash kernels
-// (MOECORE_ATTENTION=tiled|gemm|flash, set here per run; "flash-1ds" is the flash path with
-// MOECORE_ATTENTION_FLASH_SPLIT=0, dS rounded to one bf16 in the backward), with
+// (MOECORE_ATTENTION=tiled|gemm|flash, set here per run; "flash" takes the Hopper wgmma kernels
+// where they run (D = 128 on H100/H200), "flash-mma" the mma.sync kernels
+// (MOECORE_ATTENTION_FLASH_HOPPER=0); "-1ds" adds MOECORE_ATTENTION_FLASH_SPLIT=0, P and dS rounded
+// to one bf16 in the backward), with
 // a dense bf16 GEMM (ops::gemm, 8192^3) measured in the same run as the ceiling.
 //
 // FLOP counting (causal: only the s >= t half of the score matrix is useful work):
@@ -120,11 +122,13 @@ int main(int argc, char** argv) {
       Tensor dq = Tensor::empty(q.shape(), t, dev), dk = Tensor::empty(k.shape(), t, dev),
              dv = Tensor::empty(k.shape(), t, dev);
       const double fwd_flops = 2.0 * c.B * c.Hq * static_cast<double>(c.S) * c.S * c.D;
-      for (const std::string label : {"tiled", "gemm", "flash", "flash-1ds"}) {
+      for (const std::string label : {"tiled", "gemm", "flash-mma", "flash-mma-1ds", "flash", "flash-1ds"}) {
         const char* path = label.rfind("flash", 0) == 0 ? "flash" : label.c_str();
         setenv("MOECORE_ATTENTION", path, 1);
-        if (label == "flash-1ds") setenv("MOECORE_ATTENTION_FLASH_SPLIT", "0", 1);
+        if (label.find("-1ds") != std::string::npos) setenv("MOECORE_ATTENTION_FLASH_SPLIT", "0", 1);
         else unsetenv("MOECORE_ATTENTION_FLASH_SPLIT");
+        if (label.rfind("flash-mma", 0) == 0) setenv("MOECORE_ATTENTION_FLASH_HOPPER", "0", 1);
+        else unsetenv("MOECORE_ATTENTION_FLASH_HOPPER");
         const double fms = time_ms(dev, static_cast<int>(iters), static_cast<int>(repeats),
                                    [&] { ops::attention_forward(q, k, v, scale, out, lse); });
         emit({c.name, label, "fwd", fms, fwd_flops / (fms * 1e-3) / 1e12}, c);
@@ -135,20 +139,21 @@ int main(int argc, char** argv) {
       }
       unsetenv("MOECORE_ATTENTION");
       unsetenv("MOECORE_ATTENTION_FLASH_SPLIT");
+      unsetenv("MOECORE_ATTENTION_FLASH_HOPPER");
     }
 
     std::printf("\nCausal attention on %s (bf16, fp32 accumulate); fwd FLOPs 2*B*Hq*S^2*D, bwd 2.5x\n", card.c_str());
-    std::printf("%-44s %-10s %-4s %9s %9s %12s %12s\n", "case", "path", "dir", "ms", "TFLOP/s", "vs tiled",
-                "vs gemm");
+    std::printf("%-44s %-13s %-4s %9s %9s %12s %12s\n", "case", "path", "dir", "ms", "TFLOP/s", "vs gemm",
+                "vs flash-mma");
     for (const Row& r : rows) {
       auto speedup_vs = [&](const char* base) -> std::string {
-        if (r.path == base || r.path == "tiled") return "";
+        if (r.path == base || r.path == "tiled" || r.path == "gemm") return "";
         for (const Row& o : rows)
           if (o.name == r.name && o.dir == r.dir && o.path == base) return std::to_string(o.ms / r.ms).substr(0, 5) + "x";
         return "";
       };
-      std::printf("%-44s %-10s %-4s %9.3f %9.1f %12s %12s\n", r.name.c_str(), r.path.c_str(), r.dir.c_str(), r.ms,
-                  r.tflops, speedup_vs("tiled").c_str(), speedup_vs("gemm").c_str());
+      std::printf("%-44s %-13s %-4s %9.3f %9.1f %12s %12s\n", r.name.c_str(), r.path.c_str(), r.dir.c_str(), r.ms,
+                  r.tflops, speedup_vs("gemm").c_str(), speedup_vs("flash-mma").c_str());
     }
     return 0;
   } catch (const std::exception& e) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "moecore/ops/attention.h"
+#include "moecore/ops/attention_flash_hopper.h"
 #include "op_harness.h"
 
 using namespace moecore;
@@ -389,10 +390,12 @@ struct FlashCase {
 
 class GpuAttentionFlash : public ::testing::TestWithParam<FlashCase> {};
 
+// These run the mma.sync kernels (MOECORE_ATTENTION_FLASH_HOPPER=0); GpuAttentionFlashHopper below
+// runs the same comparisons through the Hopper kernels.
 TEST_P(GpuAttentionFlash, MatchesCpu) {
   MC_REQUIRE_CUDA();
   const FlashCase c = GetParam();
-  ScopedEnv env("MOECORE_ATTENTION", "flash");
+  ScopedEnv env("MOECORE_ATTENTION", "flash"), mma("MOECORE_ATTENTION_FLASH_HOPPER", "0");
   EXPECT_EQ(ops::cuda::attention_path({c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk}, DType::BF16),
             ops::cuda::AttentionPath::Flash);
   check_against_cpu(DType::BF16, c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk);
@@ -410,6 +413,84 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionFlash,
                                   std::to_string(c.Sk) + "_H" + std::to_string(c.Hq) + "_" + std::to_string(c.Hkv) +
                                   "_D" + std::to_string(c.D);
                          });
+
+// True when the Hopper flash kernels take these sizes on this GPU (they decline silently
+// elsewhere, so each Hopper test first checks that they are the ones that run).
+bool hopper_flash_runs(const FlashCase& c) {
+  Tensor q = Tensor::empty({c.B, c.Sq, c.Hq, c.D}, DType::BF16, kCuda);
+  Tensor k = Tensor::empty({c.B, c.Sk, c.Hkv, c.D}, DType::BF16, kCuda);
+  return ops::cuda::flash_hopper::available({c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk}, q, k, k, &q);
+}
+
+bool is_hopper_gpu() {
+  cudaDeviceProp prop;
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+}
+
+// The Hopper kernels (wgmma, D = 128) against the CPU with the same tolerances. Shapes: many
+// tiles (S = 2048: 16 query tiles, 16 / 32 key tiles); partial tiles (77, 200, 257); offsets
+// that are not multiples of the tiles (130 x 300, 1000 x 1234) and one that is (512 x 640);
+// GQA 8:2, 6:3, MQA 4:1 and MHA; 5 queries against 77 keys.
+class GpuAttentionFlashHopper : public ::testing::TestWithParam<FlashCase> {};
+
+TEST_P(GpuAttentionFlashHopper, MatchesCpu) {
+  MC_REQUIRE_CUDA();
+  if (!is_hopper_gpu()) GTEST_SKIP() << "the Hopper flash kernels need a compute-capability 9.0 GPU";
+  const FlashCase c = GetParam();
+  ScopedEnv env("MOECORE_ATTENTION", "flash");
+  ASSERT_TRUE(hopper_flash_runs(c)) << "the Hopper flash kernels declined these sizes";
+  check_against_cpu(DType::BF16, c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionFlashHopper,
+                         ::testing::Values(FlashCase{1, 2048, 2048, 2, 2, 128}, FlashCase{2, 77, 77, 8, 2, 128},
+                                           FlashCase{2, 130, 300, 8, 2, 128}, FlashCase{1, 1000, 1234, 8, 2, 128},
+                                           FlashCase{2, 5, 77, 8, 2, 128}, FlashCase{2, 200, 200, 4, 4, 128},
+                                           FlashCase{1, 257, 257, 6, 3, 128}, FlashCase{1, 512, 640, 4, 1, 128}),
+                         [](const ::testing::TestParamInfo<FlashCase>& i) {
+                           const FlashCase& c = i.param;
+                           return "B" + std::to_string(c.B) + "_Sq" + std::to_string(c.Sq) + "_Sk" +
+                                  std::to_string(c.Sk) + "_H" + std::to_string(c.Hq) + "_" + std::to_string(c.Hkv);
+                         });
+
+// MOECORE_ATTENTION_FLASH_SPLIT=0 on the Hopper kernels: P and dS rounded once, so dV can miss by
+// a few bf16 steps where P is large and the sum cancels (attention_flash_cuda.cu); 4x the bf16
+// gradient tolerances still catches a wrong product (errors of order 1).
+TEST(GpuAttentionFlashHopperPath, SingleRoundingBackwardIsClose) {
+  MC_REQUIRE_CUDA();
+  if (!is_hopper_gpu()) GTEST_SKIP() << "the Hopper flash kernels need a compute-capability 9.0 GPU";
+  ScopedEnv env("MOECORE_ATTENTION", "flash"), split("MOECORE_ATTENTION_FLASH_SPLIT", "0");
+  const FlashCase c{2, 300, 300, 4, 2, 128};
+  ASSERT_TRUE(hopper_flash_runs(c));
+  const double scale = 1.0 / std::sqrt(128.0);
+  Tensor q = random_tensor({c.B, c.Sq, c.Hq, c.D}, DType::BF16, Device::cpu(), -2, 2);
+  Tensor k = random_tensor({c.B, c.Sk, c.Hkv, c.D}, DType::BF16, Device::cpu(), -2, 2);
+  Tensor v = random_tensor(k.shape(), DType::BF16), dout = random_tensor(q.shape(), DType::BF16);
+  Tensor out = Tensor::empty(q.shape(), DType::BF16), lse = Tensor::empty({c.B, c.Hq, c.Sq}, DType::F32);
+  ops::attention_forward(q, k, v, scale, out, lse);
+  std::vector<Tolerance> tol = tolerances(DType::BF16);
+  for (size_t i = 2; i < tol.size(); ++i) tol[i] = {4 * tol[i].atol, 4 * tol[i].rtol};
+  expect_cuda_matches_cpu({q, k, v, out, lse, dout},
+                          {{q.shape(), DType::BF16}, {k.shape(), DType::BF16}, {k.shape(), DType::BF16}},
+                          [&](const std::vector<Tensor>& in, std::vector<Tensor>& o) {
+                            ops::attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], scale, o[0], o[1], o[2]);
+                          },
+                          {tol[2], tol[3], tol[4]});
+}
+
+// MOECORE_ATTENTION_FLASH_HOPPER=0 turns the Hopper kernels off; D = 64 and f32 never take them.
+TEST(GpuAttentionFlashHopperPath, SwitchAndUnsupportedSizes) {
+  MC_REQUIRE_CUDA();
+  if (!is_hopper_gpu()) GTEST_SKIP() << "the Hopper flash kernels need a compute-capability 9.0 GPU";
+  EXPECT_TRUE(hopper_flash_runs({1, 64, 64, 2, 1, 128}));
+  EXPECT_FALSE(hopper_flash_runs({1, 64, 64, 2, 1, 64}));
+  {
+    ScopedEnv off("MOECORE_ATTENTION_FLASH_HOPPER", "0");
+    EXPECT_FALSE(hopper_flash_runs({1, 64, 64, 2, 1, 128}));
+  }
+  Tensor q = Tensor::empty({1, 64, 2, 128}, DType::F32, kCuda), k = Tensor::empty({1, 64, 1, 128}, DType::F32, kCuda);
+  EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 128, 64}, q, k, k));
+}
 
 TEST(GpuAttentionFlashPath, BackwardIsDeterministic) {
   MC_REQUIRE_CUDA();

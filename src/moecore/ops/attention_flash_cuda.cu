@@ -41,6 +41,7 @@
 #include <type_traits>
 
 #include "moecore/ops/attention.h"
+#include "moecore/ops/attention_flash_hopper.h"
 #include "moecore/ops/cuda_common.cuh"
 
 namespace moecore::ops::cuda {
@@ -642,6 +643,10 @@ void attention_forward_flash(const Tensor& q, const Tensor& k, const Tensor& v, 
                              Tensor& lse, const AttentionDims& d) {
   const FlashGeometry g = flash_geometry(d, q.dtype(), scale, "attention_forward");
   cudaStream_t stream = prepare(q);
+  if (flash_hopper::available(d, q, k, v)) {
+    flash_hopper::forward(q, k, v, g.scale, out, lse, d, stream);
+    return;
+  }
   with_head_dim(d.head_dim, "attention_forward", [&](auto dim) {
     constexpr int D = decltype(dim)::value;
     using C = FwdCfg<D>;
@@ -662,6 +667,10 @@ void attention_backward_flash(const Tensor& q, const Tensor& k, const Tensor& v,
     const int64_t rows = d.batch * d.seq * d.q_heads;
     launch_flash(flash_dr_kernel<D>, dim3(static_cast<unsigned>((rows + 7) / 8)), 256, 0, stream, bits(out),
                  bits(dout), dr.data<float>(), rows, g);
+    if (flash_hopper::available(d, q, k, v, &dout)) {
+      flash_hopper::backward(q, k, v, lse, dr, dout, g.scale, split, dq, dk, dv, d, stream);
+      return;
+    }
     auto run = [&](auto split_tag) {
       constexpr bool S = decltype(split_tag)::value;
       using KV = DkvCfg<D>;

@@ -1,0 +1,619 @@
+// Hopper (sm_90a) flash attention for D = 128, bf16 in, fp32 accumulate: the flash path's
+// kernels on H100/H200 (semantics in attention.h, interface in attention_flash_hopper.h).
+//
+// Every kernel: one CTA = 2 consumer warpgroups + 1 producer warpgroup (384 threads; setmaxnreg
+// moves registers to the consumers), one CTA per SM.
+// The producer issues TMA loads (128-byte swizzle; q/k/v/dout seen as 4-D tensors {D, H, S, B}, so
+// a box {64, 1, rows, 1} is a [rows][64] block of one head) of the CTA's fixed tiles once and of
+// the streamed tiles into a ring of stages (full/empty mbarriers). Each consumer warpgroup owns
+// 64 rows of the CTA's tile and runs wgmma: products of two shared-memory tiles give score-like
+// blocks in fp32 registers; those blocks, rounded to bf16 pairs, are the register A operand of
+// the next wgmma (the m64n*k16 accumulator layout is the A fragment layout), so P and dS never
+// touch shared memory.
+//
+//   forward  grid (query tiles of 128, Hq, B), longest first. Q (128 x 128) once; K and V tiles of
+//            128 keys, from the last one the tile sees down to 0, 2 stages. S = Q K^T, masked only
+//            in tiles that cross the shifted diagonal or the key end; online softmax in fp32
+//            (exp2 with c log2 e folded in), O = O corr + P V with P rounded to bf16 (as the
+//            mma.sync kernels).
+//   dK, dV   grid (key tiles of 128, Hkv, B). K and V (128 keys) once; for every query head of the
+//            group and every 32-query tile that sees the key tile: Q, dO, lse and Dr of 32 rows,
+//            6 stages. S^T = K Q^T, dP^T = V dO^T (m64n32), P^T = exp(c S^T - lse),
+//            dS^T = P^T (dP^T - Dr); dV += P^T dO, dK += dS^T Q (register A, dO and Q MN-major).
+//   dQ       grid (query tiles of 128, Hq, B), longest first. Q, dO (128 rows) once; K and V tiles
+//            of 64 keys, 4 stages. S = Q K^T, dP = dO V^T (m64n64), dS as above, dQ += dS K (K
+//            read MN-major from the same tile).
+// Each CTA owns the rows it writes: no atomics, deterministic. split: P (for dV) and dS enter
+// their products as hi + lo bf16 pairs (two wgmmas into one accumulator), as in
+// attention_flash_cuda.cu.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "moecore/core/cuda_check.h"
+#include "moecore/ops/attention_flash_hopper.h"
+#include "moecore/ops/hopper_common.cuh"
+
+namespace moecore::ops::cuda::flash_hopper {
+
+namespace {
+
+using namespace hopper_ptx;
+
+constexpr int kD = 128;
+constexpr int kConsumers = 256;             // warpgroups 0 and 1
+constexpr int kThreads = kConsumers + 128;  // + the producer warpgroup (one warp of it works)
+// Registers per thread after setmaxnreg: a warp of each warpgroup shares an SM sub-partition's
+// 512 registers per lane (240 + 240 + 24 <= 512); 384 threads alone would cap every thread at 168.
+constexpr int kConsumerRegs = 240, kProducerRegs = 24;
+constexpr float kLog2e = 1.4426950408889634f;
+// Bytes of one [rows][64] bf16 block: the two halves of a row tile of D = 128 lie this far apart.
+constexpr int chunk_bytes(int rows) { return rows * 64 * 2; }
+
+struct Geometry {
+  int Sq, Sk, off;       // off = Sk - Sq: query s sees keys t <= s + off
+  int Hq, Hkv, group;
+  float scale, scale_log2;  // c and c log2(e)
+};
+
+namespace fwd {
+constexpr int kBr = 128, kBc = 128, kStages = 2;
+constexpr int kQBytes = kBr * kD * 2;      // Q: 2 chunks [128][64]
+constexpr int kKBytes = kBc * kD * 2;      // K: 2 chunks [128 keys][64 d] (K-major B of S = Q K^T)
+constexpr int kVBytes = kBc * kD * 2;      // V: [2 key blocks][2 d chunks][64][64] (MN-major B of P V)
+constexpr int kStageBytes = kKBytes + kVBytes;
+constexpr size_t kSmem = 1024 + kQBytes + kStages * kStageBytes + (1 + 3 * kStages) * sizeof(uint64_t);
+}  // namespace fwd
+
+namespace dkv {
+constexpr int kBn = 128, kBm = 32, kStages = 6;
+constexpr int kKBytes = kBn * kD * 2;    // K and V: 2 chunks [128 keys][64 d] each
+constexpr int kRowBytes = kBm * kD * 2;  // Q and dO of a stage: 2 chunks [32][64] each
+constexpr int kStageBytes = 2 * kRowBytes;
+constexpr size_t kSmem = 1024 + 2 * kKBytes + kStages * kStageBytes + 2 * kStages * kBm * sizeof(float) +
+                         (1 + 2 * kStages) * sizeof(uint64_t);
+}  // namespace dkv
+
+namespace dq {
+constexpr int kBm = 128, kBn = 64, kStages = 4;
+constexpr int kRowBytes = kBm * kD * 2;   // Q and dO: 2 chunks [128][64] each
+constexpr int kTileBytes = kBn * kD * 2;  // K and V of a stage: 2 chunks [64 keys][64 d] each
+constexpr int kStageBytes = 2 * kTileBytes;
+constexpr size_t kSmem = 1024 + 2 * kRowBytes + kStages * kStageBytes + (1 + 2 * kStages) * sizeof(uint64_t);
+}  // namespace dq
+
+#ifdef MOECORE_HOPPER_DEVICE
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+}
+// bf16 pair (round to nearest even), lo in the low half (the smaller column).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+// The pair (lo, hi) - bf16 values of `packed`, rounded to bf16: the lo part of a hi + lo split.
+__device__ __forceinline__ uint32_t pack_residual(float lo, float hi, uint32_t packed) {
+  const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  return pack_bf16(lo - r.x, hi - r.y);
+}
+// The register A fragment of k16 step kk (columns 16 kk .. 16 kk + 15) of a 64 x N fp32
+// accumulator: the pairs of 8-column blocks 2 kk (rows g, g + 8) and 2 kk + 1.
+template <int N>
+__device__ __forceinline__ void a_fragment(const float (&s)[N], int kk, uint32_t (&a)[4], uint32_t (&lo)[4],
+                                           bool split) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    a[r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    if (split) lo[r] = pack_residual(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1], a[r]);
+  }
+}
+template <int kRegs>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (kRegs > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) { return smem_desc(addr, 16, 1024); }
+__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t addr, uint32_t chunk_stride) {
+  return smem_desc(addr, chunk_stride, 1024);
+}
+__device__ __forceinline__ void init_barriers(uint64_t* bars, int n, int count_first, int count_full, int stages) {
+  // bars: [0] the fixed tiles, [1, 1 + n * stages) full barriers, then the empty ones.
+  mbar_init(&bars[0], count_first);
+  for (int s = 0; s < n * stages; ++s) mbar_init(&bars[1 + s], count_full);
+  for (int s = 0; s < stages; ++s) mbar_init(&bars[1 + n * stages + s], 2);  // one arrival per warpgroup
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_forward_hopper(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                         const __grid_constant__ CUtensorMap tv, __nv_bfloat16* out, float* lse, const Geometry g) {
+#ifdef MOECORE_HOPPER_DEVICE
+  using namespace fwd;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sq = aligned_smem(smem_raw);
+  uint8_t* stages = sq + kQBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes);
+  uint64_t* q_full = bars;
+  uint64_t* k_full = bars + 1;
+  uint64_t* v_full = k_full + kStages;
+  uint64_t* empty = v_full + kStages;
+
+  const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / g.group;
+  const int q0 = qt * kBr;
+  const int key_end = min(g.Sk, q0 + kBr + g.off);  // keys [0, key_end) are seen by some row
+  const int n_tiles = (key_end + kBc - 1) / kBc;
+  if (threadIdx.x == 0) init_barriers(bars, 2, 1, 1, kStages);
+  __syncthreads();
+
+  if (threadIdx.x >= kConsumers) {  // producer: one thread issues the loads
+    set_max_registers<kProducerRegs>();
+    if (threadIdx.x != kConsumers) return;
+    mbar_expect_tx(q_full, kQBytes);
+    for (int c = 0; c < 2; ++c) tma_load_4d(sq + c * chunk_bytes(kBr), &tq, q_full, 64 * c, h, q0, b);
+    for (int it = 0; it < n_tiles; ++it) {
+      const int s = it % kStages, round = it / kStages;
+      const int k0 = (n_tiles - 1 - it) * kBc;
+      if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
+      uint8_t* sk = stages + s * kStageBytes;
+      uint8_t* sv = sk + kKBytes;
+      mbar_expect_tx(&k_full[s], kKBytes);
+      for (int c = 0; c < 2; ++c) tma_load_4d(sk + c * chunk_bytes(kBc), &tk, &k_full[s], 64 * c, kvh, k0, b);
+      mbar_expect_tx(&v_full[s], kVBytes);
+      for (int kb = 0; kb < 2; ++kb)
+        for (int c = 0; c < 2; ++c)
+          tma_load_4d(sv + (2 * kb + c) * chunk_bytes(64), &tv, &v_full[s], 64 * c, kvh, k0 + 64 * kb, b);
+    }
+    return;
+  }
+
+  set_max_registers<kConsumerRegs>();
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, t = lane % 4;
+  const int row0 = q0 + wg * 64 + warp * 16 + lane / 4;  // this thread's rows: row0, row0 + 8
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const uint32_t q_base = smem_u32(sq) + wg * chunk_bytes(64);  // this warpgroup's 64 rows
+  mbar_wait(q_full, 0);
+  for (int it = 0; it < n_tiles; ++it) {
+    const int s = it % kStages;
+    const uint32_t parity = (it / kStages) & 1;
+    const int k0 = (n_tiles - 1 - it) * kBc;
+    const uint32_t k_base = smem_u32(stages + s * kStageBytes), v_base = k_base + kKBytes;
+    float sc[64];
+    mbar_wait(&k_full[s], parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {  // S = Q K^T over d; Q and K chunks are both 16 KB
+      const uint32_t off = (kk >> 2) * chunk_bytes(128) + (kk & 3) * 32;
+      wgmma_m64n128k16<0, 0>(sc, kmajor_desc(q_base + off), kmajor_desc(k_base + off), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(sc);
+    // Accumulator (j, e): row row0 + 8 (e / 2), key k0 + 8 j + 2 t + e % 2.
+    if (k0 + kBc - 1 > q0 + g.off || k0 + kBc > g.Sk) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + 8 * j + 2 * t + (e & 1), row = row0 + 8 * (e >> 1);
+          if (key > row + g.off || key >= g.Sk) sc[4 * j + e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // online softmax of row row0 + 8 i (a quad of lanes shares it)
+      float mx = m[i];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * i], sc[4 * j + 2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float shift = mx == -INFINITY ? 0.0f : mx * g.scale_log2;  // a row with no key yet
+      const float corr = exp2f(m[i] * g.scale_log2 - shift);
+      m[i] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(fmaf(sc[4 * j + 2 * i + e], g.scale_log2, -shift));
+          sc[4 * j + 2 * i + e] = p;
+          sum += p;
+        }
+      l[i] = l[i] * corr + sum;  // this thread's part; the quad is summed at the end
+#pragma unroll
+      for (int j = 0; j < 16; ++j) o[4 * j + 2 * i] *= corr, o[4 * j + 2 * i + 1] *= corr;
+    }
+    uint32_t pa[8][4], unused[4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) a_fragment(sc, kk, pa[kk], unused, false);
+    mbar_wait(&v_full[s], parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk)  // O += P V: keys 16 kk.. of 64-key block kk / 4
+      wgmma_m64n128k16_rs<1>(o, pa[kk],
+                             mnmajor_desc(v_base + (kk >> 2) * 2 * chunk_bytes(64) + (kk & 3) * 2048, chunk_bytes(64)));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(o);
+    if (tid == 0) mbar_arrive(&empty[s]);
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row0 + 8 * i;
+    if (row >= g.Sq) continue;
+    const float inv = 1.0f / l[i];
+    __nv_bfloat16* dst = out + ((static_cast<int64_t>(b) * g.Sq + row) * g.Hq + h) * kD + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+          __floats2bfloat162_rn(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+    if (t == 0) lse[(static_cast<int64_t>(b) * g.Hq + h) * g.Sq + row] = m[i] * g.scale + logf(l[i]);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // an image without sm_90a features was loaded: fail loudly rather than write nothing
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK, dV per key tile.
+template <bool kSplit>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_dkv_hopper(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
+                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, const float* lse,
+                     const float* dr, __nv_bfloat16* dk, __nv_bfloat16* dv, const Geometry g) {
+#ifdef MOECORE_HOPPER_DEVICE
+  using namespace dkv;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sk = aligned_smem(smem_raw);
+  uint8_t* sv = sk + kKBytes;
+  uint8_t* stages = sv + kKBytes;  // [stage]: Q [2][32][64], dO [2][32][64]
+  float* s_lse = reinterpret_cast<float*>(stages + kStages * kStageBytes);  // [stage][32], lse log2(e)
+  float* s_dr = s_lse + kStages * kBm;                                      // [stage][32]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(s_dr + kStages * kBm);
+  uint64_t* kv_full = bars;
+  uint64_t* full = bars + 1;
+  uint64_t* empty = full + kStages;
+
+  const int k0 = blockIdx.x * kBn, kvh = blockIdx.y, b = blockIdx.z;  // the first key tiles have most work
+  const int qt_begin = max(0, k0 - g.off) / kBm;  // the first query tile that sees a key of the tile
+  const int per_head = (g.Sq + kBm - 1) / kBm - qt_begin;
+  const int total = g.group * per_head;
+  if (threadIdx.x == 0) init_barriers(bars, 1, 1, 32, kStages);  // full: every producer lane arrives
+  __syncthreads();
+
+  if (threadIdx.x >= kConsumers) {  // producer: lse and Dr by every lane of one warp, TMA by lane 0
+    set_max_registers<kProducerRegs>();
+    if (threadIdx.x >= kConsumers + 32) return;
+    const int lane = threadIdx.x - kConsumers;
+    if (lane == 0) {
+      mbar_expect_tx(kv_full, 2 * kKBytes);
+      for (int c = 0; c < 2; ++c) {
+        tma_load_4d(sk + c * chunk_bytes(kBn), &tk, kv_full, 64 * c, kvh, k0, b);
+        tma_load_4d(sv + c * chunk_bytes(kBn), &tv, kv_full, 64 * c, kvh, k0, b);
+      }
+    }
+    for (int it = 0; it < total; ++it) {
+      const int s = it % kStages, round = it / kStages;
+      const int hq = kvh * g.group + it / per_head, qs = (qt_begin + it % per_head) * kBm;
+      if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
+      const int row = qs + lane;
+      const int64_t at = (static_cast<int64_t>(b) * g.Hq + hq) * g.Sq + row;
+      s_lse[s * kBm + lane] = row < g.Sq ? lse[at] * kLog2e : INFINITY;  // rows past Sq: P = 0
+      s_dr[s * kBm + lane] = row < g.Sq ? dr[at] : 0.f;
+      if (lane == 0) {
+        uint8_t* q_dst = stages + s * kStageBytes;
+        mbar_expect_tx(&full[s], kStageBytes);
+        for (int c = 0; c < 2; ++c) {
+          tma_load_4d(q_dst + c * chunk_bytes(kBm), &tq, &full[s], 64 * c, hq, qs, b);
+          tma_load_4d(q_dst + kRowBytes + c * chunk_bytes(kBm), &tdo, &full[s], 64 * c, hq, qs, b);
+        }
+      } else {
+        mbar_arrive(&full[s]);
+      }
+    }
+    return;
+  }
+
+  set_max_registers<kConsumerRegs>();
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, t = lane % 4;
+  const int key0 = k0 + wg * 64 + warp * 16 + lane / 4;  // this thread's keys: key0, key0 + 8
+  float acc_k[64], acc_v[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc_k[i] = 0.f, acc_v[i] = 0.f;
+  const uint32_t k_base = smem_u32(sk) + wg * chunk_bytes(64), v_base = smem_u32(sv) + wg * chunk_bytes(64);
+  mbar_wait(kv_full, 0);
+  for (int it = 0; it < total; ++it) {
+    const int s = it % kStages;
+    const int qs = (qt_begin + it % per_head) * kBm;
+    const uint32_t q_base = smem_u32(stages + s * kStageBytes), do_base = q_base + kRowBytes;
+    float st[16], dpt[16];
+    mbar_wait(&full[s], (it / kStages) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {  // S^T = K Q^T, dP^T = V dO^T over d
+      const uint32_t off_a = (kk >> 2) * chunk_bytes(kBn) + (kk & 3) * 32;
+      const uint32_t off_b = (kk >> 2) * chunk_bytes(kBm) + (kk & 3) * 32;
+      wgmma_m64n32k16<0, 0>(st, kmajor_desc(k_base + off_a), kmajor_desc(q_base + off_b), kk > 0);
+      wgmma_m64n32k16<0, 0>(dpt, kmajor_desc(v_base + off_a), kmajor_desc(do_base + off_b), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(st);
+    fence_acc(dpt);
+    // Accumulator (j, e): key key0 + 8 (e / 2), query qs + 8 j + 2 t + e % 2.
+    const bool masked = k0 + kBn - 1 - qs > g.off;
+    const float* lse2 = s_lse + s * kBm;
+    const float* drs = s_dr + s * kBm;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * t + (e & 1);
+        float p = exp2f(fmaf(st[4 * j + e], g.scale_log2, -lse2[col]));
+        if (masked && key0 + 8 * (e >> 1) > qs + col + g.off) p = 0.f;
+        st[4 * j + e] = p;
+        dpt[4 * j + e] = p * (dpt[4 * j + e] - drs[col]);
+      }
+    uint32_t pa[2][4], pl[2][4], sa[2][4], sl[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      a_fragment(st, kk, pa[kk], pl[kk], kSplit);
+      a_fragment(dpt, kk, sa[kk], sl[kk], kSplit);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBm / 16; ++kk) {  // dV += P^T dO, dK += dS^T Q over the 32 queries
+      const uint64_t ddo = mnmajor_desc(do_base + kk * 2048, chunk_bytes(kBm));
+      const uint64_t dq_ = mnmajor_desc(q_base + kk * 2048, chunk_bytes(kBm));
+      wgmma_m64n128k16_rs<1>(acc_v, pa[kk], ddo);
+      if (kSplit) wgmma_m64n128k16_rs<1>(acc_v, pl[kk], ddo);
+      wgmma_m64n128k16_rs<1>(acc_k, sa[kk], dq_);
+      if (kSplit) wgmma_m64n128k16_rs<1>(acc_k, sl[kk], dq_);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(acc_v);
+    fence_acc(acc_k);
+    if (tid == 0) mbar_arrive(&empty[s]);
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int key = key0 + 8 * i;
+    if (key >= g.Sk) continue;
+    const int64_t at = ((static_cast<int64_t>(b) * g.Sk + key) * g.Hkv + kvh) * kD + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      *reinterpret_cast<__nv_bfloat162*>(dk + at + 8 * j) =
+          __floats2bfloat162_rn(acc_k[4 * j + 2 * i] * g.scale, acc_k[4 * j + 2 * i + 1] * g.scale);
+      *reinterpret_cast<__nv_bfloat162*>(dv + at + 8 * j) =
+          __floats2bfloat162_rn(acc_v[4 * j + 2 * i], acc_v[4 * j + 2 * i + 1]);
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ per query tile.
+template <bool kSplit>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_dq_hopper(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
+                    const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, const float* lse,
+                    const float* dr, __nv_bfloat16* dq, const Geometry g) {
+#ifdef MOECORE_HOPPER_DEVICE
+  using namespace dq;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* sq = aligned_smem(smem_raw);
+  uint8_t* sdo = sq + kRowBytes;
+  uint8_t* stages = sdo + kRowBytes;  // [stage]: K [2][64][64], V [2][64][64]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes);
+  uint64_t* qd_full = bars;
+  uint64_t* full = bars + 1;
+  uint64_t* empty = full + kStages;
+
+  const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / g.group;
+  const int q0 = qt * kBm;
+  const int key_end = min(g.Sk, q0 + kBm + g.off);
+  const int n_tiles = (key_end + kBn - 1) / kBn;
+  if (threadIdx.x == 0) init_barriers(bars, 1, 1, 1, kStages);
+  __syncthreads();
+
+  if (threadIdx.x >= kConsumers) {
+    set_max_registers<kProducerRegs>();
+    if (threadIdx.x != kConsumers) return;
+    mbar_expect_tx(qd_full, 2 * kRowBytes);
+    for (int c = 0; c < 2; ++c) {
+      tma_load_4d(sq + c * chunk_bytes(kBm), &tq, qd_full, 64 * c, h, q0, b);
+      tma_load_4d(sdo + c * chunk_bytes(kBm), &tdo, qd_full, 64 * c, h, q0, b);
+    }
+    for (int it = 0; it < n_tiles; ++it) {
+      const int s = it % kStages, round = it / kStages;
+      const int k0 = (n_tiles - 1 - it) * kBn;
+      if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
+      uint8_t* dst = stages + s * kStageBytes;
+      mbar_expect_tx(&full[s], kStageBytes);
+      for (int c = 0; c < 2; ++c) {
+        tma_load_4d(dst + c * chunk_bytes(kBn), &tk, &full[s], 64 * c, kvh, k0, b);
+        tma_load_4d(dst + kTileBytes + c * chunk_bytes(kBn), &tv, &full[s], 64 * c, kvh, k0, b);
+      }
+    }
+    return;
+  }
+
+  set_max_registers<kConsumerRegs>();
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, t = lane % 4;
+  const int row0 = q0 + wg * 64 + warp * 16 + lane / 4;
+  float lse2[2], drr[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row0 + 8 * i;
+    const int64_t at = (static_cast<int64_t>(b) * g.Hq + h) * g.Sq + row;
+    lse2[i] = row < g.Sq ? lse[at] * kLog2e : INFINITY;
+    drr[i] = row < g.Sq ? dr[at] : 0.f;
+  }
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  const uint32_t q_base = smem_u32(sq) + wg * chunk_bytes(64), do_base = smem_u32(sdo) + wg * chunk_bytes(64);
+  mbar_wait(qd_full, 0);
+  for (int it = 0; it < n_tiles; ++it) {
+    const int s = it % kStages;
+    const int k0 = (n_tiles - 1 - it) * kBn;
+    const uint32_t k_base = smem_u32(stages + s * kStageBytes), v_base = k_base + kTileBytes;
+    float sc[32], dp[32];
+    mbar_wait(&full[s], (it / kStages) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {  // S = Q K^T, dP = dO V^T over d
+      const uint32_t off_a = (kk >> 2) * chunk_bytes(kBm) + (kk & 3) * 32;
+      const uint32_t off_b = (kk >> 2) * chunk_bytes(kBn) + (kk & 3) * 32;
+      wgmma_m64n64k16<0, 0>(sc, kmajor_desc(q_base + off_a), kmajor_desc(k_base + off_b), kk > 0);
+      wgmma_m64n64k16<0, 0>(dp, kmajor_desc(do_base + off_a), kmajor_desc(v_base + off_b), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(sc);
+    fence_acc(dp);
+    const bool masked = k0 + kBn - 1 > q0 + g.off || k0 + kBn > g.Sk;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1, key = k0 + 8 * j + 2 * t + (e & 1);
+        float p = exp2f(fmaf(sc[4 * j + e], g.scale_log2, -lse2[i]));
+        if (masked && (key > row0 + 8 * i + g.off || key >= g.Sk)) p = 0.f;
+        sc[4 * j + e] = p * (dp[4 * j + e] - drr[i]);  // dS
+      }
+    uint32_t sa[4][4], sl[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) a_fragment(sc, kk, sa[kk], sl[kk], kSplit);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBn / 16; ++kk) {  // dQ += dS K: K read MN-major (d chunks 8 KB apart)
+      const uint64_t dk_ = mnmajor_desc(k_base + kk * 2048, chunk_bytes(kBn));
+      wgmma_m64n128k16_rs<1>(acc, sa[kk], dk_);
+      if (kSplit) wgmma_m64n128k16_rs<1>(acc, sl[kk], dk_);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(acc);
+    if (tid == 0) mbar_arrive(&empty[s]);
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row0 + 8 * i;
+    if (row >= g.Sq) continue;
+    __nv_bfloat16* dst = dq + ((static_cast<int64_t>(b) * g.Sq + row) * g.Hq + h) * kD + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+          __floats2bfloat162_rn(acc[4 * j + 2 * i] * g.scale, acc[4 * j + 2 * i + 1] * g.scale);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+Geometry geometry(const AttentionDims& d, float scale) {
+  return {static_cast<int>(d.seq),     static_cast<int>(d.keys()),    static_cast<int>(d.offset()),
+          static_cast<int>(d.q_heads), static_cast<int>(d.kv_heads),  static_cast<int>(d.group()),
+          scale,                       scale * kLog2e};
+}
+
+// A [B, S, H, 128] bf16 tensor as the 4-D TMA tensor {128, H, S, B}; box {64, 1, rows, 1}.
+CUtensorMap head_map(const Tensor& t, int64_t seq, int64_t heads, uint32_t rows) {
+  const uint64_t batch = static_cast<uint64_t>(t.size(0));
+  const uint64_t dims[4] = {kD, static_cast<uint64_t>(heads), static_cast<uint64_t>(seq), batch};
+  const uint64_t strides[3] = {kD * 2, static_cast<uint64_t>(heads) * kD * 2,
+                               static_cast<uint64_t>(seq) * heads * kD * 2};
+  const uint32_t box[4] = {64, 1, rows, 1};
+  return make_map(t.data_ptr(), 4, dims, strides, box);
+}
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, Args... args) {
+  MC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<grid, kThreads, smem, stream>>>(args...);
+  MC_CUDA_CHECK(cudaGetLastError());
+}
+
+unsigned tiles(int64_t n, int tile) { return static_cast<unsigned>((n + tile - 1) / tile); }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+__nv_bfloat16* bf16_ptr(Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr()); }
+
+}  // namespace
+
+bool available(const AttentionDims& d, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* dout) {
+#ifndef MOECORE_HAVE_SM90A
+  return false;
+#else
+  const char* env = std::getenv("MOECORE_ATTENTION_FLASH_HOPPER");
+  if (env && std::string(env) == "0") return false;
+  if (d.head_dim != kD || q.dtype() != DType::BF16 || !q.device().is_cuda()) return false;
+  if (!device_info(q.device().index).hopper) return false;
+  for (const Tensor* x : {&q, &k, &v, dout})
+    if (x && (!x->is_contiguous() || !aligned16(x->data_ptr()))) return false;
+  return d.keys() < (int64_t(1) << 30) && d.q_heads <= 65535 && d.kv_heads <= 65535 && d.batch <= 65535;
+#endif
+}
+
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, Tensor& out, Tensor& lse,
+             const AttentionDims& d, cudaStream_t stream) {
+  const Geometry g = geometry(d, scale);
+  const CUtensorMap tq = head_map(q, d.seq, d.q_heads, fwd::kBr), tk = head_map(k, d.keys(), d.kv_heads, fwd::kBc),
+                    tv = head_map(v, d.keys(), d.kv_heads, 64);
+  launch(flash_forward_hopper, dim3(tiles(d.seq, fwd::kBr), d.q_heads, d.batch), fwd::kSmem, stream, tq, tk, tv,
+         bf16_ptr(out), lse.data<float>(), g);
+}
+
+void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse, const Tensor& dr,
+              const Tensor& dout, float scale, bool split, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d,
+              cudaStream_t stream) {
+  const Geometry g = geometry(d, scale);
+  const float* l = lse.data<float>();
+  const float* r = dr.data<float>();
+  {
+    const CUtensorMap tq = head_map(q, d.seq, d.q_heads, dkv::kBm), tdo = head_map(dout, d.seq, d.q_heads, dkv::kBm);
+    const CUtensorMap tk = head_map(k, d.keys(), d.kv_heads, dkv::kBn), tv = head_map(v, d.keys(), d.kv_heads, dkv::kBn);
+    const dim3 grid(tiles(d.keys(), dkv::kBn), d.kv_heads, d.batch);
+    if (split)
+      launch(flash_dkv_hopper<true>, grid, dkv::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
+    else
+      launch(flash_dkv_hopper<false>, grid, dkv::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
+  }
+  {
+    const CUtensorMap tq = head_map(q, d.seq, d.q_heads, dq::kBm), tdo = head_map(dout, d.seq, d.q_heads, dq::kBm);
+    const CUtensorMap tk = head_map(k, d.keys(), d.kv_heads, dq::kBn), tv = head_map(v, d.keys(), d.kv_heads, dq::kBn);
+    const dim3 grid(tiles(d.seq, dq::kBm), d.q_heads, d.batch);
+    if (split)
+      launch(flash_dq_hopper<true>, grid, dq::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dq), g);
+    else
+      launch(flash_dq_hopper<false>, grid, dq::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dq), g);
+  }
+}
+
+}  // namespace moecore::ops::cuda::flash_hopper
