@@ -96,8 +96,8 @@ Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx)
     dk2 = k_norm_.backward(dk2, ctx.k_norm);
   }
   Tensor dx = q_proj_.backward(dq2.view({tokens, heads_ * head_dim_}), ctx.q);
-  add_into(dx, k_proj_.backward(dk2.view({tokens, kv_heads_ * head_dim_}), ctx.k));
-  add_into(dx, v_proj_.backward(dv.view({tokens, kv_heads_ * head_dim_}), ctx.v));
+  k_proj_.backward_add(dk2.view({tokens, kv_heads_ * head_dim_}), ctx.k, dx);
+  v_proj_.backward_add(dv.view({tokens, kv_heads_ * head_dim_}), ctx.v, dx);
   return par_.enter_backward(dx, batch);
 }
 

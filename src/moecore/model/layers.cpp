@@ -67,6 +67,19 @@ Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {
 }
 
 Tensor Linear::backward(const Tensor& dy, Ctx& ctx) const {
+  Tensor dx = Tensor::empty({dy.numel() / out, in}, dy.dtype(), dy.device());
+  backward_dgrad(dy, ctx, dx, 0.0f);
+  return dx;
+}
+
+void Linear::backward_add(const Tensor& dy, Ctx& ctx, Tensor& dx_sum) const {
+  MC_CHECK(dx_sum.ndim() == 2 && dx_sum.size(0) == dy.numel() / out && dx_sum.size(1) == in,
+           "Linear::backward_add: the sum has shape ", shape_str(dx_sum.shape()), ", expected [", dy.numel() / out, ", ", in,
+           "]");
+  backward_dgrad(dy, ctx, dx_sum, 1.0f);
+}
+
+void Linear::backward_dgrad(const Tensor& dy, Ctx& ctx, Tensor& dx, float beta) const {
   const int64_t rows = dy.numel() / out;
   const Tensor dy2 = dy.view({rows, out});
   // dW += dy^T x (accumulated in the master dtype; dW = when the step's first write)
@@ -76,10 +89,8 @@ Tensor Linear::backward(const Tensor& dy, Ctx& ctx) const {
     ops::sum_leading_dims(dy2, db);
     add_into(bias->grad_to_accumulate(), db);
   }
-  Tensor dx = Tensor::empty({rows, in}, dy.dtype(), dy.device());
-  ops::gemm(dy2, weight->weight, dx, false, false);
+  ops::gemm(dy2, weight->weight, dx, false, false, 1.0f, beta);
   ctx = {};
-  return dx;
 }
 
 // ---- Norm -----------------------------------------------------------------------------

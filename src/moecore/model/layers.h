@@ -41,10 +41,16 @@ class Linear {
   };
   Tensor forward(const Tensor& x, Ctx& ctx) const;
   Tensor backward(const Tensor& dy, Ctx& ctx) const;
+  // As backward, but dx is added to `dx_sum` [rows, in] in the dgrad GEMM itself (beta 1: one
+  // pass, one rounding) instead of being returned.
+  void backward_add(const Tensor& dy, Ctx& ctx, Tensor& dx_sum) const;
   Param* weight = nullptr;
   Param* bias = nullptr;
   int64_t in = 0, out = 0;
   bool adds_bias = true;  // false on ranks > 0 of a row-parallel split
+
+ private:
+  void backward_dgrad(const Tensor& dy, Ctx& ctx, Tensor& dx, float beta) const;  // dx = beta dx + dy W
 };
 
 // RMSNorm or LayerNorm over the last dimension.
