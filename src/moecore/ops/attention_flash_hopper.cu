@@ -50,8 +50,9 @@ constexpr int kD = 128;
 constexpr int kConsumers = 256;             // warpgroups 0 and 1
 constexpr int kThreads = kConsumers + 128;  // + the producer warpgroup (one warp of it works)
 // Registers per thread after setmaxnreg: a warp of each warpgroup shares an SM sub-partition's
-// 512 registers per lane (240 + 240 + 24 <= 512; with 32 for the producer, 512 in all, the kernels
-// hung on an H100); 384 threads alone would cap every thread at 168.
+// 512 registers per lane, and 384 threads alone would cap every thread at 168. 240 + 240 + 24
+// runs; a build with 32 for the producer (512 in all) did not finish its tests on an H100 (the
+// run timed out, and the same run with 24 passed).
 constexpr int kConsumerRegs = 240, kProducerRegs = 24;
 constexpr float kLog2e = 1.4426950408889634f;
 // Bytes of one [rows][64] bf16 block: the two halves of a row tile of D = 128 lie this far apart.
@@ -74,14 +75,14 @@ constexpr size_t kSmem = 1024 + kQBytes + kStages * kStageBytes + (1 + 3 * kStag
 
 // dK, dV: 128 keys (64 per warpgroup) against 64-query tiles (H100, mixtral-small's shape: 0.86 ms
 // against 0.89 with 32-query tiles and 6 stages).
-struct DkvCfg {
-  static constexpr int kBn = 128, kBm = 64, kStages = 4;
-  static constexpr int kKBytes = kBn * kD * 2;    // K and V: 2 chunks [128 keys][64 d] each
-  static constexpr int kRowBytes = kBm * kD * 2;  // Q and dO of a stage: 2 chunks [kBm][64] each
-  static constexpr int kStageBytes = 2 * kRowBytes;
-  static constexpr size_t kSmem = 1024 + 2 * kKBytes + kStages * kStageBytes + 2 * kStages * kBm * sizeof(float) +
-                                  (1 + 2 * kStages) * sizeof(uint64_t);
-};
+namespace dkv {
+constexpr int kBn = 128, kBm = 64, kStages = 4;
+constexpr int kKBytes = kBn * kD * 2;    // K and V: 2 chunks [128 keys][64 d] each
+constexpr int kRowBytes = kBm * kD * 2;  // Q and dO of a stage: 2 chunks [kBm][64] each
+constexpr int kStageBytes = 2 * kRowBytes;
+constexpr size_t kSmem = 1024 + 2 * kKBytes + kStages * kStageBytes + 2 * kStages * kBm * sizeof(float) +
+                         (1 + 2 * kStages) * sizeof(uint64_t);
+}  // namespace dkv
 
 namespace dq {
 constexpr int kBm = 128, kBn = 64, kStages = 4;
@@ -281,9 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                      const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, const float* lse,
                      const float* dr, __nv_bfloat16* dk, __nv_bfloat16* dv, const Geometry g) {
 #ifdef MOECORE_HOPPER_DEVICE
-  using C = DkvCfg;
-  constexpr int kBn = C::kBn, kBm = C::kBm, kStages = C::kStages, kKBytes = C::kKBytes, kRowBytes = C::kRowBytes,
-                kStageBytes = C::kStageBytes;
+  using namespace dkv;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sk = aligned_smem(smem_raw);
   uint8_t* sv = sk + kKBytes;
@@ -604,14 +603,13 @@ void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& l
   const float* l = lse.data<float>();
   const float* r = dr.data<float>();
   {
-    using C = DkvCfg;
-    const CUtensorMap tq = head_map(q, d.seq, d.q_heads, C::kBm), tdo = head_map(dout, d.seq, d.q_heads, C::kBm);
-    const CUtensorMap tk = head_map(k, d.keys(), d.kv_heads, C::kBn), tv = head_map(v, d.keys(), d.kv_heads, C::kBn);
-    const dim3 grid(tiles(d.keys(), C::kBn), d.kv_heads, d.batch);
+    const CUtensorMap tq = head_map(q, d.seq, d.q_heads, dkv::kBm), tdo = head_map(dout, d.seq, d.q_heads, dkv::kBm);
+    const CUtensorMap tk = head_map(k, d.keys(), d.kv_heads, dkv::kBn), tv = head_map(v, d.keys(), d.kv_heads, dkv::kBn);
+    const dim3 grid(tiles(d.keys(), dkv::kBn), d.kv_heads, d.batch);
     if (split)
-      launch(flash_dkv_hopper<true>, grid, C::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
+      launch(flash_dkv_hopper<true>, grid, dkv::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
     else
-      launch(flash_dkv_hopper<false>, grid, C::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
+      launch(flash_dkv_hopper<false>, grid, dkv::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
   }
   {
     const CUtensorMap tq = head_map(q, d.seq, d.q_heads, dq::kBm), tdo = head_map(dout, d.seq, d.q_heads, dq::kBm);
