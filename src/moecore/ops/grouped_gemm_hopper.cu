@@ -4,13 +4,14 @@
 // the counts is needed by the kernel; see grouped_gemm.h for the operations).
 //
 // Geometry: one CTA = 2 consumer warpgroups + 1 producer warp (288 threads), one CTA per SM:
-//   producer warp  one thread issues the TMA loads of a 4-stage ring (an A tile 128 x 64 and a
+//   producer warp  one thread issues the TMA loads of a ring of stages (an A tile 128 x 64 and a
 //                  B tile BN x 64, bf16, 128-byte swizzle);
 //   warpgroups 0, 1  consumers: each runs wgmma m64nBNk16 on its 64 rows of the 128 x BN tile and
-//                  writes them: bf16 outputs with plain stores; the wgrad into f32 dw through
-//                  shared memory and a TMA reduce-add (asynchronous: the next tile's wgmmas
-//                  start while it runs), or a TMA store when overwriting (the step's first
-//                  gradient: dw is not read); into bf16 dw with loads, adds and stores.
+//                  writes them through a shared-memory staging buffer and TMA (asynchronous: the
+//                  next tile's wgmmas start while the stores run): bf16 outputs with TMA stores
+//                  (plain stores for a 64-row block that crosses the expert's last row); the
+//                  wgrad into f32 dw with a TMA reduce-add, or a TMA store when overwriting (the
+//                  step's first gradient: dw is not read); into bf16 dw with loads, adds and stores.
 //   Forward and dgrad: BN = 256. Wgrad: BN = 128 (its output is as large as its reduction is
 //   short).
 //   The tiles of all experts are numbered expert by expert (an expert's tiles: groups of 8
@@ -62,21 +63,24 @@ constexpr int kMaxExperts = 1024;
 constexpr int kRasterGroup = 8;             // m-blocks per raster group (decode_tile)
 
 // Tile width, ring depth and CTAs per SM. Forward and dgrad: 128 x 256 tiles (wgmma m64n256k16,
-// 128 accumulators a thread), 4 stages of 48 KB. Wgrad: 128 x 128 tiles (its output is as large
-// as its reduction is short), 4 stages of 32 KB and a 64 KB staging buffer. (Measured before the
-// reduce-add: two wgrad CTAs per SM with 3 stages beat one with 5; docs/performance.md.)
+// 128 accumulators a thread), 3 stages of 48 KB. Wgrad: 128 x 128 tiles (its output is as large
+// as its reduction is short), 4 stages of 32 KB. Both with a 64 KB staging buffer for the
+// epilogue. (Measured before the reduce-add: two wgrad CTAs per SM with 3 stages beat one with
+// 5; without the staged forward/dgrad epilogue its plain stores took 20-55% of the kernel's time
+// at the presets' shapes; docs/performance.md.)
 template <int BN, int STAGES, int CTAS>
 struct Config {
   static constexpr int kBN = BN, kStages = STAGES, kCtasPerSm = CTAS;
   static constexpr int kStageBytes = kATileBytes + BN * kBK * 2;
   static constexpr int kAcc = BN / 2;  // fp32 accumulators per thread (m64nBN over 128 threads)
 };
-using WideConfig = Config<256, 4, 1>;
+using WideConfig = Config<256, 3, 1>;
 using NarrowConfig = Config<128, 4, 1>;
-// Wgrad into f32 dw: each consumer warpgroup stages its 64 x 128 fp32 result in shared memory
-// and one TMA reduce-add (cp.reduce.async.bulk.tensor .add) adds it to dw in L2, asynchronously,
-// while the warpgroup goes on to the next tile.
+// Epilogue staging, 32 KB per consumer warpgroup. Wgrad into f32 dw: its 64 x 128 fp32 result,
+// added to dw in L2 by one TMA reduce-add (cp.reduce.async.bulk.tensor .add). Forward and dgrad:
+// its 64 x 256 bf16 result as four 64 x 64 boxes with the 128-byte swizzle, four TMA stores.
 constexpr int kStagingBytes = 2 * 64 * 128 * 4;
+static_assert(kStagingBytes == 2 * 64 * 256 * 2, "one staging buffer serves both epilogues");
 template <int kMode>
 using ConfigOf = std::conditional_t<kMode == kWgrad, NarrowConfig, WideConfig>;
 
@@ -135,7 +139,7 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* tile_start, const 
 template <int kMode>
 __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-                        const __grid_constant__ CUtensorMap tma_dw, const Params p) {
+                        const __grid_constant__ CUtensorMap tma_c, const Params p) {  // tma_c: out, or dw
 #ifdef MOECORE_HOPPER_DEVICE
   using C = ConfigOf<kMode>;
   constexpr int kBN = C::kBN, kStages = C::kStages, kStageBytes = C::kStageBytes, kAcc = C::kAcc;
@@ -144,8 +148,8 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
   constexpr int kTransB = kMode == kForward ? 0 : 1;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  constexpr int kStaging = kMode == kWgrad ? kStagingBytes : 0;
-  float* staging = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // wgrad, f32 dw
+  constexpr int kStaging = kStagingBytes;
+  float* staging = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // the epilogue's
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes + kStaging);
   uint64_t* empty = full + kStages;
   int* row_off = reinterpret_cast<int*>(empty + kStages);  // [experts + 1]
@@ -279,8 +283,8 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       named_barrier(2 + cw, 128);
       if (tid == 0) {
-        if (p.overwrite) tma_store_3d(&tma_dw, block, tile.n0, tile.m0 + cw * 64, tile.e);
-        else tma_reduce_add_3d(&tma_dw, block, tile.n0, tile.m0 + cw * 64, tile.e);
+        if (p.overwrite) tma_store_3d(&tma_c, block, tile.n0, tile.m0 + cw * 64, tile.e);
+        else tma_reduce_add_3d(&tma_c, block, tile.n0, tile.m0 + cw * 64, tile.e);
       }
     } else if (kMode == kWgrad) {  // bf16 dw: read-modify-write (a plain write when overwriting)
       const size_t base = static_cast<size_t>(tile.e) * p.dw_rows * p.out_cols;
@@ -301,6 +305,36 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
       }
     } else {
       const int row_end = row_off[tile.e + 1];
+      const int block_row = tile.m0 + cw * 64;  // this warpgroup's 64 rows
+      if (block_row + 64 <= row_end) {
+        // All 64 rows are this expert's: stage them as four 64 x 64 bf16 boxes with the 128-byte
+        // swizzle (the 16-byte chunk c of row r sits at chunk c ^ (r % 8): the stores of a warp hit
+        // 32 different banks), then four TMA stores; columns past out_cols are not written. The
+        // previous tile's stores must have finished reading the buffer first.
+        uint8_t* block = reinterpret_cast<uint8_t*>(staging) + cw * (kStagingBytes / 2);
+        if (tid == 0) bulk_wait_read_all();
+        named_barrier(2 + cw, 128);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + lane / 4 + 8 * half;
+#pragma unroll
+          for (int j = 0; j < kBN / 8; ++j) {
+            uint8_t* dst = block + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r % 8)) * 16) + c_lo * 2;
+            *reinterpret_cast<__nv_bfloat162*>(dst) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        named_barrier(2 + cw, 128);
+        if (tid == 0) {
+#pragma unroll
+          for (int box = 0; box < kBN / 64; ++box)
+            if (tile.n0 + 64 * box < p.out_cols)
+              tma_store_2d(&tma_c, block + box * 8192, tile.n0 + 64 * box, block_row);
+        }
+        continue;
+      }
+      // A block that crosses the expert's last row: plain stores of its rows only.
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = tile.m0 + r_lo + 8 * half;
@@ -316,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
       }
     }
   }
-  if (kMode == kWgrad && p.out_f32 && threadIdx.x % 128 == 0) bulk_wait_all();  // before smem goes away
+  if (threadIdx.x % 128 == 0) bulk_wait_all();  // the TMA stores finish before shared memory goes away  // before smem goes away
 #elif defined(__CUDA_ARCH__)
   __trap();  // an image without sm_90a features was loaded: fail loudly rather than write nothing
 #endif  // MOECORE_HOPPER_DEVICE
@@ -325,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
 template <int kMode>
 size_t smem_bytes(int experts) {
   using C = ConfigOf<kMode>;
-  return 1024 + static_cast<size_t>(C::kStages) * C::kStageBytes + (kMode == kWgrad ? kStagingBytes : 0) +
+  return 1024 + static_cast<size_t>(C::kStages) * C::kStageBytes + kStagingBytes +
          2 * C::kStages * sizeof(uint64_t) +
          2 * (static_cast<size_t>(experts) + 1) * sizeof(int);
 }
@@ -351,6 +385,14 @@ void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& dw, c
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// The bf16 output [rows, cols] of the forward and the dgrad for the epilogue's TMA stores: 64 x 64
+// boxes with the 128-byte swizzle (the staging layout).
+CUtensorMap out_map(const Tensor& c, uint64_t cols) {
+  const uint64_t dims[2] = {cols, static_cast<uint64_t>(c.size(0))}, strides[1] = {cols * 2};
+  const uint32_t box[2] = {64, 64};
+  return make_map(c.data_ptr(), 2, dims, strides, box);
+}
 
 }  // namespace
 
@@ -391,7 +433,7 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
       ma = make_map(a.data_ptr(), 2, da, sa, ba);
       mb = make_map(b.data_ptr(), 3, db, sb, bb);
       p.out_cols = static_cast<int>(N), p.red_len = static_cast<int>(K);
-      launch<kForward>(ma, mb, mb, p, info.sms, stream);  // no dw map: b's is passed, unused
+      launch<kForward>(ma, mb, out_map(c, N), p, info.sms, stream);
       break;
     }
     case GroupedMode::Dgrad: {  // a = dout [rows, N], b = w [E, N, K], c = dx [rows, K]
@@ -403,7 +445,7 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
       ma = make_map(a.data_ptr(), 2, da, sa, ba);
       mb = make_map(b.data_ptr(), 3, db, sb, bb);
       p.out_cols = static_cast<int>(K), p.red_len = static_cast<int>(N);
-      launch<kDgrad>(ma, mb, mb, p, info.sms, stream);
+      launch<kDgrad>(ma, mb, out_map(c, K), p, info.sms, stream);
       break;
     }
     case GroupedMode::Wgrad: {  // a = dout [rows, N], b = x [rows, K], c = dw [E, N, K]
