@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
       }
     }
   }
-  if (threadIdx.x % 128 == 0) bulk_wait_all();  // the TMA stores finish before shared memory goes away  // before smem goes away
+  if (threadIdx.x % 128 == 0) bulk_wait_all();  // the TMA stores finish before shared memory goes away
 #elif defined(__CUDA_ARCH__)
   __trap();  // an image without sm_90a features was loaded: fail loudly rather than write nothing
 #endif  // MOECORE_HOPPER_DEVICE
@@ -365,7 +365,7 @@ size_t smem_bytes(int experts) {
 }
 
 template <int kMode>
-void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& dw, const Params& p, int sms,
+void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& c, const Params& p, int sms,
             cudaStream_t stream) {
   const size_t smem = smem_bytes<kMode>(p.experts);
   {  // the shared-memory limit is raised once per device (the caller has made it current)
@@ -380,7 +380,7 @@ void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& dw, c
       raised[device] = true;
     }
   }
-  grouped_gemm_kernel<kMode><<<sms * ConfigOf<kMode>::kCtasPerSm, kThreads, smem, stream>>>(a, b, dw, p);
+  grouped_gemm_kernel<kMode><<<sms * ConfigOf<kMode>::kCtasPerSm, kThreads, smem, stream>>>(a, b, c, p);
   MC_CUDA_CHECK(cudaGetLastError());
 }
 
