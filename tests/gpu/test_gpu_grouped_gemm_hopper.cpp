@@ -3,7 +3,7 @@
 // cannot pass for it. Shapes chosen to hit every edge of the kernel: experts with 0, 1 and
 // 129..2200 rows (m-blocks that end inside an expert or run into the next one), N and K that are
 // multiples of 8 but not of the tiles (128 x 256 forward/dgrad, 128 x 128 wgrad, 64 deep),
-// reductions longer than the 4-stage ring, more than one raster group of 8 m-blocks with a
+// reductions longer than the ring of stages, more than one raster group of 8 m-blocks with a
 // partial last group, and several hundred tiles, so every CTA runs several tiles (on 132 SMs).
 // The wgrad's zeroing of the next expert's rows is checked with NaN in those rows. The public
 // entry points with MOECORE_GROUPED_GEMM=hopper|mixed are covered by test_gpu_grouped_gemm.cpp

@@ -37,7 +37,8 @@
 //         (169 TFLOP/s), bwd 1.39 ms (124 TFLOP/s); gemm 1.30 / 3.38 ms. See
 //         attention_flash_cuda.cu. On compute capability 9.0 with D = 128 (and an sm_90a
 //         build) the same path runs Hopper kernels instead (TMA + wgmma, P and dS passed
-//         between products in registers; the same split of the work and the same rounding):
+//         between products in registers; forward per query tile, dK/dV per key tile, dQ per
+//         query tile, larger tiles, the same rounding):
 //         H100, same shape: fwd 0.18 ms (392 TFLOP/s), bwd 0.86 ms (200 TFLOP/s). See
 //         attention_flash_hopper.cu; MOECORE_ATTENTION_FLASH_HOPPER=0 keeps the mma.sync ones.
 //   gemm  (default where flash is not supported: f32 or bf16, D in {32, 64, 128}, Sk <=

@@ -49,11 +49,15 @@ using namespace hopper_ptx;
 constexpr int kD = 128;
 constexpr int kConsumers = 256;             // warpgroups 0 and 1
 constexpr int kThreads = kConsumers + 128;  // + the producer warpgroup (one warp of it works)
-// Registers per thread after setmaxnreg: a warp of each warpgroup shares an SM sub-partition's
-// 512 registers per lane, and 384 threads alone would cap every thread at 168. 240 + 240 + 24
-// runs; a build with 32 for the producer (512 in all) did not finish its tests on an H100 (the
-// run timed out, and the same run with 24 passed).
+// Registers per thread after setmaxnreg. A CTA of 384 threads starts with kStartRegs per thread
+// (65536 / 384, rounded down to a multiple of 8: 168), and setmaxnreg.inc only moves registers the
+// producer's setmaxnreg.dec gave back: the consumers' gain must not exceed the producer's loss,
+// or the consumers wait forever. 240 / 24 balance exactly (256 x 72 = 128 x 144); a build with 32
+// for the producer did not finish its tests on an H100.
 constexpr int kConsumerRegs = 240, kProducerRegs = 24;
+constexpr int kStartRegs = (65536 / kThreads) & ~7;
+static_assert(kConsumers * (kConsumerRegs - kStartRegs) <= (kThreads - kConsumers) * (kStartRegs - kProducerRegs),
+              "setmaxnreg: the consumers would take more registers than the producer frees");
 constexpr float kLog2e = 1.4426950408889634f;
 // Bytes of one [rows][64] bf16 block: the two halves of a row tile of D = 128 lie this far apart.
 constexpr int chunk_bytes(int rows) { return rows * 64 * 2; }
@@ -197,9 +201,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(&k_full[s], parity);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {  // S = Q K^T over d; Q and K chunks are both 16 KB
-      const uint32_t off = (kk >> 2) * chunk_bytes(128) + (kk & 3) * 32;
-      wgmma_m64n128k16<0, 0>(sc, kmajor_desc(q_base + off), kmajor_desc(k_base + off), kk > 0);
+    for (int kk = 0; kk < kD / 16; ++kk) {  // S = Q K^T over d
+      const uint32_t k16 = (kk & 3) * 32;
+      wgmma_m64n128k16<0, 0>(sc, kmajor_desc(q_base + (kk >> 2) * chunk_bytes(kBr) + k16),
+                             kmajor_desc(k_base + (kk >> 2) * chunk_bytes(kBc) + k16), kk > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();

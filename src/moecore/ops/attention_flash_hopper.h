@@ -11,8 +11,8 @@
 namespace moecore::ops::cuda::flash_hopper {
 
 // True when these kernels run this case: the library was built for sm_90a, q is on a
-// compute-capability 9.0 GPU, bf16, D = 128, every tensor contiguous with a 16-byte aligned
-// base (dout too, for the backward), and MOECORE_ATTENTION_FLASH_HOPPER is not 0 (read at every
+// compute-capability 9.0 GPU, bf16, D = 128, q, k, v (and dout, for the backward) contiguous
+// with 16-byte aligned bases (outputs are contiguous by the op's checks), and MOECORE_ATTENTION_FLASH_HOPPER is not 0 (read at every
 // call; 0 selects the mma.sync kernels of attention_flash_cuda.cu).
 bool available(const AttentionDims& d, const Tensor& q, const Tensor& k, const Tensor& v,
                const Tensor* dout = nullptr);

@@ -91,7 +91,8 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                : "memory");
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// out[row0.., col0..] = the box at src (TMA store; out-of-range parts of the box are not written).
+// The box at src -> the tensor at coordinates (c0 innermost, c1) (TMA store; out-of-range parts
+// of the box are not written).
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
                    reinterpret_cast<uint64_t>(map)),
