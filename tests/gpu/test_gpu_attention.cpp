@@ -61,10 +61,12 @@ class ScopedEnv {
 };
 
 // Forward and backward on CUDA (under the current MOECORE_ATTENTION) against the CPU, from
-// random inputs; the backward gets the CPU's out and lse on both devices. Sk: keys (0: S).
-void check_against_cpu(DType t, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t Sk = 0) {
+// random inputs; the backward gets the CPU's out and lse on both devices. Sk: keys (0: S);
+// softmax scale 1 / sqrt(D) unless given.
+void check_against_cpu(DType t, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t Sk = 0,
+                       std::optional<double> given_scale = std::nullopt) {
   if (Sk == 0) Sk = S;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const double scale = given_scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   Tensor q = random_tensor({B, S, Hq, D}, t, Device::cpu(), -2, 2);
   Tensor k = random_tensor({B, Sk, Hkv, D}, t, Device::cpu(), -2, 2);
   Tensor v = random_tensor(k.shape(), t), dout = random_tensor(q.shape(), t);
@@ -195,7 +197,7 @@ TEST_P(GpuAttentionPaths, MatchCpu) {
   const PathCase c = GetParam();
   ScopedEnv env("MOECORE_ATTENTION", c.path);
   const ops::AttentionDims d{2, c.S, 8, 2, 64};
-  EXPECT_EQ(ops::cuda::attention_path(d, c.dtype),
+  EXPECT_EQ(ops::cuda::attention_path(d, c.dtype, 0.125),
             std::string(c.path) == "gemm" ? ops::cuda::AttentionPath::Gemm : ops::cuda::AttentionPath::Tiled);
   check_against_cpu(c.dtype, 2, c.S, 8, 2, 64);
 }
@@ -218,25 +220,53 @@ TEST(GpuAttentionGemm, AutoPicksGemmWhereSupported) {
   MC_REQUIRE_CUDA();
   ScopedEnv env("MOECORE_ATTENTION", "auto");
   // Where the flash path does not apply (f32, or D = 32): gemm within its key limit, else tiled.
-  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::F32), ops::cuda::AttentionPath::Gemm);
-  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 32}, DType::BF16), ops::cuda::AttentionPath::Gemm);
-  EXPECT_EQ(ops::cuda::attention_path({1, ops::cuda::kAttentionGemmMaxSeq + 64, 2, 1, 64}, DType::F32),
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::F32, 0.1), ops::cuda::AttentionPath::Gemm);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 32}, DType::BF16, 0.1), ops::cuda::AttentionPath::Gemm);
+  EXPECT_EQ(ops::cuda::attention_path({1, ops::cuda::kAttentionGemmMaxSeq + 64, 2, 1, 64}, DType::F32, 0.1),
             ops::cuda::AttentionPath::Tiled);
   // The limit is on the keys: few queries against too many keys take the tiled path.
-  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq + 64}, DType::F32),
+  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq + 64}, DType::F32, 0.1),
             ops::cuda::AttentionPath::Tiled);
-  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq}, DType::F32),
+  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq}, DType::F32, 0.1),
             ops::cuda::AttentionPath::Gemm);
 }
 
 TEST(GpuAttentionFlashPath, AutoPicksFlashWhereSupported) {
   MC_REQUIRE_CUDA();
   ScopedEnv env("MOECORE_ATTENTION", "auto");
-  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::BF16), ops::cuda::AttentionPath::Flash);
-  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 16, 64}, DType::BF16), ops::cuda::AttentionPath::Flash);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::BF16, 0.1), ops::cuda::AttentionPath::Flash);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 16, 64}, DType::BF16, 0.1), ops::cuda::AttentionPath::Flash);
   // No key limit on the flash path.
-  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq + 64}, DType::BF16),
+  EXPECT_EQ(ops::cuda::attention_path({1, 512, 2, 1, 64, ops::cuda::kAttentionGemmMaxSeq + 64}, DType::BF16, 0.1),
             ops::cuda::AttentionPath::Flash);
+  // A softmax scale <= 0 is not the flash path's (its running maximum is of the unscaled scores).
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::BF16, 0.0), ops::cuda::AttentionPath::Gemm);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128}, DType::BF16, -0.1), ops::cuda::AttentionPath::Gemm);
+}
+
+// Scales <= 0 (auto: the gemm path) and scales other than 1 / sqrt(D) (the flash path) match the CPU
+// (0.3 at D = 128 makes the scores' spread about 4.5: rows close to one-hot, peaked softmax);
+// forcing the flash path with a scale <= 0 is a clear error, not NaNs.
+TEST(GpuAttentionFlashPath, ScalesOtherThanOneOverSqrtDMatchCpu) {
+  MC_REQUIRE_CUDA();
+  {
+    ScopedEnv env("MOECORE_ATTENTION", "auto");
+    for (double scale : {0.0, -0.15, 0.02, 0.3}) {
+      SCOPED_TRACE("scale " + std::to_string(scale));
+      check_against_cpu(DType::BF16, 1, 200, 4, 2, 128, 0, scale);
+      check_against_cpu(DType::BF16, 1, 200, 4, 2, 64, 0, scale);
+    }
+  }
+  ScopedEnv env("MOECORE_ATTENTION", "flash");
+  Tensor q = Tensor::zeros({1, 64, 2, 128}, DType::BF16, kCuda), k = Tensor::zeros({1, 64, 1, 128}, DType::BF16, kCuda);
+  Tensor out = Tensor::zeros(q.shape(), DType::BF16, kCuda), lse = Tensor::zeros({1, 2, 64}, DType::F32, kCuda);
+  try {
+    ops::attention_forward(q, k, k, 0.0, out, lse);
+    FAIL() << "MOECORE_ATTENTION=flash with softmax scale 0 did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("softmax scale 0 (bf16 with D = 64 or 128, scale > 0)"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(GpuAttentionGemm, LongSequenceBf16MatchesCpu) {
@@ -308,7 +338,7 @@ TEST_P(GpuAttentionKvLonger, MatchCpu) {
   const KvCase c = GetParam();
   ScopedEnv env("MOECORE_ATTENTION", c.path);
   const ops::AttentionDims d{c.B, c.Sq, 8, 2, c.D, c.Sk};
-  EXPECT_EQ(ops::cuda::attention_path(d, c.dtype),
+  EXPECT_EQ(ops::cuda::attention_path(d, c.dtype, 0.125),
             std::string(c.path) == "gemm" ? ops::cuda::AttentionPath::Gemm : ops::cuda::AttentionPath::Tiled);
   check_against_cpu(c.dtype, c.B, c.Sq, 8, 2, c.D, c.Sk);
 }
@@ -396,7 +426,7 @@ TEST_P(GpuAttentionFlash, MatchesCpu) {
   MC_REQUIRE_CUDA();
   const FlashCase c = GetParam();
   ScopedEnv env("MOECORE_ATTENTION", "flash"), mma("MOECORE_ATTENTION_FLASH_HOPPER", "0");
-  EXPECT_EQ(ops::cuda::attention_path({c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk}, DType::BF16),
+  EXPECT_EQ(ops::cuda::attention_path({c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk}, DType::BF16, 0.1),
             ops::cuda::AttentionPath::Flash);
   check_against_cpu(DType::BF16, c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk);
 }
@@ -429,8 +459,11 @@ bool is_hopper_gpu() {
 
 // The Hopper kernels (wgmma, D = 128) against the CPU with the same tolerances. Shapes: many
 // tiles (S = 2048: 16 query tiles, 16 / 32 key tiles); partial tiles (77, 200, 257); offsets
-// that are not multiples of the tiles (130 x 300, 1000 x 1234) and one that is (512 x 640);
-// GQA 8:2, 6:3, MQA 4:1 and MHA; 5 queries against 77 keys.
+// that are not multiples of the tiles (130 x 300, 1000 x 1234), one that is (512 x 640) and one of
+// 64 (1024 x 1088: half a forward tile); GQA 8:2, 6:3, 16:2 (groups of 8), MQA 4:1 and MHA; 5
+// queries against 77 keys; grids of more CTAs than an H100 has SMs (1024 x 1088 with 16 heads:
+// 256 forward and dQ CTAs; B4 H8:8 S1024: 256 dK/dV CTAs). Peaked scores: GpuAttentionFlashPath.
+// ScalesOtherThanOneOverSqrtDMatchCpu.
 class GpuAttentionFlashHopper : public ::testing::TestWithParam<FlashCase> {};
 
 TEST_P(GpuAttentionFlashHopper, MatchesCpu) {
@@ -446,7 +479,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionFlashHopper,
                          ::testing::Values(FlashCase{1, 2048, 2048, 2, 2, 128}, FlashCase{2, 77, 77, 8, 2, 128},
                                            FlashCase{2, 130, 300, 8, 2, 128}, FlashCase{1, 1000, 1234, 8, 2, 128},
                                            FlashCase{2, 5, 77, 8, 2, 128}, FlashCase{2, 200, 200, 4, 4, 128},
-                                           FlashCase{1, 257, 257, 6, 3, 128}, FlashCase{1, 512, 640, 4, 1, 128}),
+                                           FlashCase{1, 257, 257, 6, 3, 128}, FlashCase{1, 512, 640, 4, 1, 128},
+                                           FlashCase{2, 1024, 1088, 16, 2, 128}, FlashCase{4, 1024, 1024, 8, 8, 128}),
                          [](const ::testing::TestParamInfo<FlashCase>& i) {
                            const FlashCase& c = i.param;
                            return "B" + std::to_string(c.B) + "_Sq" + std::to_string(c.Sq) + "_Sk" +
@@ -524,11 +558,11 @@ TEST(GpuAttentionFlashPath, UnsupportedDtypeOrHeadDimIsAClearError) {
     FAIL() << "MOECORE_ATTENTION=flash with f32 did not raise";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("MOECORE_ATTENTION=flash but the flash path does not support dtype f32, "
-                                         "D = 64 (bf16 with D = 64 or 128)"),
+                                         "D = 64, softmax scale 0.1 (bf16 with D = 64 or 128, scale > 0)"),
               std::string::npos)
         << e.what();
   }
   // D = 32 is on the other paths only.
-  EXPECT_THROW(ops::cuda::attention_path({1, 8, 2, 1, 32}, DType::BF16), Error);
-  EXPECT_EQ(ops::cuda::attention_path({1, 8, 2, 1, 128}, DType::BF16), ops::cuda::AttentionPath::Flash);
+  EXPECT_THROW(ops::cuda::attention_path({1, 8, 2, 1, 32}, DType::BF16, 0.1), Error);
+  EXPECT_EQ(ops::cuda::attention_path({1, 8, 2, 1, 128}, DType::BF16, 0.1), ops::cuda::AttentionPath::Flash);
 }

@@ -92,11 +92,14 @@ namespace cuda {
 // The GEMM path's row kernels stage score rows (Sk long) in shared memory: Sk <= this.
 inline constexpr int64_t kAttentionGemmMaxSeq = 16384;
 enum class AttentionPath { Tiled, Gemm, Flash };
-// The path the dispatcher takes for these sizes (MOECORE_ATTENTION, else the auto choice).
-AttentionPath attention_path(const AttentionDims& d, DType dtype);
+// The path the dispatcher takes for these sizes and this softmax scale (MOECORE_ATTENTION, else
+// the auto choice).
+AttentionPath attention_path(const AttentionDims& d, DType dtype, double scale);
 bool attention_gemm_supported(const AttentionDims& d, DType dtype);
-// The flash path: bf16 and D in {64, 128} (any Sq <= Sk, any GQA group).
-bool attention_flash_supported(const AttentionDims& d, DType dtype);
+// The flash path: bf16, D in {64, 128} and a softmax scale > 0 (any Sq <= Sk, any GQA group).
+// Its kernels keep the running row maximum of the unscaled scores, which is the maximum of the
+// scaled ones only when the scale is positive; other scales take the gemm or tiled path.
+bool attention_flash_supported(const AttentionDims& d, DType dtype, double scale);
 // False when MOECORE_ATTENTION_FLASH_SPLIT=0 (the flash backward rounds dS to one bf16).
 bool attention_flash_split_ds();
 // Dispatchers: attention_path() chooses between the _tiled, _gemm and _flash implementations.

@@ -463,13 +463,13 @@ void attention_backward_tiled(const Tensor& q, const Tensor& k, const Tensor& v,
   });
 }
 
-AttentionPath attention_path(const AttentionDims& d, DType dtype) {
+AttentionPath attention_path(const AttentionDims& d, DType dtype, double scale) {
   const char* env = std::getenv("MOECORE_ATTENTION");
   const std::string choice = env ? env : "";
   if (choice.empty() || choice == "auto") {
     // flash where supported (bf16, D 64/128): measured 3.2x (fwd) / 2.4x (bwd) faster than
     // gemm at mixtral-small on an H200 (attention.h); then gemm, then tiled.
-    if (attention_flash_supported(d, dtype)) return AttentionPath::Flash;
+    if (attention_flash_supported(d, dtype, scale)) return AttentionPath::Flash;
     return attention_gemm_supported(d, dtype) ? AttentionPath::Gemm : AttentionPath::Tiled;
   }
   if (choice == "tiled") return AttentionPath::Tiled;
@@ -480,8 +480,9 @@ AttentionPath attention_path(const AttentionDims& d, DType dtype) {
     return AttentionPath::Gemm;
   }
   if (choice == "flash") {
-    MC_CHECK(attention_flash_supported(d, dtype), "attention: MOECORE_ATTENTION=flash but the flash path does not "
-             "support dtype ", dtype_name(dtype), ", D = ", d.head_dim, " (bf16 with D = 64 or 128)");
+    MC_CHECK(attention_flash_supported(d, dtype, scale), "attention: MOECORE_ATTENTION=flash but the flash path "
+             "does not support dtype ", dtype_name(dtype), ", D = ", d.head_dim, ", softmax scale ", scale,
+             " (bf16 with D = 64 or 128, scale > 0)");
     return AttentionPath::Flash;
   }
   MC_FAIL("attention: MOECORE_ATTENTION must be auto, tiled, gemm or flash; got '", choice, "'");
@@ -489,7 +490,7 @@ AttentionPath attention_path(const AttentionDims& d, DType dtype) {
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse,
                        const AttentionDims& d) {
-  switch (attention_path(d, q.dtype())) {
+  switch (attention_path(d, q.dtype(), scale)) {
     case AttentionPath::Flash: attention_forward_flash(q, k, v, scale, out, lse, d); return;
     case AttentionPath::Gemm: attention_forward_gemm(q, k, v, scale, out, lse, d); return;
     case AttentionPath::Tiled: attention_forward_tiled(q, k, v, scale, out, lse, d); return;
@@ -498,7 +499,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, double
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                         const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d) {
-  switch (attention_path(d, q.dtype())) {
+  switch (attention_path(d, q.dtype(), scale)) {
     case AttentionPath::Flash: attention_backward_flash(q, k, v, out, lse, dout, scale, dq, dk, dv, d); return;
     case AttentionPath::Gemm: attention_backward_gemm(q, k, v, out, lse, dout, scale, dq, dk, dv, d); return;
     case AttentionPath::Tiled: attention_backward_tiled(q, k, v, out, lse, dout, scale, dq, dk, dv, d); return;

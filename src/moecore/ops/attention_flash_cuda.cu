@@ -614,8 +614,8 @@ void with_head_dim(int64_t head_dim, const char* op, F&& f) {
 }
 
 FlashGeometry flash_geometry(const AttentionDims& d, DType dtype, double scale, const char* op) {
-  MC_CHECK(attention_flash_supported(d, dtype), op, ": the flash path needs bf16 inputs and D = 64 or 128; got ",
-           dtype_name(dtype), ", D = ", d.head_dim);
+  MC_CHECK(attention_flash_supported(d, dtype, scale), op, ": the flash path needs bf16 inputs, D = 64 or 128 "
+           "and a softmax scale > 0; got ", dtype_name(dtype), ", D = ", d.head_dim, ", scale ", scale);
   MC_CHECK(d.keys() < (int64_t(1) << 30) && d.q_heads <= 65535 && d.batch <= 65535, op, ": sizes ", d.batch, " x ",
            d.seq, " (keys ", d.keys(), ") x ", d.q_heads, " exceed the flash kernels' grid limits");
   const float c = static_cast<float>(scale);
@@ -630,8 +630,8 @@ unsigned tiles(int64_t n, int tile) { return static_cast<unsigned>((n + tile - 1
 
 }  // namespace
 
-bool attention_flash_supported(const AttentionDims& d, DType dtype) {
-  return dtype == DType::BF16 && (d.head_dim == 64 || d.head_dim == 128);
+bool attention_flash_supported(const AttentionDims& d, DType dtype, double scale) {
+  return dtype == DType::BF16 && (d.head_dim == 64 || d.head_dim == 128) && scale > 0;
 }
 
 bool attention_flash_split_ds() {
