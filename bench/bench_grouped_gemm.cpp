@@ -25,7 +25,8 @@
 //   mixtral-small      h2048 f5632 E8  k2 T8192    (configs/mixtral-small.yaml, micro-batch 4)   --presets
 //   finegrained-small  h1024 f512  E64 k8 T16384   (configs/finegrained-small.yaml, micro-batch 8)
 // (the presets' shapes have no target; they measure which implementation each GEMM should take).
-// Flags: --repeats N, --quick (qwen3 balanced only), --presets (add the two presets' shapes).
+// Flags: --repeats N, --quick (qwen3 balanced only), --presets (add the two presets' shapes),
+// --shapes NAME... (only these of the shapes above, by their first word), --balanced-only.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -210,11 +211,14 @@ Row run_gemm(const Shape5& s, const std::string& dist, const std::vector<int64_t
 int main(int argc, char** argv) {
   try {
     int64_t repeats = 5;
-    bool quick = false, presets = false;
+    bool quick = false, presets = false, balanced_only = false;
+    std::vector<std::string> only;
     cli::FlagSet flags("bench_grouped_gemm", "Grouped expert GEMMs: cuBLAS grouped, per-expert loop, Hopper kernel, dense.");
     flags.add_int("repeats", &repeats, "timed repetitions (median reported)");
     flags.add_bool("quick", &quick, "only the qwen3 shape, balanced");
     flags.add_bool("presets", &presets, "also the expert shapes of mixtral-small and finegrained-small");
+    flags.add_list("shapes", &only, "only these shapes (mixtral, qwen3, mixtral-small, finegrained-small)");
+    flags.add_bool("balanced-only", &balanced_only, "only the balanced token counts");
     flags.parse(std::vector<std::string>(argv + 1, argv + argc));
     if (flags.help_requested()) {
       std::printf("%s", flags.help().c_str());
@@ -236,6 +240,20 @@ int main(int argc, char** argv) {
       shapes.push_back({"mixtral-small h2048 f5632 E8 k2 T8192", 2048, 5632, 8, 2, 8192, 0.0});
       shapes.push_back({"finegrained-small h1024 f512 E64 k8 T16384", 1024, 512, 64, 8, 16384, 0.0});
     }
+    if (!only.empty()) {
+      for (const std::string& name : only) {
+        const bool known = name == "mixtral" || name == "qwen3" || name == "mixtral-small" || name == "finegrained-small";
+        MC_CHECK(known, "bench_grouped_gemm: --shapes: unknown shape '", name,
+                 "' (expected mixtral, qwen3, mixtral-small or finegrained-small)");
+      }
+      std::vector<Shape5> kept;
+      for (const Shape5& s : shapes)
+        if (std::find(only.begin(), only.end(), s.name.substr(0, s.name.find(' '))) != only.end()) kept.push_back(s);
+      MC_CHECK(!kept.empty(), "bench_grouped_gemm: --shapes selects none of the shapes run (the presets' shapes need "
+               "--presets)");
+      shapes = kept;
+    }
+    if (balanced_only) skews = {false};
     const std::vector<Gemm> gemms = {Gemm::Fc1Fwd, Gemm::Fc2Fwd, Gemm::Fc1Dgrad, Gemm::Fc1Wgrad, Gemm::Fc2Dgrad, Gemm::Fc2Wgrad};
     std::vector<Row> rows;
     for (const Shape5& s : shapes)

@@ -1,5 +1,5 @@
 // Hopper grouped GEMM over experts: one persistent kernel per GEMM (forward, dgrad, wgrad), bf16
-// in, fp32 accumulate, with TMA loads, wgmma on 128x256 / 128x128 tiles and a tile schedule over all
+// in, fp32 accumulate, with TMA loads, wgmma on 128x256 tiles and a tile schedule over all
 // experts built in the kernel from the experts' row offsets in DEVICE memory (no host copy of
 // the counts is needed by the kernel; see grouped_gemm.h for the operations).
 //
@@ -12,8 +12,7 @@
 //                  (plain stores for a 64-row block that crosses the expert's last row); the
 //                  wgrad into f32 dw with a TMA reduce-add, or a TMA store when overwriting (the
 //                  step's first gradient: dw is not read); into bf16 dw with loads, adds and stores.
-//   Forward and dgrad: BN = 256. Wgrad: BN = 128 (its output is as large as its reduction is
-//   short).
+//   All three on 128 x 256 tiles (BN = 256).
 //   The tiles of all experts are numbered expert by expert (an expert's tiles: groups of 8
 //   m-blocks, each group m fastest then n); CTA b takes tiles b, b + grid, ... (grid = the SM
 //   count times the CTAs per SM).
@@ -62,27 +61,25 @@ constexpr int kThreads = kConsumers + 32;   // + the producer warp
 constexpr int kMaxExperts = 1024;
 constexpr int kRasterGroup = 8;             // m-blocks per raster group (decode_tile)
 
-// Tile width, ring depth and CTAs per SM. Forward and dgrad: 128 x 256 tiles (wgmma m64n256k16,
-// 128 accumulators a thread), 3 stages of 48 KB. Wgrad: 128 x 128 tiles (its output is as large
-// as its reduction is short), 4 stages of 32 KB. Both with a 64 KB staging buffer for the
-// epilogue. (Measured before the reduce-add: two wgrad CTAs per SM with 3 stages beat one with
-// 5; without the staged forward/dgrad epilogue its plain stores took 20-55% of the kernel's time
-// at the presets' shapes; docs/performance.md.)
+// Tile width, ring depth and CTAs per SM: 128 x 256 tiles (wgmma m64n256k16, 128 accumulators a
+// thread), 3 stages of 48 KB and a 64 KB staging buffer for the epilogue. (Measured: without the
+// staged forward/dgrad epilogue its plain stores took 20-55% of the kernel's time at the presets'
+// shapes; the wgrad on 128 x 128 tiles with 4 stages of 32 KB ran at 50-70% of the dense GEMM;
+// docs/performance.md.)
 template <int BN, int STAGES, int CTAS>
 struct Config {
   static constexpr int kBN = BN, kStages = STAGES, kCtasPerSm = CTAS;
   static constexpr int kStageBytes = kATileBytes + BN * kBK * 2;
   static constexpr int kAcc = BN / 2;  // fp32 accumulators per thread (m64nBN over 128 threads)
 };
-using WideConfig = Config<256, 3, 1>;
-using NarrowConfig = Config<128, 4, 1>;
-// Epilogue staging, 32 KB per consumer warpgroup. Wgrad into f32 dw: its 64 x 128 fp32 result,
-// added to dw in L2 by one TMA reduce-add (cp.reduce.async.bulk.tensor .add). Forward and dgrad:
-// its 64 x 256 bf16 result as four 64 x 64 boxes with the 128-byte swizzle, four TMA stores.
-constexpr int kStagingBytes = 2 * 64 * 128 * 4;
-static_assert(kStagingBytes == 2 * 64 * 256 * 2, "one staging buffer serves both epilogues");
-template <int kMode>
-using ConfigOf = std::conditional_t<kMode == kWgrad, NarrowConfig, WideConfig>;
+using TileConfig = Config<256, 3, 1>;
+// Epilogue staging, 32 KB per consumer warpgroup. Forward and dgrad: its 64 x 256 bf16 result as
+// four 64 x 64 boxes with the 128-byte swizzle, four TMA stores. Wgrad into f32 dw: its 64 x 256
+// fp32 result in two column halves, each as four 64 x 32 fp32 boxes with the 128-byte swizzle,
+// added to dw in L2 by four TMA reduce-adds (cp.reduce.async.bulk.tensor .add).
+constexpr int kStagingBytes = 2 * 64 * 256 * 2;
+static_assert(kStagingBytes == 2 * 2 * 64 * 32 * 4 * 2, "one staging buffer serves both epilogues");
+constexpr int kF32BoxCols = 32;  // a 128-byte row of fp32: the widest box the 128-byte swizzle takes
 
 // MN-major descriptor strides (bytes): LBO = between 64-element chunks, SBO = between 8-row groups.
 constexpr uint32_t kMnLbo = kChunkBytes, kMnSbo = 1024;
@@ -123,7 +120,7 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* tile_start, const 
   const int group_m = min(m_blocks - first_m, kRasterGroup);
   const int in_group = local - first_m * n_blocks;
   const int mb = first_m + in_group % group_m, nb = in_group / group_m;
-  tile.n0 = nb * ConfigOf<kMode>::kBN;
+  tile.n0 = nb * TileConfig::kBN;
   if (kMode == kWgrad) {
     tile.m0 = mb * kBM;
     tile.k_begin = row_off[lo];
@@ -137,11 +134,11 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* tile_start, const 
 }
 
 template <int kMode>
-__global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
+__global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                         const __grid_constant__ CUtensorMap tma_c, const Params p) {  // tma_c: out, or dw
 #ifdef MOECORE_HOPPER_DEVICE
-  using C = ConfigOf<kMode>;
+  using C = TileConfig;
   constexpr int kBN = C::kBN, kStages = C::kStages, kStageBytes = C::kStageBytes, kAcc = C::kAcc;
   constexpr int kBChunks = kBN / 64;  // 64-column chunks of an MN-major B tile
   constexpr int kTransA = kMode == kWgrad ? 1 : 0;
@@ -267,24 +264,40 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
     const int r_lo = cw * 64 + warp * 16 + lane / 4;
     const int c_lo = 2 * (lane % 4);
     if (kMode == kWgrad && p.out_f32) {
-      // Stage the 64 x 128 block (row-major, 512-byte rows), then one TMA reduce-add. The
-      // previous tile's reduce must have finished reading the buffer first.
-      float* block = staging + cw * 64 * 128;
-      if (tid == 0) bulk_wait_read_all();
-      named_barrier(2 + cw, 128);
+      // The 64 x 256 fp32 block in two column halves of 32 KB. Each half is staged as four 64 x 32
+      // boxes with the 128-byte swizzle (the 16-byte chunk c of row r sits at chunk c ^ (r % 8):
+      // a warp's 8-byte stores touch every bank twice, the least 256 bytes can), then added to dw
+      // by four TMA reduce-adds (stores when overwriting). The buffer's earlier reduce-adds must
+      // have finished reading it first.
+      uint8_t* block = reinterpret_cast<uint8_t*>(staging) + cw * (kStagingBytes / 2);
+      constexpr int kBoxBytes = 64 * kF32BoxCols * 4;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = warp * 16 + lane / 4 + 8 * half;
+      for (int nh = 0; nh < kBN / 128; ++nh) {
+        if (tid == 0) bulk_wait_read_all();
+        named_barrier(2 + cw, 128);
 #pragma unroll
-        for (int j = 0; j < kBN / 8; ++j)
-          *reinterpret_cast<float2*>(block + r * 128 + 8 * j + c_lo) =
-              make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      named_barrier(2 + cw, 128);
-      if (tid == 0) {
-        if (p.overwrite) tma_store_3d(&tma_c, block, tile.n0, tile.m0 + cw * 64, tile.e);
-        else tma_reduce_add_3d(&tma_c, block, tile.n0, tile.m0 + cw * 64, tile.e);
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + lane / 4 + 8 * half;
+#pragma unroll
+          for (int jj = 0; jj < 16; ++jj) {
+            const int j = 16 * nh + jj;
+            const int col = 8 * jj + c_lo;  // column inside the half
+            const int chunk = (col % kF32BoxCols) / 4;
+            uint8_t* dst = block + (col / kF32BoxCols) * kBoxBytes + r * 128 + ((chunk ^ (r % 8)) * 16) + (col % 4) * 4;
+            *reinterpret_cast<float2*>(dst) = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        named_barrier(2 + cw, 128);
+        if (tid == 0) {
+#pragma unroll
+          for (int box = 0; box < 128 / kF32BoxCols; ++box) {
+            const int col0 = tile.n0 + 128 * nh + kF32BoxCols * box;
+            if (col0 >= p.out_cols) break;
+            if (p.overwrite) tma_store_3d(&tma_c, block + box * kBoxBytes, col0, tile.m0 + cw * 64, tile.e);
+            else tma_reduce_add_3d(&tma_c, block + box * kBoxBytes, col0, tile.m0 + cw * 64, tile.e);
+          }
+        }
       }
     } else if (kMode == kWgrad) {  // bf16 dw: read-modify-write (a plain write when overwriting)
       const size_t base = static_cast<size_t>(tile.e) * p.dw_rows * p.out_cols;
@@ -358,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, ConfigOf<kMode>::kCtasPerSm)
 
 template <int kMode>
 size_t smem_bytes(int experts) {
-  using C = ConfigOf<kMode>;
+  using C = TileConfig;
   return 1024 + static_cast<size_t>(C::kStages) * C::kStageBytes + kStagingBytes +
          2 * C::kStages * sizeof(uint64_t) +
          2 * (static_cast<size_t>(experts) + 1) * sizeof(int);
@@ -380,7 +393,7 @@ void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& c, co
       raised[device] = true;
     }
   }
-  grouped_gemm_kernel<kMode><<<sms * ConfigOf<kMode>::kCtasPerSm, kThreads, smem, stream>>>(a, b, c, p);
+  grouped_gemm_kernel<kMode><<<sms * TileConfig::kCtasPerSm, kThreads, smem, stream>>>(a, b, c, p);
   MC_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -429,7 +442,7 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
       const uint64_t da[2] = {K, rows}, sa[1] = {K * 2};
       const uint32_t ba[2] = {64, kBM};
       const uint64_t db[3] = {K, N, E}, sb[2] = {K * 2, N * K * 2};
-      const uint32_t bb[3] = {64, WideConfig::kBN, 1};
+      const uint32_t bb[3] = {64, TileConfig::kBN, 1};
       ma = make_map(a.data_ptr(), 2, da, sa, ba);
       mb = make_map(b.data_ptr(), 3, db, sb, bb);
       p.out_cols = static_cast<int>(N), p.red_len = static_cast<int>(K);
@@ -460,8 +473,8 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
       CUtensorMap mc = mb;  // bf16 dw: the epilogue adds with plain loads and stores
       if (p.out_f32) {
         const uint64_t dc[3] = {K, N, static_cast<uint64_t>(c.size(0))}, sc[2] = {K * 4, N * K * 4};
-        const uint32_t bc[3] = {128, 64, 1};
-        mc = make_map(c.data_ptr(), 3, dc, sc, bc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_NONE);
+        const uint32_t bc[3] = {kF32BoxCols, 64, 1};  // the staging's 64 x 32 swizzled boxes
+        mc = make_map(c.data_ptr(), 3, dc, sc, bc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
       }
       launch<kWgrad>(ma, mb, mc, p, info.sms, stream);
       break;

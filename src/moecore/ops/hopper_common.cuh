@@ -82,8 +82,8 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// dw[e][row0.., col0..] = the 64 x 128 fp32 block at src (TMA store; out-of-range parts of the
-// box are not written).
+// The box at src -> the tensor at coordinates (c0 innermost, c1, c2) (TMA store; out-of-range
+// parts of the box are not written).
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
                    reinterpret_cast<uint64_t>(map)),
@@ -100,8 +100,8 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                : "memory");
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-// dw[e][row0.., col0..] += the 64 x 128 fp32 block at src (TMA reduce-add; out-of-range parts
-// of the box are not written).
+// The tensor at coordinates (c0 innermost, c1, c2) += the box at src (TMA reduce-add in L2;
+// out-of-range parts of the box are not written).
 __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
   asm volatile(
       "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
@@ -258,8 +258,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 }
 
 // A tensor map, out-of-bounds elements read as zero (and not written). dims/box innermost first;
-// strides in bytes of dims 1.. . Operands: bf16 with the 128-byte swizzle; the f32 dw of the
-// wgrad's reduce-add: no swizzle.
+// strides in bytes of dims 1.. . The 128-byte swizzle unless told (bf16 operands and outputs, and
+// the f32 dw of the grouped wgrad's reduce-add, in boxes 128 bytes wide).
 inline CUtensorMap make_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides, const uint32_t* box,
                      CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                      CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
