@@ -290,3 +290,68 @@ TEST(DeviceRowsMoeLayer, ForwardBackwardMakesNoHostSynchronisation) {
 TEST(DeviceRowsMoeLayer, PaddedCapacityWaitsOnlyForTheCapacityMaskCheck) {
   expect_layer_matches_host_path(true, 1, 2);  // host path: the mask's check and the plan's copy
 }
+
+// The trainer's statistics read: prefetch_stats() on every layer, one wait, then the reads find
+// the copies done. Two layers, the same inputs twice: read layer by layer (each layer waits for
+// its counts and losses), then prefetched (one wait in all); the same statistics both ways.
+TEST(DeviceRowsMoeLayer, PrefetchedStatisticsTakeOneWaitForAllLayers) {
+  ImplGuard guard;
+  ops::set_grouped_gemm_impl(ops::GroupedGemmImpl::Auto);
+  ModelConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 256;
+  c.num_attention_heads = 2;
+  c.seq_length = 128;
+  c.vocab_size = 64;
+  c.add_bias_linear = false;
+  c.swiglu = true;
+  c.moe.num_experts = 8;
+  c.moe.router.topk = 2;
+  c.moe.ffn_hidden_size = 128;
+  c.moe.aux_loss_coeff = 1e-2;
+  c.moe.z_loss_coeff = 1e-3;
+  finalize_model_config(c, "1");
+  ParamStore store(kGpu, DType::F32, DType::BF16, 5);
+  MoeLayer first(store, "moe0", c), second(store, "moe1", c);
+  store.initialize();
+  const Tensor x = random_tensor({256, c.hidden_size}, DType::BF16, kGpu);
+  const Tensor dy = random_tensor({256, c.hidden_size}, DType::BF16, kGpu);
+  auto step = [&] {
+    for (MoeLayer* l : {&first, &second}) {
+      MoeLayer::Ctx ctx;
+      const Tensor out = l->forward(x, 2, true, 3, ctx);
+      l->backward(dy, 1.0, ctx);
+    }
+    synchronize(kGpu);
+  };
+  step();
+  uint64_t before = host_synchronizations();
+  const MoeStepStats a0 = first.finish_step(), a1 = second.finish_step();
+  EXPECT_GE(host_synchronizations() - before, 4u) << "read layer by layer: counts and losses of each";
+  step();
+  before = host_synchronizations();
+  first.prefetch_stats();
+  second.prefetch_stats();
+  EXPECT_EQ(host_synchronizations(), before) << "prefetch_stats() waited";
+  Event copied(kGpu);
+  copied.record();
+  copied.synchronize();
+  const MoeStepStats b0 = first.finish_step(), b1 = second.finish_step();
+  EXPECT_EQ(host_synchronizations() - before, 1u) << "the reads after the one wait waited again";
+  EXPECT_EQ(b0.tokens_per_expert, a0.tokens_per_expert);
+  EXPECT_EQ(b1.tokens_per_expert, a1.tokens_per_expert);
+  // The loss sums may add in another order on the device (atomics): equal to float rounding.
+  EXPECT_NEAR(b0.aux_loss, a0.aux_loss, 1e-6 * std::fabs(a0.aux_loss));
+  EXPECT_NEAR(b1.z_loss, a1.z_loss, 1e-6 * std::fabs(a1.z_loss));
+  EXPECT_GT(b0.aux_loss, 0.0);
+  EXPECT_GT(b1.z_loss, 0.0);
+  double total = 0;
+  for (double t : b1.tokens_per_expert) total += t;
+  EXPECT_EQ(total, 256.0 * 2);
+  // Without a wait in between, the reads wait for the copies themselves (at most once a layer).
+  step();
+  first.prefetch_stats();
+  const MoeStepStats c0 = first.finish_step();
+  EXPECT_EQ(c0.tokens_per_expert, a0.tokens_per_expert);
+  EXPECT_NEAR(c0.aux_loss, a0.aux_loss, 1e-6 * std::fabs(a0.aux_loss));
+}

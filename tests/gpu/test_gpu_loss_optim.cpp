@@ -7,7 +7,9 @@
 #include <random>
 #include <string>
 
+#include "moecore/core/device.h"
 #include "moecore/ops/adamw.h"
+#include "moecore/ops/common.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/cross_entropy.h"
 #include "moecore/ops/embedding.h"
@@ -142,6 +144,39 @@ TEST_P(GpuEmbedding, OutOfRangeIdIsAnError) {
   Tensor dout = random_tensor({4, 8}, t, kCuda);
   EXPECT_THROW(ops::embedding_backward(ids, dout, dtable), Error);
   for (float v : dtable.to_vector<float>()) ASSERT_EQ(v, 0.0f) << "dtable was modified before the error";
+}
+
+// Inside ops::EmbeddingIdsValidated (the model's backward: its forward checked the same ids) the
+// backward does not wait for the range flag, and gives the same bits; ids out of range there are
+// skipped (key = "other part"), never written out of bounds.
+TEST_P(GpuEmbedding, ValidatedIdsBackwardDoesNotWait) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  Tensor ids = random_indices(300, 50).to(kCuda);
+  Tensor dout = random_tensor({300, 24}, t, kCuda);
+  Tensor checked = Tensor::zeros({50, 24}, DType::F32, kCuda), trusted = Tensor::zeros({50, 24}, DType::F32, kCuda);
+  synchronize(kCuda);
+  uint64_t before = host_synchronizations();
+  ops::embedding_backward(ids, dout, checked);
+  EXPECT_EQ(host_synchronizations() - before, 1u) << "the unscoped backward reads its range flag";
+  before = host_synchronizations();
+  {
+    const ops::EmbeddingIdsValidated scope;
+    ops::embedding_backward(ids, dout, trusted);
+  }
+  EXPECT_EQ(host_synchronizations(), before) << "the validated backward waited";
+  EXPECT_EQ(trusted.to_vector<float>(), checked.to_vector<float>());
+  Tensor bad_ids = Tensor::from_vector<int32_t>({0, 9, 10, -2}, {4}).to(kCuda);
+  Tensor small = Tensor::zeros({10, 8}, DType::F32, kCuda), ones = Tensor::empty({4, 8}, t, kCuda);
+  ops::fill(ones, 1.0);
+  {
+    const ops::EmbeddingIdsValidated scope;
+    ops::embedding_backward(bad_ids, ones, small);
+  }
+  const std::vector<float> rows = small.to_vector<float>();
+  for (int64_t r = 0; r < 10; ++r)
+    for (int64_t c = 0; c < 8; ++c)
+      EXPECT_EQ(rows[static_cast<size_t>(r * 8 + c)], r == 0 || r == 9 ? 1.0f : 0.0f) << "row " << r;
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuEmbedding, ::testing::Values(DType::F32, DType::BF16), dtype_param_name);

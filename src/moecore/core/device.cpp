@@ -182,6 +182,17 @@ void Event::synchronize() const {
 #endif
 }
 
+bool Event::ready() const {
+#if MOECORE_WITH_CUDA
+  if (handle_) {
+    const cudaError_t r = cudaEventQuery(static_cast<cudaEvent_t>(handle_));
+    if (r == cudaErrorNotReady) return false;
+    MC_CUDA_CHECK(r);
+  }
+#endif
+  return true;
+}
+
 float Event::elapsed_ms_since(const Event& start) const {
   MC_CHECK(start.device_ == device_, "elapsed time between events of different devices");
 #if MOECORE_WITH_CUDA

@@ -85,6 +85,9 @@ class Event {
   // Makes `stream` wait for this event without blocking the host.
   void wait(Stream stream) const;
   void synchronize() const;
+  // True when the work before the record has finished (cudaEventQuery: no wait, not counted as
+  // a host synchronisation).
+  bool ready() const;
   // Milliseconds between `start` and this event (both recorded, both on one device).
   float elapsed_ms_since(const Event& start) const;
 

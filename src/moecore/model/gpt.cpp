@@ -341,6 +341,7 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
   Tensor d_input;
   if (stage_.has_embedding) {
     const TimedRegion timed("embedding-backward", 2, dh.device());
+    const ops::EmbeddingIdsValidated checked;  // the forward's embedding checked these ids
     if (position_embeddings_) ops::embedding_backward(ctx.position_ids, dh, position_embeddings_->grad_to_accumulate());
     if (dense_.tp) {
       ops::embedding_backward(ctx.token_ids, dense_.exit_backward(dh, ctx.batch), word_embeddings_->grad_to_accumulate(), vocab_start_,

@@ -362,31 +362,63 @@ void MoeLayer::accumulate_loss(Tensor& acc, const Tensor& loss) {
   ops::add(acc, loss, acc);
 }
 
+void MoeLayer::prefetch_stats() {
+  const Tensor* any = counts_acc_.defined() ? &counts_acc_ : aux_acc_.defined() ? &aux_acc_
+                      : z_acc_.defined()    ? &z_acc_
+                      : eval_checks_.defined() ? &eval_checks_ : nullptr;
+  if (!any || !any->device().is_cuda()) return;  // nothing to read, or host tensors already
+  auto to_pinned = [](Tensor& on_device, Tensor& host, bool as_float) {
+    if (!on_device.defined()) return;
+    const Tensor src = as_float ? cast_to(on_device, on_device.dtype() == DType::F64 ? DType::F64 : DType::F32)
+                                : on_device;
+    host = Tensor::empty_pinned(src.shape(), src.dtype());
+    host.copy_from(src);  // asynchronous: the destination is pinned
+    on_device = Tensor();
+  };
+  const Device dev = any->device();
+  to_pinned(eval_checks_, host_eval_checks_, false);
+  to_pinned(counts_acc_, host_counts_, false);
+  to_pinned(aux_acc_, host_aux_, true);
+  to_pinned(z_acc_, host_z_, true);
+  prefetched_ = std::make_shared<Event>(dev);
+  prefetched_->record();
+}
+
 void MoeLayer::sync_stats() const {
   const size_t e = stats_.tokens_per_expert.size();
+  if (prefetched_) {  // the copies of prefetch_stats(): wait only if they have not arrived yet
+    if (!prefetched_->ready()) prefetched_->synchronize();
+    prefetched_.reset();
+  }
   // The router's top-k cannot produce these; they guard the plans' deferred checks.
   auto check_flags = [&](const std::vector<int64_t>& c) {
     MC_CHECK(c[e] == 0, prefix_, ": an expert index outside [0, ", e, ") reached the token dispatch");
     MC_CHECK(c[e + 1] == 0, prefix_, ": an expert received more assignments than its padded capacity");
   };
-  if (eval_checks_.defined()) {
-    const std::vector<int64_t> c = eval_checks_.to_vector<int64_t>();
-    eval_checks_ = Tensor();
+  // Each statistic from its prefetched host copy, then from the device (what accumulated since,
+  // or everything when nothing was prefetched).
+  for (Tensor* t : {&host_eval_checks_, &eval_checks_}) {
+    if (!t->defined()) continue;
+    const std::vector<int64_t> c = t->to_vector<int64_t>();
+    *t = Tensor();
     check_flags(c);
   }
-  if (counts_acc_.defined()) {
-    const std::vector<int64_t> c = counts_acc_.to_vector<int64_t>();
-    counts_acc_ = Tensor();
+  for (Tensor* t : {&host_counts_, &counts_acc_}) {
+    if (!t->defined()) continue;
+    const std::vector<int64_t> c = t->to_vector<int64_t>();
+    *t = Tensor();
     check_flags(c);
     for (size_t i = 0; i < e; ++i) stats_.tokens_per_expert[i] += static_cast<double>(c[i]);
   }
-  if (aux_acc_.defined()) {
-    stats_.aux_loss += read_scalar(aux_acc_) / moe_.aux_loss_coeff;
-    aux_acc_ = Tensor();
+  for (Tensor* t : {&host_aux_, &aux_acc_}) {
+    if (!t->defined()) continue;
+    stats_.aux_loss += read_scalar(*t) / moe_.aux_loss_coeff;
+    *t = Tensor();
   }
-  if (z_acc_.defined()) {
-    stats_.z_loss += read_scalar(z_acc_) / moe_.z_loss_coeff;
-    z_acc_ = Tensor();
+  for (Tensor* t : {&host_z_, &z_acc_}) {
+    if (!t->defined()) continue;
+    stats_.z_loss += read_scalar(*t) / moe_.z_loss_coeff;
+    *t = Tensor();
   }
 }
 

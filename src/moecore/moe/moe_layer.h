@@ -17,9 +17,11 @@
 //   shared:   a dense MLP on every token, optionally scaled by sigmoid(x w_gate).
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "moecore/comm/communicator.h"
+#include "moecore/core/device.h"
 #include "moecore/model/config.h"
 #include "moecore/model/layers.h"
 #include "moecore/moe/token_dispatcher.h"
@@ -77,6 +79,10 @@ class MoeLayer {
   // global_aux_loss counts. Returns this step's statistics and clears them.
   MoeStepStats finish_step();
   const MoeStepStats& stats() const;  // reads the device-side loss sums (synchronises)
+  // Starts copying this step's device-side statistics into pinned host memory without waiting.
+  // The trainer calls it on every layer, then waits once: the reads that follow (stats(),
+  // mutable_stats(), finish_step()) find the copies done instead of waiting once per layer.
+  void prefetch_stats();
   // Data parallelism: the trainer reduces the step's statistics over the ranks before finish_step.
   MoeStepStats& mutable_stats();
 
@@ -110,6 +116,10 @@ class MoeLayer {
   mutable Tensor counts_acc_;
   // Evaluation forwards' deferred-check flags (their counts are not statistics), same layout.
   mutable Tensor eval_checks_;
+  // prefetch_stats(): pinned host copies of the four above (aux and z as f32/f64) and the event
+  // that says they have arrived.
+  mutable Tensor host_aux_, host_z_, host_counts_, host_eval_checks_;
+  mutable std::shared_ptr<Event> prefetched_;
   Tensor global_counts_;  // global_aux_loss: counts summed over this step's micro-batches [1, E]
   int64_t global_micro_ = 0;
   int64_t token_ranks_ = 1;  // N = |token_group|

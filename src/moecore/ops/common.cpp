@@ -6,11 +6,15 @@ namespace moecore::ops {
 
 namespace {
 thread_local int targets_validated_depth = 0;
+thread_local int embedding_ids_validated_depth = 0;
 }  // namespace
 
 TargetsValidated::TargetsValidated() { ++targets_validated_depth; }
 TargetsValidated::~TargetsValidated() { --targets_validated_depth; }
 bool TargetsValidated::active() { return targets_validated_depth > 0; }
+EmbeddingIdsValidated::EmbeddingIdsValidated() { ++embedding_ids_validated_depth; }
+EmbeddingIdsValidated::~EmbeddingIdsValidated() { --embedding_ids_validated_depth; }
+bool EmbeddingIdsValidated::active() { return embedding_ids_validated_depth > 0; }
 
 void check_defined(const char* op, const char* name, const Tensor& t) {
   MC_CHECK(t.defined(), op, ": argument '", name, "' is an undefined tensor");

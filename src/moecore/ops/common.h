@@ -34,6 +34,18 @@ class TargetsValidated {
   static bool active();
 };
 
+// A scope in which the caller vouches that the ids passed to embedding_backward are in range (the
+// embedding forward checked the same ids): its CUDA backend skips the device->host read of the
+// out-of-range flag, one synchronisation per call. Thread-local; scopes nest.
+class EmbeddingIdsValidated {
+ public:
+  EmbeddingIdsValidated();
+  ~EmbeddingIdsValidated();
+  EmbeddingIdsValidated(const EmbeddingIdsValidated&) = delete;
+  EmbeddingIdsValidated& operator=(const EmbeddingIdsValidated&) = delete;
+  static bool active();
+};
+
 // Calls f(T{}) with T the C++ type of a floating dtype (float, double, bf16, fp8e4m3, fp8e5m2).
 template <typename F>
 void dispatch_floating(DType t, const char* op, F&& f) {

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "moecore/ops/common.h"
 #include "moecore/ops/cuda_common.cuh"
 #include "moecore/ops/embedding.h"
 
@@ -115,7 +116,8 @@ int64_t embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable
                                                                     positions.data<int32_t>(), tokens, part,
                                                                     flag.data<int32_t>());
   MC_CUDA_CHECK_LAUNCH();
-  const int64_t bad = read_flag(flag);
+  // Inside ops::EmbeddingIdsValidated the forward checked these ids already: no wait here.
+  const int64_t bad = EmbeddingIdsValidated::active() ? -1 : read_flag(flag);
   if (bad >= 0 || hidden == 0) return bad;
 
   // 2. Stable sort by key. Keys are in [0, V] (V = the part's rows): sort them over just the

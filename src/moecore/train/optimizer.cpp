@@ -313,6 +313,23 @@ void Optimizer::reduce_gradients() {
 }
 
 double Optimizer::grad_norm_sq() {
+  const Tensor& dense_grads = store_.grad_buffer();
+  const Tensor& expert_grads = store_.expert_grad_buffer();
+  const bool one_rank = !groups_.tp && !groups_.pp && !groups_.ep && !groups_.etp;
+  if (!distributed_ && one_rank && (tied_counted_ || tied_.end <= tied_.begin) &&
+      dense_grads.numel() > 0 && expert_grads.numel() > 0 && dense_grads.dtype() == expert_grads.dtype()) {
+    // The usual one-GPU case: both sums of squares on the device, read in one copy (one wait).
+    Tensor out = Tensor::empty({2}, dense_grads.dtype(), dense_grads.device());
+    Tensor first = out.slice(0, 0, 1), second = out.slice(0, 1, 2);
+    ops::sum_squares(dense_grads, first);
+    ops::sum_squares(expert_grads, second);
+    if (dense_grads.dtype() == DType::F64) {
+      const std::vector<double> v = out.to_vector<double>();
+      return v[0] + v[1];
+    }
+    const std::vector<float> v = out.to_vector<float>();
+    return static_cast<double>(v[0]) + static_cast<double>(v[1]);
+  }
   if (!distributed_)
     return sum_over(groups_.pp, sum_over(groups_.tp, dense_squares(store_.grad_buffer(), 0)) +
                                     sum_over(groups_.ep, sum_over(groups_.etp, squares(store_.expert_grad_buffer()))));

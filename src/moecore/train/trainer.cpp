@@ -481,8 +481,13 @@ int run_training(const TrainArgs& args) {
         model.backward(1.0 / static_cast<double>(micro), ctx, m == micro - 1 ? layer_done : std::function<void(int64_t)>());
       }
     }
+    // The MoE layers' statistics start for the host now; the gradient norm's read below waits for
+    // them too (same stream), so reading them afterwards waits no more (not once per layer).
+    for (MoeLayer* l : moe_layers) l->prefetch_stats();
     phase.emplace("grads-reduce", 1, dev);
     optimizer.reduce_gradients();
+    phase.emplace("grad-norm", 1, dev);
+    const double grad_sq = optimizer.grad_norm_sq();
     phase.emplace("moe-statistics", 1, dev);
     for (MoeLayer* l : moe_layers) {
       MoeStepStats& s = l->mutable_stats();
@@ -501,8 +506,6 @@ int run_training(const TrainArgs& args) {
       s.z_loss = packed[1];
       std::copy(packed.begin() + 2, packed.end(), s.tokens_per_expert.begin());
     }
-    phase.emplace("grad-norm", 1, dev);
-    const double grad_sq = optimizer.grad_norm_sq();
     phase.emplace("moe-finish-step", 1, dev);
     std::vector<MoeStepStats> layer_stats;
     for (MoeLayer* l : moe_layers) layer_stats.push_back(l->finish_step());
