@@ -1,8 +1,12 @@
 // gpu tier: the CUDA router (every scoring option, forward and backward), the load-balancing
 // losses and Sinkhorn against their CPU ops, in f32 (the router stays fp32 on the GPU).
-// Indices must be equal: inputs are continuous random logits, so ties have probability ~0;
-// Sinkhorn's selection scores are checked for near-ties first (the two devices sum in
-// different orders), and redrawn when a top-k boundary is closer than 1e-4 relative.
+// Indices must be equal, so the inputs are drawn without near-ties: the two devices round the
+// scores differently (exp, sums in another order), and two experts whose fp64 scores are closer
+// than that rounding may come out in either order (seen: 1 run in ~25 with sigmoid scores over
+// 256 experts, where the top scores sit on the flat part of the sigmoid). Inputs are redrawn
+// while any row's ranking that decides an output (the groups', the selection's, the aux scores')
+// has two neighbours closer than 5e-7 relative (about 8 fp32 ulps: each device's scores are within
+// a few ulps of the fp64 ones); Sinkhorn's selection scores likewise at 1e-4.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -97,10 +101,105 @@ bool sinkhorn_well_separated(const Tensor& logits, int64_t k) {
   return true;
 }
 
-Tensor router_logits(const Case& c) {
+// True when the n best of `v` (descending) are apart from each other and from the next by more
+// than rel (relative to the larger); -inf entries (masked experts) are never among them.
+bool best_separated(std::vector<double> v, int64_t n, double rel) {
+  std::sort(v.rbegin(), v.rend());
+  const int64_t m = std::min<int64_t>(n + 1, static_cast<int64_t>(v.size()));
+  for (int64_t i = 0; i + 1 < m; ++i) {
+    if (std::isinf(v[i + 1])) break;
+    if (v[i] - v[i + 1] <= rel * std::max(std::fabs(v[i]), 1e-30)) return false;
+  }
+  return true;
+}
+
+// The CPU forward's rankings in fp64 (router_cpu.cpp, moe_loss.h): the group scores (sum of each
+// group's topk / group_topk best), the selection scores (score + bias) of the kept groups, and the
+// aux scores (softmax over E, or sigmoid normalised over E). True when none has a near-tie.
+bool rankings_separated(const Tensor& logits, const Tensor& bias, const RouterConfig& cfg) {
+  const std::vector<double> l = to_doubles(logits);
+  const std::vector<double> b = bias.defined() ? to_doubles(bias) : std::vector<double>();
+  const int64_t T = logits.size(0), E = cfg.num_experts, k = cfg.topk;
+  constexpr double kRel = 5e-7;
+  for (int64_t t = 0; t < T; ++t) {
+    const double* row = l.data() + t * E;
+    double mx = -INFINITY, z = 0;
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, row[e]);
+    for (int64_t e = 0; e < E; ++e) z += std::exp(row[e] - mx);
+    std::vector<double> sc(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+      double v = cfg.score == RouterScore::Sigmoid ? 1.0 / (1.0 + std::exp(-row[e]))
+                 : cfg.pre_softmax               ? std::exp(row[e] - mx) / z
+                                                 : row[e];
+      sc[static_cast<size_t>(e)] = b.empty() ? v : v + b[static_cast<size_t>(e)];
+    }
+    std::vector<double> aux(static_cast<size_t>(E));
+    double sigmoid_sum = 0;
+    for (int64_t e = 0; e < E; ++e) sigmoid_sum += 1.0 / (1.0 + std::exp(-row[e]));
+    for (int64_t e = 0; e < E; ++e)
+      aux[static_cast<size_t>(e)] = cfg.score == RouterScore::Sigmoid ? 1.0 / (1.0 + std::exp(-row[e])) / sigmoid_sum
+                                                                      : std::exp(row[e] - mx) / z;
+    if (!best_separated(aux, k, kRel)) return false;
+    if (cfg.num_groups > 0) {
+      const int64_t G = cfg.num_groups, per = E / G, m = k / cfg.group_topk;
+      std::vector<double> group(static_cast<size_t>(G));
+      for (int64_t g = 0; g < G; ++g) {
+        std::vector<double> members(sc.begin() + g * per, sc.begin() + (g + 1) * per);
+        if (!best_separated(members, m, kRel)) return false;
+        std::sort(members.rbegin(), members.rend());
+        for (int64_t i = 0; i < m; ++i) group[static_cast<size_t>(g)] += members[static_cast<size_t>(i)];
+      }
+      if (!best_separated(group, cfg.group_topk, kRel)) return false;
+      std::vector<double> ranked = group;
+      std::sort(ranked.rbegin(), ranked.rend());
+      const double cut = ranked[static_cast<size_t>(cfg.group_topk - 1)];
+      for (int64_t e = 0; e < E; ++e)
+        if (group[static_cast<size_t>(e / per)] < cut) sc[static_cast<size_t>(e)] = -INFINITY;
+    }
+    if (!best_separated(sc, k, kRel)) return false;
+  }
+  return true;
+}
+
+struct RouterInputs {
+  Tensor logits, bias;  // bias undefined unless the case has one
+};
+
+// Logits in [-4, 4], each row a random order of E values at least 4 / E apart (rank i of the row
+// lies in [-4 + 8 i / E, -4 + 8 (i + 0.5) / E)): ties of the logits and of the aux scores cannot
+// happen; those of biased and grouped selections are what the redraws below remove.
+Tensor spaced_logits(int64_t T, int64_t E) {
+  const std::vector<double> order = to_doubles(random_tensor({T, E}, DType::F64));
+  const std::vector<double> jitter = to_doubles(random_tensor({T, E}, DType::F64, Device::cpu(), 0, 1));
+  std::vector<float> l(static_cast<size_t>(T * E));
+  std::vector<int64_t> rank(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) rank[static_cast<size_t>(e)] = e;
+    const double* o = order.data() + t * E;
+    std::sort(rank.begin(), rank.end(), [&](int64_t a, int64_t b) { return o[a] < o[b]; });
+    for (int64_t i = 0; i < E; ++i) {
+      const size_t at = static_cast<size_t>(t * E + rank[static_cast<size_t>(i)]);
+      l[at] = static_cast<float>(-4.0 + 8.0 * (static_cast<double>(i) + 0.5 * jitter[at]) / static_cast<double>(E));
+    }
+  }
+  return Tensor::from_vector(l, {T, E});
+}
+
+// Spaced logits (uniform in [-4, 4] for Sinkhorn) and an expert bias in [-0.3, 0.3], redrawn
+// while a ranking has a near-tie (header comment).
+RouterInputs router_inputs(const Case& c) {
   for (int attempt = 0;; ++attempt) {
-    Tensor l = random_tensor({c.tokens, c.cfg.num_experts}, DType::F32, Device::cpu(), -4, 4);
-    if (!c.cfg.sinkhorn || sinkhorn_well_separated(l, c.cfg.topk) || attempt >= 20) return l;
+    RouterInputs in;
+    in.logits = c.cfg.sinkhorn ? random_tensor({c.tokens, c.cfg.num_experts}, DType::F32, Device::cpu(), -4, 4)
+                               : spaced_logits(c.tokens, c.cfg.num_experts);
+    if (c.bias) in.bias = random_tensor({c.cfg.num_experts}, DType::F32, Device::cpu(), -0.3, 0.3);
+    const bool separated = c.cfg.sinkhorn ? sinkhorn_well_separated(in.logits, c.cfg.topk)
+                                          : rankings_separated(in.logits, in.bias, c.cfg);
+    if (separated) return in;
+    if (attempt >= 200) {
+      ADD_FAILURE() << c.name << ": no draw of inputs without near-ties in 200 attempts";
+      return in;
+    }
   }
 }
 
@@ -111,8 +210,9 @@ TEST(GpuRouter, ForwardMatchesCpu) {
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name);
     const int64_t T = c.tokens, E = c.cfg.num_experts, k = c.cfg.topk;
-    std::vector<Tensor> in{router_logits(c)};
-    if (c.bias) in.push_back(random_tensor({E}, DType::F32, Device::cpu(), -0.3, 0.3));
+    const RouterInputs drawn = router_inputs(c);
+    std::vector<Tensor> in{drawn.logits};
+    if (c.bias) in.push_back(drawn.bias);
     const RouterConfig cfg = c.cfg;
     expect_cuda_matches_cpu(in, {{{T, k}, DType::F32}, {{T, k}, DType::I32}},
                             [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
@@ -129,8 +229,9 @@ TEST(GpuRouter, AuxForwardMatchesCpu) {
     if (c.cfg.sinkhorn) continue;  // not for sinkhorn
     SCOPED_TRACE(c.name);
     const int64_t T = c.tokens, E = c.cfg.num_experts, k = c.cfg.topk;
-    std::vector<Tensor> in{router_logits(c)};
-    if (c.bias) in.push_back(random_tensor({E}, DType::F32, Device::cpu(), -0.3, 0.3));
+    const RouterInputs drawn = router_inputs(c);
+    std::vector<Tensor> in{drawn.logits};
+    if (c.bias) in.push_back(drawn.bias);
     const RouterConfig cfg = c.cfg;
     expect_cuda_matches_cpu(in, {{{T, k}, DType::F32}, {{T, k}, DType::I32}, {{T, E}, DType::F32}, {{T, k}, DType::I32}},
                             [&](const std::vector<Tensor>& i, std::vector<Tensor>& o) {
@@ -146,9 +247,10 @@ TEST(GpuRouter, BackwardMatchesCpu) {
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name);
     const int64_t T = c.tokens, E = c.cfg.num_experts, k = c.cfg.topk;
-    Tensor logits = router_logits(c);
+    const RouterInputs drawn = router_inputs(c);
+    Tensor logits = drawn.logits;
     Tensor probs = Tensor::empty({T, k}, DType::F32), idx = Tensor::empty({T, k}, DType::I32);
-    Tensor bias = c.bias ? random_tensor({E}, DType::F32, Device::cpu(), -0.3, 0.3) : Tensor();
+    Tensor bias = drawn.bias;
     ops::router_topk_forward(logits, bias, c.cfg, probs, idx);
     Tensor dprobs = random_tensor({T, k}, DType::F32);
     const RouterConfig cfg = c.cfg;
