@@ -141,9 +141,30 @@ void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& ca
   Tensor loss = Tensor::empty({1}, DType::F32, dev);
   std::vector<std::pair<std::string, double>> rows;
   auto add = [&](const std::string& name, auto&& fn) { rows.push_back({name, time_op(dev, warmup, iters, fn)}); };
+  // The layer's router GEMMs (moe_layer.cpp): fp32 operands as three bf16 parts, bf16 GEMMs into
+  // fp32. The fp32 GEMMs they replace (MOECORE_ROUTER_GEMM=fp32) are timed outside the sum.
+  auto bf16_parts = [&](const Tensor& v, int n) {
+    std::vector<Tensor> out;
+    Tensor rest = v;
+    for (int i = 0; i < n; ++i) {
+      out.push_back(ops::cast_to(rest, DType::BF16));
+      if (i + 1 == n) break;
+      Tensor next = Tensor::empty(rest.shape(), DType::F32, dev);
+      ops::axpby(1.0f, rest, -1.0f, ops::cast_to(out.back(), DType::F32), next);
+      rest = next;
+    }
+    return out;
+  };
+  std::vector<Tensor> w_parts = bf16_parts(wg, 3);
   // forward
-  add("router input cast bf16->f32", [&] { ops::cast(x, router_in); });
-  add("router gate GEMM fwd (f32)", [&] { ops::gemm(router_in, wg, logits, false, true); });
+  add("router input cast bf16->f32 (not in layer)", [&] { ops::cast(x, router_in); });
+  add("router gate GEMM fwd f32 (not in layer)", [&] { ops::gemm(router_in, wg, logits, false, true); });
+  add("router weight bf16 parts (3)", [&] { w_parts = bf16_parts(wg, 3); });
+  add("router gate GEMMs fwd (3 bf16)", [&] {
+    ops::gemm(x, w_parts[2], logits, false, true);
+    ops::gemm(x, w_parts[1], logits, false, true, 1.0f, 1.0f);
+    ops::gemm(x, w_parts[0], logits, false, true, 1.0f, 1.0f);
+  });
   // The layer runs the fused op and the counts of its aux top-k; the three separate ops it
   // replaces (still used for sinkhorn) are timed for comparison, outside the sum.
   Tensor aux_idx = Tensor::empty({T, k}, DType::I32, dev);
@@ -155,7 +176,7 @@ void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& ca
   add("aux_scores_forward (not in layer)", [&] { ops::aux_scores_forward(logits, rc.score, aux); });
   add("topk_counts (not in layer)", [&] { ops::topk_counts(aux, k, 1, counts); });
   add("switch_aux_loss_forward", [&] { ops::switch_aux_loss_forward(aux, counts, k, 1e-2, loss); });
-  add("aux loss host read (sync)", [&] { (void)loss.to_vector<float>(); });
+  add("aux loss host read (not in layer: once a step)", [&] { (void)loss.to_vector<float>(); });
   add("z_loss_forward (not in layer)", [&] { ops::z_loss_forward(logits, 1e-3, loss); });
   add("indices host copy + count (not in layer)", [&] {
     const std::vector<int32_t> idx = indices.to_vector<int32_t>();
@@ -186,10 +207,30 @@ void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& ca
   add("switch_aux_loss_backward", [&] { ops::switch_aux_loss_backward(counts, k, 1e-2, 1.0, T, daux); });
   add("aux_scores_backward", [&] { ops::aux_scores_backward(logits, rc.score, daux, dlogits); });
   add("z_loss_backward (not in layer)", [&] { ops::z_loss_backward(logits, 1e-3, 1.0, dlogits); });
-  add("router gate GEMM wgrad (f32)", [&] { ops::gemm(dlogits, router_in, dwg, true, false, 1.0f, 1.0f); });
+  add("router gate GEMM wgrad f32 (not in layer)", [&] { ops::gemm(dlogits, router_in, dwg, true, false, 1.0f, 1.0f); });
   Tensor d_router_in = Tensor::empty({T, H}, DType::F32, dev);
-  add("router gate GEMM dgrad (f32)", [&] { ops::gemm(dlogits, wg, d_router_in, false, false); });
-  add("router dx cast f32->bf16 + add", [&] {
+  add("router gate GEMM dgrad f32 (not in layer)", [&] { ops::gemm(dlogits, wg, d_router_in, false, false); });
+  std::vector<Tensor> d_parts = bf16_parts(dlogits, 3);
+  add("router dlogits bf16 parts (3) + weight (2)", [&] {
+    d_parts = bf16_parts(dlogits, 3);
+    w_parts = bf16_parts(wg, 2);
+  });
+  add("router gate GEMMs wgrad (3 bf16)", [&] {
+    ops::gemm(d_parts[2], x, dwg, true, false, 1.0f, 1.0f);
+    ops::gemm(d_parts[1], x, dwg, true, false, 1.0f, 1.0f);
+    ops::gemm(d_parts[0], x, dwg, true, false, 1.0f, 1.0f);
+  });
+  Tensor a_cat = Tensor::empty({T, 3 * E}, DType::BF16, dev), b_cat = Tensor::empty({3 * E, H}, DType::BF16, dev);
+  add("router dgrad operands [d_mid|d_hi|d_hi], [w_hi;w_mid;w_hi]", [&] {
+    const Tensor* a_parts[3] = {&d_parts[1], &d_parts[0], &d_parts[0]};
+    const Tensor* b_parts[3] = {&w_parts[0], &w_parts[1], &w_parts[0]};
+    for (int64_t i = 0; i < 3; ++i) {
+      a_cat.slice(1, i * E, (i + 1) * E).copy_from(*a_parts[i]);
+      b_cat.slice(0, i * E, (i + 1) * E).copy_from(*b_parts[i]);
+    }
+  });
+  add("router gate GEMM dgrad into dx (bf16, K = 3E)", [&] { ops::gemm(a_cat, b_cat, dx, false, false, 1.0f, 1.0f); });
+  add("router dx cast f32->bf16 + add (not in layer)", [&] {
     Tensor c = Tensor::empty({T, H}, DType::BF16, dev);
     ops::cast(d_router_in, c);
     ops::add(dx, c, dx);
@@ -197,12 +238,12 @@ void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& ca
   double non_gemm = 0;
   std::printf("\nNon-GEMM breakdown, %s on %s (median of %d, ms)\n", lc.name.c_str(), card.c_str(), iters);
   for (const auto& [name, ms] : rows) {
-    std::printf("  %-38s %8.3f\n", name.c_str(), ms);
+    std::printf("  %-48s %8.3f\n", name.c_str(), ms);
     if (name.find("not in layer") == std::string::npos) non_gemm += ms;
     std::printf("%s\n", nlohmann::json{{"bench", "moe_layer_breakdown"}, {"case", lc.name}, {"op", name}, {"ms", ms}}
                              .dump().c_str());
   }
-  std::printf("  %-38s %8.3f\n", "sum (layer ops, router GEMMs included)", non_gemm);
+  std::printf("  %-48s %8.3f\n", "sum (layer ops, router GEMMs included)", non_gemm);
   std::fflush(stdout);
 }
 

@@ -355,3 +355,69 @@ TEST(DeviceRowsMoeLayer, PrefetchedStatisticsTakeOneWaitForAllLayers) {
   EXPECT_EQ(c0.tokens_per_expert, a0.tokens_per_expert);
   EXPECT_NEAR(c0.aux_loss, a0.aux_loss, 1e-6 * std::fabs(a0.aux_loss));
 }
+
+// The router's fp32 GEMMs as bf16 GEMMs of three-part operands (moe_layer.cpp, bf16_parts)
+// against the fp32 GEMMs (MOECORE_ROUTER_GEMM=fp32): the logits and the router weight's gradient
+// agree to fp32 rounding (both accumulate exact products in fp32, in other orders), the same
+// experts are chosen, and the input gradient (rounded to bf16) agrees to a bf16 step. A wrong
+// part (the lo part left out, say) moves the logits by ~1e-5 relative: 5x the tolerance.
+TEST(DeviceRowsMoeLayer, RouterBf16x3GemmsMatchFp32Gemms) {
+  ModelConfig c;
+  c.num_layers = 1;
+  c.hidden_size = 512;
+  c.num_attention_heads = 4;
+  c.seq_length = 128;
+  c.vocab_size = 64;
+  c.add_bias_linear = false;
+  c.swiglu = true;
+  c.moe.num_experts = 16;
+  c.moe.router.topk = 4;
+  c.moe.ffn_hidden_size = 128;
+  c.moe.aux_loss_coeff = 1e-2;
+  c.moe.z_loss_coeff = 1e-3;
+  finalize_model_config(c, "1");
+  ParamStore store(kGpu, DType::F32, DType::BF16, 9);
+  MoeLayer layer(store, "moe", c);
+  store.initialize();
+  const Tensor x = random_tensor({384, c.hidden_size}, DType::BF16, kGpu);
+  const Tensor dy = random_tensor({384, c.hidden_size}, DType::BF16, kGpu);
+  struct Run {
+    std::vector<double> logits, indices, dx, dw;
+  };
+  auto run = [&](const char* mode) {
+    setenv("MOECORE_ROUTER_GEMM", mode, 1);
+    store.zero_grad();
+    MoeLayer::Ctx ctx;
+    layer.forward(x, 3, true, 5, ctx);
+    Run r{to_doubles(ctx.logits), to_doubles(ctx.indices), {}, {}};
+    r.dx = to_doubles(layer.backward(dy, 1.0, ctx));
+    r.dw = to_doubles(store.get("moe.router.weight").grad);
+    layer.finish_step();
+    unsetenv("MOECORE_ROUTER_GEMM");
+    return r;
+  };
+  const Run fp32 = run("fp32"), split = run("bf16x3");
+  auto max_abs = [](const std::vector<double>& v) {
+    double m = 0;
+    for (double a : v) m = std::max(m, std::fabs(a));
+    return m;
+  };
+  auto worst = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double w = 0;
+    for (size_t i = 0; i < a.size(); ++i) w = std::max(w, std::fabs(a[i] - b[i]));
+    return w;
+  };
+  ASSERT_EQ(split.logits.size(), fp32.logits.size());
+  EXPECT_LE(worst(split.logits, fp32.logits), 2e-6 * max_abs(fp32.logits));
+  ASSERT_EQ(split.indices, fp32.indices) << "another expert chosen: the logits moved more than rounding";
+  EXPECT_GT(max_abs(fp32.dw), 0.0);
+  EXPECT_LE(worst(split.dw, fp32.dw), 2e-6 * max_abs(fp32.dw));
+  // dx = expert path (identical) + router path (rounded to bf16 once in each run).
+  EXPECT_LE(worst(split.dx, fp32.dx), 8e-3 * max_abs(fp32.dx));
+  EXPECT_THROW({
+    setenv("MOECORE_ROUTER_GEMM", "tf32", 1);
+    MoeLayer::Ctx ctx;
+    layer.forward(x, 3, true, 5, ctx);
+  }, Error);
+  unsetenv("MOECORE_ROUTER_GEMM");
+}
