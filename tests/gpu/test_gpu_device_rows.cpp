@@ -291,26 +291,36 @@ TEST(DeviceRowsMoeLayer, PaddedCapacityWaitsOnlyForTheCapacityMaskCheck) {
   expect_layer_matches_host_path(true, 1, 2);  // host path: the mask's check and the plan's copy
 }
 
+namespace {
+
+// A small SwiGLU MoE model config with both balancing losses (aux 1e-2, z 1e-3).
+ModelConfig small_moe_config(int64_t layers, int64_t hidden, int64_t experts, int64_t topk) {
+  ModelConfig c;
+  c.num_layers = layers;
+  c.hidden_size = hidden;
+  c.num_attention_heads = hidden / 128;
+  c.seq_length = 128;
+  c.vocab_size = 64;
+  c.add_bias_linear = false;
+  c.swiglu = true;
+  c.moe.num_experts = experts;
+  c.moe.router.topk = topk;
+  c.moe.ffn_hidden_size = 128;
+  c.moe.aux_loss_coeff = 1e-2;
+  c.moe.z_loss_coeff = 1e-3;
+  finalize_model_config(c, "1");
+  return c;
+}
+
+}  // namespace
+
 // The trainer's statistics read: prefetch_stats() on every layer, one wait, then the reads find
 // the copies done. Two layers, the same inputs twice: read layer by layer (each layer waits for
 // its counts and losses), then prefetched (one wait in all); the same statistics both ways.
 TEST(DeviceRowsMoeLayer, PrefetchedStatisticsTakeOneWaitForAllLayers) {
   ImplGuard guard;
   ops::set_grouped_gemm_impl(ops::GroupedGemmImpl::Auto);
-  ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 256;
-  c.num_attention_heads = 2;
-  c.seq_length = 128;
-  c.vocab_size = 64;
-  c.add_bias_linear = false;
-  c.swiglu = true;
-  c.moe.num_experts = 8;
-  c.moe.router.topk = 2;
-  c.moe.ffn_hidden_size = 128;
-  c.moe.aux_loss_coeff = 1e-2;
-  c.moe.z_loss_coeff = 1e-3;
-  finalize_model_config(c, "1");
+  const ModelConfig c = small_moe_config(2, 256, 8, 2);
   ParamStore store(kGpu, DType::F32, DType::BF16, 5);
   MoeLayer first(store, "moe0", c), second(store, "moe1", c);
   store.initialize();
@@ -362,20 +372,7 @@ TEST(DeviceRowsMoeLayer, PrefetchedStatisticsTakeOneWaitForAllLayers) {
 // experts are chosen, and the input gradient (rounded to bf16) agrees to a bf16 step. A wrong
 // part (the lo part left out, say) moves the logits by ~1e-5 relative: 5x the tolerance.
 TEST(DeviceRowsMoeLayer, RouterBf16x3GemmsMatchFp32Gemms) {
-  ModelConfig c;
-  c.num_layers = 1;
-  c.hidden_size = 512;
-  c.num_attention_heads = 4;
-  c.seq_length = 128;
-  c.vocab_size = 64;
-  c.add_bias_linear = false;
-  c.swiglu = true;
-  c.moe.num_experts = 16;
-  c.moe.router.topk = 4;
-  c.moe.ffn_hidden_size = 128;
-  c.moe.aux_loss_coeff = 1e-2;
-  c.moe.z_loss_coeff = 1e-3;
-  finalize_model_config(c, "1");
+  const ModelConfig c = small_moe_config(1, 512, 16, 4);
   ParamStore store(kGpu, DType::F32, DType::BF16, 9);
   MoeLayer layer(store, "moe", c);
   store.initialize();
