@@ -80,8 +80,9 @@ class MoeLayer {
   MoeStepStats finish_step();
   const MoeStepStats& stats() const;  // reads the device-side loss sums (synchronises)
   // Starts copying this step's device-side statistics into pinned host memory without waiting.
-  // The trainer calls it on every layer, then waits once: the reads that follow (stats(),
-  // mutable_stats(), finish_step()) find the copies done instead of waiting once per layer.
+  // The trainer calls it on every layer before the gradient norm, whose read waits for the copies
+  // too: the reads that follow (stats(), mutable_stats(), finish_step()) find them done instead of
+  // waiting once or twice per layer (if they have not arrived, the first read waits for them).
   void prefetch_stats();
   // Data parallelism: the trainer reduces the step's statistics over the ranks before finish_step.
   MoeStepStats& mutable_stats();
