@@ -142,24 +142,13 @@ void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& ca
   std::vector<std::pair<std::string, double>> rows;
   auto add = [&](const std::string& name, auto&& fn) { rows.push_back({name, time_op(dev, warmup, iters, fn)}); };
   // The layer's router GEMMs (moe_layer.cpp): fp32 operands as three bf16 parts, bf16 GEMMs into
-  // fp32. The fp32 GEMMs they replace (MOECORE_ROUTER_GEMM=fp32) are timed outside the sum.
-  auto bf16_parts = [&](const Tensor& v, int n) {
-    std::vector<Tensor> out;
-    Tensor rest = v;
-    for (int i = 0; i < n; ++i) {
-      out.push_back(ops::cast_to(rest, DType::BF16));
-      if (i + 1 == n) break;
-      Tensor next = Tensor::empty(rest.shape(), DType::F32, dev);
-      ops::axpby(1.0f, rest, -1.0f, ops::cast_to(out.back(), DType::F32), next);
-      rest = next;
-    }
-    return out;
-  };
-  std::vector<Tensor> w_parts = bf16_parts(wg, 3);
+  // fp32 (ops::bf16_parts). The fp32 GEMMs they replace (MOECORE_ROUTER_GEMM=fp32) are timed
+  // outside the sum.
+  std::vector<Tensor> w_parts = ops::bf16_parts(wg, 3);
   // forward
   add("router input cast bf16->f32 (not in layer)", [&] { ops::cast(x, router_in); });
   add("router gate GEMM fwd f32 (not in layer)", [&] { ops::gemm(router_in, wg, logits, false, true); });
-  add("router weight bf16 parts (3)", [&] { w_parts = bf16_parts(wg, 3); });
+  add("router weight bf16 parts (3)", [&] { w_parts = ops::bf16_parts(wg, 3); });
   add("router gate GEMMs fwd (3 bf16)", [&] {
     ops::gemm(x, w_parts[2], logits, false, true);
     ops::gemm(x, w_parts[1], logits, false, true, 1.0f, 1.0f);
@@ -210,10 +199,10 @@ void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& ca
   add("router gate GEMM wgrad f32 (not in layer)", [&] { ops::gemm(dlogits, router_in, dwg, true, false, 1.0f, 1.0f); });
   Tensor d_router_in = Tensor::empty({T, H}, DType::F32, dev);
   add("router gate GEMM dgrad f32 (not in layer)", [&] { ops::gemm(dlogits, wg, d_router_in, false, false); });
-  std::vector<Tensor> d_parts = bf16_parts(dlogits, 3);
+  std::vector<Tensor> d_parts = ops::bf16_parts(dlogits, 3);
   add("router dlogits bf16 parts (3) + weight (2)", [&] {
-    d_parts = bf16_parts(dlogits, 3);
-    w_parts = bf16_parts(wg, 2);
+    d_parts = ops::bf16_parts(dlogits, 3);
+    w_parts = ops::bf16_parts(wg, 2);
   });
   add("router gate GEMMs wgrad (3 bf16)", [&] {
     ops::gemm(d_parts[2], x, dwg, true, false, 1.0f, 1.0f);

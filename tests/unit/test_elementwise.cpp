@@ -101,6 +101,31 @@ TEST(Elementwise, CastRoundsOnceAndKeepsRepresentableValues) {
   EXPECT_EQ(f.to_vector<float>(), (std::vector<float>{0.25f, 0.25f}));
 }
 
+// Three bf16 parts add up to the f32 value exactly; two or one leave at most the next part's
+// size (2^-16 / 2^-8 relative); each part is the rounding of what the previous ones leave.
+TEST(Elementwise, Bf16PartsSumToTheF32Value) {
+  const Tensor t = random_tensor({4096}, DType::F32, Device::cpu(), -3, 3);
+  const std::vector<double> v = to_doubles(t);
+  const std::vector<Tensor> three = ops::bf16_parts(t, 3);
+  ASSERT_EQ(three.size(), 3u);
+  std::vector<std::vector<double>> p;
+  for (const Tensor& x : three) {
+    EXPECT_EQ(x.dtype(), DType::BF16);
+    p.push_back(to_doubles(x));
+  }
+  for (size_t i = 0; i < v.size(); ++i) {
+    ASSERT_EQ(p[0][i] + p[1][i] + p[2][i], v[i]) << "element " << i;
+    EXPECT_LE(std::fabs(v[i] - p[0][i]), std::ldexp(std::fabs(v[i]), -8));
+    EXPECT_LE(std::fabs(v[i] - p[0][i] - p[1][i]), std::ldexp(std::fabs(v[i]), -16));
+  }
+  const std::vector<Tensor> two = ops::bf16_parts(t, 2);
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(to_doubles(two[0]), p[0]);
+  EXPECT_EQ(to_doubles(two[1]), p[1]);
+  EXPECT_THROW(ops::bf16_parts(t, 4), Error);
+  EXPECT_THROW(ops::bf16_parts(Tensor::zeros({2}, DType::BF16), 2), Error);
+}
+
 TEST(Elementwise, RejectsMismatches) {
   Tensor a = Tensor::zeros({3}, DType::F32), b = Tensor::zeros({3}, DType::BF16), c = Tensor::zeros({4}, DType::F32);
   try {

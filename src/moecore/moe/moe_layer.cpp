@@ -27,33 +27,17 @@ double read_scalar(const Tensor& t) {
 }
 
 // The router's fp32 GEMMs on bf16 tensor cores (CUDA, bf16 input, no jitter). The bf16 input is
-// exact in fp32, and an fp32 operand v is the sum of three bf16 parts, hi = bf16(v),
-// mid = bf16(v - hi), lo = bf16(v - hi - mid) (8 + 8 + 8 mantissa bits: all of fp32's 24), so
-// every product is exact and only the fp32 accumulation rounds, as in the fp32 GEMM. The input
-// gradient, rounded to bf16 anyway, takes the three largest of the products (hi hi, hi mid,
-// mid hi: relative error ~2^-16) and is added to dx in the same GEMM. MOECORE_ROUTER_GEMM=fp32
-// keeps the fp32 GEMMs (cuBLAS, no TF32).
+// exact in fp32, and an fp32 operand v is the sum of three bf16 parts (ops::bf16_parts: hi, mid,
+// lo; 8 + 8 + 8 mantissa bits, all of fp32's 24), so every product is exact and only the fp32
+// accumulation rounds, as in the fp32 GEMM. The input gradient, rounded to bf16 anyway, takes the
+// three largest of the products (hi hi, hi mid, mid hi: relative error ~2^-16) and is added to dx
+// in the same GEMM. MOECORE_ROUTER_GEMM=fp32 keeps the fp32 GEMMs (cuBLAS, no TF32).
 bool split_router_gemm_enabled() {
   const char* env = std::getenv("MOECORE_ROUTER_GEMM");
   const std::string v = env ? env : "";
   MC_CHECK(v.empty() || v == "bf16x3" || v == "fp32", "MOECORE_ROUTER_GEMM='", v,
            "': expected bf16x3 (the default: three bf16 parts per fp32 operand) or fp32");
   return v != "fp32";
-}
-
-// The first `parts` bf16 parts of an fp32 tensor (above), largest first. Each difference is exact
-// in fp32 (it holds at most 16 significant bits).
-std::vector<Tensor> bf16_parts(const Tensor& v, int parts) {
-  std::vector<Tensor> out;
-  Tensor rest = v;
-  for (int i = 0; i < parts; ++i) {
-    out.push_back(cast_to(rest, DType::BF16));
-    if (i + 1 == parts) break;
-    Tensor next = Tensor::empty(rest.shape(), DType::F32, rest.device());
-    ops::axpby(1.0f, rest, -1.0f, cast_to(out.back(), DType::F32), next);
-    rest = next;
-  }
-  return out;
 }
 
 bool uses_aux_loss(const MoeConfig& m) {
@@ -100,8 +84,8 @@ Tensor MoeLayer::router_logits(const Tensor& x, int64_t batch, bool training, ui
   Tensor logits = Tensor::empty({tokens, e}, router_dtype_, x.device());
   if (x.device().is_cuda() && x.dtype() == DType::BF16 && router_dtype_ == DType::F32 && !jitter &&
       split_router_gemm_enabled()) {
-    // fp32 logits from bf16 GEMMs (bf16_parts above), the smallest part first.
-    const std::vector<Tensor> w = bf16_parts(gate_weight_->weight, 3);
+    // fp32 logits from bf16 GEMMs (ops::bf16_parts), the smallest part first.
+    const std::vector<Tensor> w = ops::bf16_parts(gate_weight_->weight, 3);
     ops::gemm(x, w[2], logits, false, true);
     ops::gemm(x, w[1], logits, false, true, 1.0f, 1.0f);
     ops::gemm(x, w[0], logits, false, true, 1.0f, 1.0f);
@@ -383,7 +367,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
     }
     if (moe_.z_loss_coeff > 0) ops::z_loss_backward(ctx.logits, z_loss_coeff(), loss_grad_scale, dlogits);
     if (ctx.router_in.dtype() != router_dtype_) {  // router_logits' bf16 GEMMs: the same here
-      const std::vector<Tensor> d = bf16_parts(dlogits, 3);
+      const std::vector<Tensor> d = ops::bf16_parts(dlogits, 3);
       Tensor& dw = gate_weight_->grad;
       ops::gemm(d[2], ctx.router_in, dw, true, false, 1.0f, gate_weight_->grad_beta());
       ops::gemm(d[1], ctx.router_in, dw, true, false, 1.0f, 1.0f);
@@ -391,7 +375,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
       // The input gradient straight into dx (bf16, beta 1: one rounding): one GEMM over K = 3E,
       // [d_mid | d_hi | d_hi] [w_hi; w_mid; w_hi] (three GEMMs into an fp32 buffer read and wrote
       // [tokens, hidden] fp32 three times: 0.33 ms at the Qwen3 layer shape, H100).
-      const std::vector<Tensor> w = bf16_parts(gate_weight_->weight, 2);
+      const std::vector<Tensor> w = ops::bf16_parts(gate_weight_->weight, 2);
       Tensor a = Tensor::empty({tokens, 3 * e}, DType::BF16, dev), b = Tensor::empty({3 * e, hidden_}, DType::BF16, dev);
       const Tensor* a_parts[3] = {&d[1], &d[0], &d[0]};
       const Tensor* b_parts[3] = {&w[0], &w[1], &w[0]};

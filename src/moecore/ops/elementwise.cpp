@@ -92,6 +92,21 @@ void assign_cast(const Tensor& src, Tensor& dst) {
   }
 }
 
+std::vector<Tensor> bf16_parts(const Tensor& t, int parts) {
+  MC_CHECK(t.dtype() == DType::F32, "bf16_parts: expected an f32 tensor, got ", dtype_name(t.dtype()));
+  MC_CHECK(parts >= 1 && parts <= 3, "bf16_parts: parts = ", parts, " (expected 1, 2 or 3)");
+  std::vector<Tensor> out;
+  Tensor rest = t;
+  for (int i = 0; i < parts; ++i) {
+    out.push_back(cast_to(rest, DType::BF16));
+    if (i + 1 == parts) break;
+    Tensor next = Tensor::empty(rest.shape(), DType::F32, rest.device());
+    axpby(1.0f, rest, -1.0f, cast_to(out.back(), DType::F32), next);
+    rest = next;
+  }
+  return out;
+}
+
 void add(const Tensor& a, const Tensor& b, Tensor& out) { run_binary("add", BinaryOp::Add, 1, a, 1, b, out); }
 void mul(const Tensor& a, const Tensor& b, Tensor& out) { run_binary("mul", BinaryOp::Mul, 1, a, 1, b, out); }
 void axpby(float alpha, const Tensor& x, float beta, const Tensor& y, Tensor& out) {

@@ -4,6 +4,8 @@
 // Low-precision types compute in fp32 and round once on store.
 #pragma once
 
+#include <vector>
+
 #include "moecore/core/tensor.h"
 
 namespace moecore::ops {
@@ -15,6 +17,12 @@ void cast(const Tensor& src, Tensor& dst);
 Tensor cast_to(const Tensor& t, DType dtype);
 // dst = src in dst's dtype: a byte copy when the dtypes agree, cast otherwise.
 void assign_cast(const Tensor& src, Tensor& dst);
+// The first `parts` (1 to 3) bf16 parts of an f32 tensor, largest first: p0 = bf16(t),
+// p1 = bf16(t - p0), p2 = bf16(t - p0 - p1). Each difference is exact in fp32 (at most 16
+// significant bits), and three parts carry all of fp32's 24 mantissa bits, so p0 + p1 + p2 = t
+// for values whose last part is not below bf16's smallest normal: bf16 GEMMs of the parts give
+// fp32-exact products (the MoE router's fp32 GEMMs, moe_layer.cpp).
+std::vector<Tensor> bf16_parts(const Tensor& t, int parts);
 void add(const Tensor& a, const Tensor& b, Tensor& out);                          // out = a + b
 void mul(const Tensor& a, const Tensor& b, Tensor& out);                          // out = a * b
 void axpby(float alpha, const Tensor& x, float beta, const Tensor& y, Tensor& out);  // out = alpha*x + beta*y
