@@ -17,6 +17,9 @@ namespace moecore {
 
 struct Batch {
   Tensor tokens, labels;  // [B, S] i32
+  // Labelled tokens of the whole micro-batch when it was checked on the host before the upload
+  // (check_batch_on_host: GPTModel::Ctx::checked_num_labels); -1: not checked.
+  int64_t num_labels = -1;
 };
 
 class MockData {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 
 #include "moecore/core/step_timers.h"
 #include "moecore/ops/common.h"
@@ -190,20 +191,51 @@ void GPTModel::loss_rows_backward(Tensor& logits, const Tensor& labels, const Te
   }
 }
 
-int64_t GPTModel::count_labels(Ctx& ctx) const {
-  // Checked here, on the host, so the loss ops need not synchronise for their own range check
-  // (they run inside ops::TargetsValidated).
-  ctx.num_labels = 0;
-  const std::vector<int32_t> labels = ctx.labels.to_vector<int32_t>();
-  for (size_t i = 0; i < labels.size(); ++i) {
-    MC_CHECK(labels[i] < cfg_.vocab_size, "labels[", i, "] = ", labels[i], " is out of range for the vocabulary of ",
-             cfg_.vocab_size, " (expected < ", cfg_.vocab_size, ", or negative to ignore the token)");
-    ctx.num_labels += labels[i] >= 0 ? 1 : 0;
+namespace {
+
+// Labelled tokens of labels[0, n), each checked against the vocabulary (negative: ignored).
+int64_t count_checked_labels(const int32_t* labels, size_t n, int64_t vocab_size) {
+  int64_t count = 0;
+  for (size_t i = 0; i < n; ++i) {
+    MC_CHECK(labels[i] < vocab_size, "labels[", i, "] = ", labels[i], " is out of range for the vocabulary of ",
+             vocab_size, " (expected < ", vocab_size, ", or negative to ignore the token)");
+    count += labels[i] >= 0 ? 1 : 0;
   }
-  return ctx.num_labels;
+  return count;
 }
 
-double GPTModel::head_forward(const Tensor& h, Ctx& ctx) {
+}  // namespace
+
+int64_t check_batch_on_host(const Tensor& tokens, const Tensor& labels, int64_t vocab_size) {
+  MC_CHECK(tokens.device().is_cpu() && labels.device().is_cpu() && tokens.is_contiguous() && labels.is_contiguous() &&
+               tokens.dtype() == DType::I32 && labels.dtype() == DType::I32 && tokens.ndim() == 2 &&
+               labels.shape() == tokens.shape(),
+           "check_batch_on_host: tokens and labels must be [batch, seq] i32 on the host, got ", tokens.describe(),
+           " and ", labels.describe());
+  const int32_t* t = tokens.data<int32_t>();
+  for (int64_t i = 0; i < tokens.numel(); ++i)
+    MC_CHECK(t[i] >= 0 && t[i] < vocab_size, "tokens[", i, "] = ", t[i], " is out of range for the vocabulary of ",
+             vocab_size, " (expected 0 <= token < ", vocab_size, "; --vocab-size smaller than the tokenizer's?)");
+  return count_checked_labels(labels.data<int32_t>(), static_cast<size_t>(labels.numel()), vocab_size);
+}
+
+void GPTModel::count_labels(Ctx& ctx) const {
+  if (ctx.checked_num_labels >= 0) {
+    ctx.num_labels = ctx.checked_num_labels;
+    return;
+  }
+  // Checked here, on the host, so the loss ops need not synchronise for their own range check
+  // (they run inside ops::TargetsValidated).
+  const std::vector<int32_t> labels = ctx.labels.to_vector<int32_t>();
+  ctx.num_labels = count_checked_labels(labels.data(), labels.size(), cfg_.vocab_size);
+  if (dense_.cp) {  // this rank holds its chunks of the sequences: the whole sequences' count
+    std::vector<double> v = {static_cast<double>(ctx.num_labels)};
+    comm::all_reduce_host(*dense_.cp, v);
+    ctx.num_labels = static_cast<int64_t>(v[0] + 0.5);
+  }
+}
+
+Tensor GPTModel::head_forward(const Tensor& h, Ctx& ctx) {
   const Tensor x = dense_.enter_forward(h, ctx.batch);  // every token of the (CP-local) sequences
   const int64_t n = x.size(0);
   ctx.logits = head_.forward(x, ctx.head);
@@ -215,21 +247,17 @@ double GPTModel::head_forward(const Tensor& h, Ctx& ctx) {
   loss_rows(ctx.logits, ctx.labels, loss, ctx.lse);
   Tensor total = Tensor::empty({1}, stat, h.device());
   ops::sum_all(loss, total);
-  return stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
+  return total;
 }
 
-double GPTModel::head_forward_chunked(const Tensor& h, double grad_scale, Ctx& ctx) {
+Tensor GPTModel::head_forward_chunked(const Tensor& h, double grad_scale, Ctx& ctx) {
   const Tensor x = dense_.enter_forward(h, ctx.batch);
   const int64_t n = x.size(0);
   const DType stat = compute_ == DType::F64 ? DType::F64 : DType::F32;
   const Device dev = h.device();
   const bool backward = grad_scale > 0;
-  int64_t labelled = count_labels(ctx);
-  if (backward && dense_.cp) {  // the gradient of the mean needs the whole sequences' label count first
-    std::vector<double> v = {static_cast<double>(labelled)};
-    comm::all_reduce_host(*dense_.cp, v);
-    labelled = static_cast<int64_t>(v[0] + 0.5);
-  }
+  count_labels(ctx);  // the gradient of the mean needs the whole sequences' label count first
+  const int64_t labelled = ctx.num_labels;
   ctx.fused_head_scale = grad_scale;
   const double dloss = labelled > 0 ? grad_scale / static_cast<double>(labelled) : 0.0;
   const int64_t chunk =
@@ -252,16 +280,26 @@ double GPTModel::head_forward_chunked(const Tensor& h, double grad_scale, Ctx& c
   if (backward) ctx.d_head_input = dense_.enter_backward(dx, ctx.batch);
   Tensor total = Tensor::empty({1}, stat, dev);
   ops::sum_all(loss, total);
-  return stat == DType::F64 ? total.to_vector<double>()[0] : total.to_vector<float>()[0];
+  return total;
 }
 
 double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed, Ctx& ctx,
                          const Tensor& hidden_in) {
+  const Tensor sum = forward_loss_sum(tokens, labels, training, rng_seed, ctx, hidden_in);
+  if (!sum.defined()) return 0.0;
+  const double value = sum.dtype() == DType::F64 ? sum.to_vector<double>()[0] : sum.to_vector<float>()[0];
+  return ctx.num_labels > 0 ? value / static_cast<double>(ctx.num_labels) : 0.0;
+}
+
+Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed,
+                                  Ctx& ctx, const Tensor& hidden_in) {
   MC_CHECK(labels.shape() == tokens.shape() && labels.dtype() == DType::I32, "labels must match tokens ",
            tokens.describe(), ", got ", labels.describe());
   Tensor input;
   if (stage_.has_embedding) {
     const TimedRegion timed("embedding-forward", 2, tokens.device());
+    std::optional<ops::EmbeddingIdsValidated> checked;  // check_batch_on_host checked the tokens
+    if (ctx.checked_num_labels >= 0) checked.emplace();
     input = embed(tokens, ctx);
   } else {
     const int64_t rows = hidden_rows(tokens);
@@ -275,7 +313,8 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
   Tensor h = decoder_forward(input, training, rng_seed, ctx);
   if (!stage_.has_head) {
     ctx.hidden_out = h;
-    return 0.0;
+    ctx.num_labels = 0;
+    return Tensor();
   }
   // With the fused output layer (training) this region holds the output layer's backward too.
   const TimedRegion timed("output-layer", 2, h.device());
@@ -284,15 +323,10 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
   // Training with fused_head_scale: loss and backward chunk by chunk; evaluation: the loss chunk
   // by chunk (no backward will come); MOECORE_FUSED_HEAD=0: the plain path (logits kept).
   const bool chunked = fused_head_enabled() && (!training || ctx.fused_head_scale > 0);
-  double sum = chunked ? head_forward_chunked(h, training ? ctx.fused_head_scale : 0.0, ctx) : head_forward(h, ctx);
+  Tensor sum = chunked ? head_forward_chunked(h, training ? ctx.fused_head_scale : 0.0, ctx) : head_forward(h, ctx);
   if (!chunked || !training) ctx.fused_head_scale = 0;
-  if (dense_.cp) {  // the whole sequences' loss: sums and label counts of every chunk
-    std::vector<double> v = {sum, static_cast<double>(ctx.num_labels)};
-    comm::all_reduce_host(*dense_.cp, v);
-    sum = v[0];
-    ctx.num_labels = static_cast<int64_t>(v[1] + 0.5);
-  }
-  return ctx.num_labels > 0 ? sum / static_cast<double>(ctx.num_labels) : 0.0;
+  if (dense_.cp) dense_.cp->all_reduce(sum, comm::ReduceOp::Sum);  // the whole sequences' loss, on the device
+  return sum;
 }
 
 Tensor GPTModel::head_backward(double grad_scale, Ctx& ctx) {

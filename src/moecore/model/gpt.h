@@ -28,6 +28,11 @@ struct PipelineStage {
 // MOECORE_FUSED_HEAD unset or not "0".
 bool fused_head_enabled();
 
+// Checks a micro-batch on the host before it goes to the device (tokens and labels [B, S] i32,
+// contiguous, on the CPU): every token in [0, vocab_size), every label < vocab_size (negative:
+// ignored). Returns the number of labelled tokens, for GPTModel::Ctx::checked_num_labels.
+int64_t check_batch_on_host(const Tensor& tokens, const Tensor& labels, int64_t vocab_size);
+
 class GPTModel {
  public:
   // par: the expert-parallel and balancing groups of the MoE layers (default: one rank);
@@ -46,6 +51,11 @@ class GPTModel {
   struct Ctx {
     Tensor token_ids, position_ids, labels;  // [T] i32 (position ids: this rank's tokens after SP)
     int64_t batch = 0, num_labels = 0;
+    // >= 0: the caller checked this micro-batch's tokens and labels against the vocabulary on the
+    // host and counted its labelled tokens (check_batch_on_host; under CP over the whole
+    // sequences, before the split). The forward then reads neither back from the device (no
+    // wait). -1: the forward checks and counts them itself (one read each).
+    int64_t checked_num_labels = -1;
     std::vector<LayerCtx> layers;
     Norm::Ctx final_norm;
     Linear::Ctx head;
@@ -70,6 +80,12 @@ class GPTModel {
   // and the return value 0.
   double forward(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed, Ctx& ctx,
                  const Tensor& hidden_in = Tensor());
+  // The same forward without reading the loss back: the sum of the labelled tokens' losses over
+  // the whole sequences (CP: summed over the group on the device) as a one-element tensor on the
+  // model's device (f32, f64 for f64 models), ctx.num_labels their count. A stage without the
+  // head returns an undefined tensor and sets ctx.num_labels = 0.
+  Tensor forward_loss_sum(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed, Ctx& ctx,
+                          const Tensor& hidden_in = Tensor());
   // grad_scale = d(objective) / d(this micro-batch's mean loss), e.g. 1 / num_microbatches.
   // layer_done(i), when given, is called once decoder layer i's parameter gradients are final
   // (its whole backward is issued): the trainer starts their reduction while the backward goes on.
@@ -100,18 +116,20 @@ class GPTModel {
   // The transformer layers of this stage (without the final norm).
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
-  // (CP-local) tokens; ctx.num_labels counts them.
-  double head_forward(const Tensor& h, Ctx& ctx);
+  // (CP-local) tokens on the device; ctx.num_labels is the whole sequences' label count.
+  Tensor head_forward(const Tensor& h, Ctx& ctx);
   // The output layer and the loss chunk by chunk (no [T, V] logits kept); with grad_scale > 0
   // also their backward (the output layer's weight gradient accumulates; ctx.d_head_input keeps
   // the gradient of the final norm's output), with 0 the loss only (evaluation).
-  double head_forward_chunked(const Tensor& h, double grad_scale, Ctx& ctx);
+  Tensor head_forward_chunked(const Tensor& h, double grad_scale, Ctx& ctx);
   Tensor head_backward(double grad_scale, Ctx& ctx);
   // Per-token loss and logsumexp of logits rows (vocabulary-parallel under TP), and its backward
   // in place (dloss_value: d(objective)/d(each labelled token's loss)).
   void loss_rows(const Tensor& logits, const Tensor& labels, Tensor& loss, Tensor& lse) const;
   void loss_rows_backward(Tensor& logits, const Tensor& labels, const Tensor& lse, double dloss_value) const;
-  int64_t count_labels(Ctx& ctx) const;  // labelled tokens of ctx.labels (host read)
+  // Sets ctx.num_labels to the whole sequences' labelled tokens: ctx.checked_num_labels, or
+  // ctx.labels read to the host, checked and counted (summed over CP).
+  void count_labels(Ctx& ctx) const;
 
   ModelConfig cfg_;
   PipelineStage stage_;

@@ -34,8 +34,9 @@ class TargetsValidated {
   static bool active();
 };
 
-// A scope in which the caller vouches that the ids passed to embedding_backward are in range (the
-// embedding forward checked the same ids): its CUDA backend skips the device->host read of the
+// A scope in which the caller vouches that the ids passed to embedding_forward and
+// embedding_backward are in range (the trainer checked the batch on the host, or the embedding
+// forward checked the same ids): their CUDA backends skip the device->host read of the
 // out-of-range flag, one synchronisation per call. Thread-local; scopes nest.
 class EmbeddingIdsValidated {
  public:

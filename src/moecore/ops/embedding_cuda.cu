@@ -97,7 +97,8 @@ int64_t embedding_forward(const Tensor& table, const Tensor& ids, Tensor& out, E
         table.data<T>(), ids.data<int32_t>(), out.data<T>(), part, hidden, flag.data<int32_t>());
   });
   MC_CUDA_CHECK_LAUNCH();
-  return read_flag(flag);
+  // Inside ops::EmbeddingIdsValidated the caller checked these ids on the host: no wait here.
+  return EmbeddingIdsValidated::active() ? -1 : read_flag(flag);
 }
 
 int64_t embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, EmbeddingPart part, int64_t tokens,

@@ -11,6 +11,18 @@ struct InFlight {  // a micro-batch between its forward and its backward
   Tensor output;  // hidden_out (not the last stage)
 };
 
+// The micro-batch's host check (trainer) for its forward.
+GPTModel::Ctx& checked(GPTModel::Ctx& ctx, const Batch& b) {
+  ctx.checked_num_labels = b.num_labels;
+  return ctx;
+}
+
+void add_loss(const PipelineStep& step, const Tensor& sum, const GPTModel::Ctx& ctx) {
+  if (!sum.defined()) return;  // not the stage with the head
+  MC_CHECK(step.losses, "pipeline step: the stage with the output layer needs PipelineStep::losses");
+  step.losses->add(sum, ctx.num_labels);
+}
+
 }  // namespace
 
 std::vector<PipelineStage> stage_layers(int64_t num_layers, int64_t pp, int64_t vpp, int64_t first, int64_t last,
@@ -67,7 +79,7 @@ std::vector<PipelineStage> stage_layers(int64_t num_layers, int64_t pp, int64_t 
   return out;
 }
 
-double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
+void run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
   comm::Communicator& pp = *step.pp;
   const int64_t stage = pp.rank(), stages = pp.size(), micro = step.micro_batches;
   const bool first = stage == 0, last = stage == stages - 1;
@@ -94,7 +106,6 @@ double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
     return in;
   };
 
-  double loss_sum = 0;
   int64_t next_forward = 0, next_backward = 0;
   std::deque<InFlight> in_flight;
   auto forward = [&](const Tensor& input) {
@@ -103,7 +114,7 @@ double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
     in_flight.emplace_back();
     InFlight& f = in_flight.back();
     f.ctx.fused_head_scale = step.grad_scale;  // the last stage runs the output layer's backward at once
-    loss_sum += model.forward(b.tokens, b.labels, true, step.rng(m), f.ctx, input);
+    add_loss(step, model.forward_loss_sum(b.tokens, b.labels, true, step.rng(m), checked(f.ctx, b), input), f.ctx);
     f.output = f.ctx.hidden_out;
   };
   auto backward = [&](const Tensor& d_output) {
@@ -136,7 +147,6 @@ double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
     const Tensor d_input = backward(d_output);
     if (!first) pp.send(d_input, stage - 1);
   }
-  return loss_sum;
 }
 
 namespace {
@@ -147,7 +157,7 @@ Tensor hidden_like(const GPTModel& m, const Batch& b) {
 
 }  // namespace
 
-double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& step) {
+void run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& step) {
   comm::Communicator& pp = *step.pp;
   const int64_t rank = pp.rank(), ranks = pp.size(), micro = step.micro_batches;
   const int64_t v = static_cast<int64_t>(chunks.size());
@@ -172,7 +182,6 @@ double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& 
     pp.group_end();
   };
 
-  double loss_sum = 0;
   for (int64_t c = 0; c < v; ++c) {
     GPTModel& model = *chunks[static_cast<size_t>(c)];
     const bool first_vstage = first_rank && c == 0, last_vstage = last_rank && c == v - 1;
@@ -190,7 +199,7 @@ double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& 
       }
       GPTModel::Ctx& cx = ctx[static_cast<size_t>(c)][static_cast<size_t>(m)];
       cx.fused_head_scale = step.grad_scale;
-      loss_sum += model.forward(b.tokens, b.labels, true, step.rng(m), cx, input);
+      add_loss(step, model.forward_loss_sum(b.tokens, b.labels, true, step.rng(m), checked(cx, b), input), cx);
       if (last_vstage) continue;
       if (last_rank) {
         wrap[static_cast<size_t>(m)] = cx.hidden_out;
@@ -225,7 +234,6 @@ double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& 
       }
     }
   }
-  return loss_sum;
 }
 
 double pipeline_forward_only(std::vector<GPTModel*>& chunks, comm::Communicator& pp, const Batch& b) {
@@ -276,7 +284,7 @@ std::vector<PipeOp> interleaved_order(int64_t s, int64_t p, int64_t v, int64_t m
 
 }  // namespace
 
-double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineStep& step) {
+void run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineStep& step) {
   comm::Communicator& pp = *step.pp;
   const int64_t me = pp.rank(), p = pp.size(), micro = step.micro_batches;
   const int64_t v = static_cast<int64_t>(chunks.size()), vstages = p * v;
@@ -333,7 +341,6 @@ double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineSt
   std::vector<std::vector<Tensor>> out_grads = inputs;
   const std::vector<PipeOp>& mine = ops[static_cast<size_t>(me)];
   size_t at = 0;
-  double loss_sum = 0;
   const int next_rank = static_cast<int>((me + 1) % p), prev_rank = static_cast<int>((me + p - 1) % p);
   for (int64_t t = 0; t < ticks; ++t) {
     Tensor produced;  // what this rank's operation at t sends, if anything
@@ -347,7 +354,7 @@ double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineSt
       if (o.forward) {
         Tensor& in = inputs[static_cast<size_t>(o.chunk)][static_cast<size_t>(o.micro)];
         cx.fused_head_scale = step.grad_scale;
-        loss_sum += model.forward(b.tokens, b.labels, true, step.rng(o.micro), cx, in);
+        add_loss(step, model.forward_loss_sum(b.tokens, b.labels, true, step.rng(o.micro), checked(cx, b), in), cx);
         in = Tensor();
         if (vs < vstages - 1) produced = cx.hidden_out;
       } else {
@@ -386,7 +393,6 @@ double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineSt
     for (auto& [peer, slot] : recvs) pp.recv(*slot, peer);
     pp.group_end();
   }
-  return loss_sum;
 }
 
 }  // namespace moecore

@@ -12,7 +12,7 @@
 // Every transfer is [this rank's tokens of the micro-batch (micro_batch * seq / CP, / TP with
 // sequence parallelism), hidden] in the compute dtype, between neighbouring stages of the
 // pipeline group (pp rank = stage). The first stage embeds tokens; the last
-// computes the loss (its micro-batch losses are summed into the return value).
+// computes the loss (its micro-batch losses go into step.losses, on the device).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +22,7 @@
 #include "moecore/comm/communicator.h"
 #include "moecore/model/gpt.h"
 #include "moecore/train/data_source.h"
+#include "moecore/train/loss_accumulator.h"
 
 namespace moecore {
 
@@ -32,6 +33,7 @@ struct PipelineStep {
   std::function<Batch(int64_t m)> batch;       // micro-batch m of this step
   std::function<uint64_t(int64_t m)> rng;      // its random seed
   std::function<void(int64_t)> last_layer_done;  // gradient-overlap hook for the last backward
+  LossAccumulator* losses = nullptr;  // the micro-batch losses of the stage with the head
 };
 
 // Layer assignment (Megatron's get_num_layers_to_build / get_transformer_layer_offset): the model
@@ -51,8 +53,8 @@ struct PipelineStep {
 std::vector<PipelineStage> stage_layers(int64_t num_layers, int64_t pp, int64_t vpp, int64_t first, int64_t last,
                                         int64_t pp_rank);
 
-// Returns the sum of this stage's micro-batch losses (non-zero on the last stage only).
-double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step);
+// The stage holding the head adds its micro-batch losses to step.losses.
+void run_pipeline_1f1b(GPTModel& model, const PipelineStep& step);
 
 // Virtual stages when the micro-batches do not divide by the stages (else the interleaved
 // schedule below): this rank holds V model chunks;
@@ -64,7 +66,7 @@ double run_pipeline_1f1b(GPTModel& model, const PipelineStep& step);
 // down the ranks in micro-batch order; the wrap-around from the last rank to rank 0 (and back
 // for gradients) is sent after the chunk, all micro-batches in one group, so no rank waits on a
 // transfer that a blocked rank would have to receive.
-double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& step);
+void run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& step);
 
 // Interleaved 1F1B over virtual stages (Megatron's forward_backward_pipelining_with_interleaving
 // order): rank s runs W = min(2 (P - s - 1) + (V - 1) P, M V) forwards, then alternates one
@@ -76,7 +78,7 @@ double run_pipeline_virtual(std::vector<GPTModel*>& chunks, const PipelineStep& 
 // earlier tick, then every rank exchanges, in one group, exactly the tensors produced at that
 // tick with their consumers. Both sides of every transfer know its tick, so the exchanges always
 // match and no rank can wait on one that is never posted. At most W + 1 activations are alive.
-double run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineStep& step);
+void run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineStep& step);
 
 // Forward only (validation): one micro-batch through every chunk of every rank; the loss is
 // returned on the rank holding the last virtual stage (0 elsewhere).

@@ -19,6 +19,7 @@
 
 #include "moecore/comm/communicator.h"
 #include "moecore/core/allocator.h"
+#include "moecore/core/host_transfer.h"
 #include "moecore/core/step_timers.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/train/data_source.h"
@@ -27,6 +28,7 @@
 #include "moecore/ops/adamw.h"
 #include "moecore/ops/reduce.h"
 #include "moecore/train/checkpoint.h"
+#include "moecore/train/loss_accumulator.h"
 #include "moecore/train/lr_schedule.h"
 #include "moecore/train/optimizer.h"
 #include "moecore/train/pipeline.h"
@@ -71,14 +73,7 @@ AllocatorStats memory_stats(Device d) {
   return d.is_cuda() ? cuda_allocator(d.index).stats() : cpu_allocator().stats();
 }
 
-// Data-parallel helpers: a null communicator means one rank.
-double average_over_ranks(comm::Communicator* c, double v) {
-  if (!c) return v;
-  std::vector<double> values = {v};
-  comm::all_reduce_host(*c, values, comm::ReduceOp::Avg);  // f64 through MPI, f32 through NCCL (for the log)
-  return values[0];
-}
-
+// A null communicator means one rank.
 void sum_over_ranks(comm::Communicator* c, std::vector<double>& v) {
   if (c) comm::all_reduce_host(*c, v);  // token counts: exact in f32 up to 2^24
 }
@@ -348,7 +343,17 @@ int run_training(const TrainArgs& args) {
   auto context_parallel_batch = [&](Batch b) {
     if (args.cp == 1) return b;
     return Batch{context_parallel_slice(b.tokens, args.cp, layout.cp_rank),
-                 context_parallel_slice(b.labels, args.cp, layout.cp_rank)};
+                 context_parallel_slice(b.labels, args.cp, layout.cp_rank), b.num_labels};
+  };
+  // Training micro-batches are checked and their labels counted on the host, then go up through
+  // pinned memory: neither the upload nor the forward waits for the GPU (GPTModel::Ctx::
+  // checked_num_labels).
+  PinnedUploader uploader;
+  auto checked_upload = [&](Batch host) {
+    host.num_labels = check_batch_on_host(host.tokens, host.labels, cfg.vocab_size);
+    const Batch local = context_parallel_batch(host);
+    return Batch{uploader.upload(local.tokens.contiguous(), dev), uploader.upload(local.labels.contiguous(), dev),
+                 host.num_labels};
   };
   const int64_t tokens_per_step = args.global_batch_size * cfg.seq_length;
   const double flops_per_step = model_flops_per_step(cfg, tokens_per_step);
@@ -401,7 +406,7 @@ int run_training(const TrainArgs& args) {
     for (MoeLayer* l : c->moe_layers()) moe_layers.push_back(l);
     for (int64_t n : c->moe_layer_numbers()) moe_numbers.push_back(n);
   }
-  double interval_loss = 0, interval_ms = 0;
+  double interval_loss = 0;
   int64_t interval_steps = 0, interval_skipped = 0, interval_nan = 0;  // Megatron logs these per interval
   int64_t interval_loss_steps = 0;  // steps whose loss enters the average (not the skipped ones)
   uint64_t interval_syncs = 0;      // host synchronisations in the interval's steps (core/device.h)
@@ -442,15 +447,22 @@ int run_training(const TrainArgs& args) {
   };
 
   set_timing_level(static_cast<int>(args.timing_log_level));
+  // The host waits for the GPU at a log step only (and each step with --timing-log-level, whose
+  // timers read their events): the interval's time is the wall time from its start to the wait
+  // at its log step, less evaluations and checkpoints in it.
+  using Clock = std::chrono::steady_clock;
+  auto interval_start = Clock::now();
+  double interval_excluded_ms = 0;
+  auto ms_since = [](Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); };
+  const DType loss_dtype = compute == DType::F64 ? DType::F64 : DType::F32;
   for (int64_t it = state.iteration + 1; it <= args.train_iters; ++it) {
-    const auto t0 = std::chrono::steady_clock::now();
     const uint64_t syncs0 = host_synchronizations();
     if (dev.is_cuda()) cuda_allocator(dev.index).reset_peak();
     // Megatron's order: micro-batch m of the step is [dp rank 0's samples | dp rank 1's | ...];
     // its seed is the same on every pipeline stage and equals the single-rank run's.
     auto batch_of = [&](int64_t m) {
-      return context_parallel_batch(data.train->batch(state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size,
-                                                      args.micro_batch_size, dev));
+      return checked_upload(data.train->batch(state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size,
+                                              args.micro_batch_size, Device::cpu()));
     };
     auto rng_of = [&](int64_t m) {
       return static_cast<uint64_t>(args.seed) * 0x100000001B3ull + static_cast<uint64_t>((it * micro + m) * dp_size + dp_rank);
@@ -459,7 +471,7 @@ int run_training(const TrainArgs& args) {
     const std::function<void(int64_t)> layer_done =
         optimizer.overlapping() ? std::function<void(int64_t)>([&](int64_t l) { optimizer.layer_ready(l); })
                                 : std::function<void(int64_t)>();
-    double loss_sum = 0;
+    LossAccumulator losses(micro, dev, loss_dtype);
     std::optional<TimedRegion> phase(std::in_place, "forward-backward", 1, dev);  // --timing-log-level
     if (pp) {
       PipelineStep step;
@@ -469,15 +481,22 @@ int run_training(const TrainArgs& args) {
       step.batch = batch_of;
       step.rng = rng_of;
       step.last_layer_done = layer_done;
-      loss_sum = vstages == 1             ? run_pipeline_1f1b(model, step)
-                 : micro % stages == 0 ? run_pipeline_interleaved(chunks, step)
-                                       : run_pipeline_virtual(chunks, step);
+      step.losses = &losses;
+      if (vstages == 1) {
+        run_pipeline_1f1b(model, step);
+      } else if (micro % stages == 0) {
+        run_pipeline_interleaved(chunks, step);
+      } else {
+        run_pipeline_virtual(chunks, step);
+      }
     } else {
       for (int64_t m = 0; m < micro; ++m) {
         const Batch b = batch_of(m);
         GPTModel::Ctx ctx;
         ctx.fused_head_scale = 1.0 / static_cast<double>(micro);  // the output layer's backward runs in the forward
-        loss_sum += model.forward(b.tokens, b.labels, true, rng_of(m), ctx);
+        ctx.checked_num_labels = b.num_labels;
+        const Tensor loss_sum = model.forward_loss_sum(b.tokens, b.labels, true, rng_of(m), ctx);
+        losses.add(loss_sum, ctx.num_labels);  // after the forward has set the count
         model.backward(1.0 / static_cast<double>(micro), ctx, m == micro - 1 ? layer_done : std::function<void(int64_t)>());
       }
     }
@@ -486,6 +505,11 @@ int run_training(const TrainArgs& args) {
     for (MoeLayer* l : moe_layers) l->prefetch_stats();
     phase.emplace("grads-reduce", 1, dev);
     optimizer.reduce_gradients();
+    // The step's loss, averaged over DP on the device, goes to the host behind the gradients: the
+    // gradient norm's read below waits for it too (no wait of its own).
+    if (dp && has_head) dp->all_reduce(losses.value(), comm::ReduceOp::Avg);
+    PendingRead loss_read;
+    if (has_head) loss_read.start(losses.value());
     phase.emplace("grad-norm", 1, dev);
     const double grad_sq = optimizer.grad_norm_sq();
     phase.emplace("moe-statistics", 1, dev);
@@ -512,8 +536,7 @@ int run_training(const TrainArgs& args) {
     phase.emplace("loss-and-checks", 1, dev);
     // The loss lives on the last stage, MoE layers on every stage: sums over the pipeline give
     // every rank the same values (the skip decision must agree everywhere).
-    std::vector<double> sums = {has_head ? average_over_ranks(dp, loss_sum / static_cast<double>(micro)) : 0.0,
-                                0.0, 0.0, static_cast<double>(layer_stats.size())};
+    std::vector<double> sums = {has_head ? loss_read.get()[0] : 0.0, 0.0, 0.0, static_cast<double>(layer_stats.size())};
     for (const MoeStepStats& s : layer_stats) {
       sums[1] += s.aux_loss / static_cast<double>(micro);
       sums[2] += s.z_loss / static_cast<double>(micro);
@@ -542,10 +565,11 @@ int run_training(const TrainArgs& args) {
       optimizer.step(hyper, lr, static_cast<float>(clip), it - state.skipped_iterations);
     }
     phase.reset();
-    synchronize(dev);
-    collect_region_times();  // after the synchronisation: reads finished events only
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    interval_syncs += host_synchronizations() - syncs0;  // includes the timing synchronisation just above
+    const bool log_now = it % args.log_interval == 0 || it == args.train_iters;
+    const bool timers_on = args.timing_log_level > 0;
+    if (log_now || timers_on) synchronize(dev);
+    if (timers_on) collect_region_times();  // after the synchronisation: reads finished events only
+    interval_syncs += host_synchronizations() - syncs0;  // includes the log step's synchronisation just above
     const double dispatch_ms = take_dispatch_comm_seconds() * 1e3;  // MOECORE_COMM_TIMERS=1 only
     const bool skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
     if (!skipped) {
@@ -554,14 +578,12 @@ int run_training(const TrainArgs& args) {
       interval_z += z;
       interval_loss_steps++;
     }
-    interval_ms += ms;
     interval_steps++;
 
-    const bool log_now = it % args.log_interval == 0 || it == args.train_iters;
     const double params_norm = log_now ? std::sqrt(optimizer.params_norm_sq()) : 0.0;  // collective
     const std::vector<RegionTime> timers = log_now ? take_region_times() : std::vector<RegionTime>();
     if (logger && log_now) {
-      const double avg_ms = interval_ms / static_cast<double>(interval_steps);
+      const double avg_ms = (ms_since(interval_start) - interval_excluded_ms) / static_cast<double>(interval_steps);
       const double steps_in = static_cast<double>(interval_loss_steps);
       const double nan = std::numeric_limits<double>::quiet_NaN();
       const double avg_loss = interval_loss_steps > 0 ? interval_loss / steps_in : nan;
@@ -585,7 +607,8 @@ int run_training(const TrainArgs& args) {
       if (dev.is_cuda()) std::printf(" MFU: %.1f%% |", 100.0 * tflops / 989.0);
       std::printf(" mem allocated/peak (GB): %.2f/%.2f |", mem.allocated_bytes / 1e9, mem.peak_allocated_bytes / 1e9);
       if (dispatch_timers_enabled())
-        std::printf(" dispatch communication (ms, last step): %.1f (%.0f%%) |", dispatch_ms, 100.0 * dispatch_ms / ms);
+        std::printf(" dispatch communication (ms, last step): %.1f (%.0f%% of the average step) |", dispatch_ms,
+                    100.0 * dispatch_ms / avg_ms);
       std::printf("\n");
       print_timers(timers, interval_steps, avg_ms);
       if (cfg.moe.per_layer_logging) {
@@ -645,12 +668,20 @@ int run_training(const TrainArgs& args) {
         }
         tb->flush();
       }
-      interval_loss = interval_ms = interval_aux = interval_z = 0;
+      interval_loss = interval_aux = interval_z = 0;
       interval_steps = interval_skipped = interval_nan = interval_loss_steps = 0;
       interval_syncs = 0;
     }
+    if (log_now) {  // the next interval starts here (the synchronisation above emptied the queue)
+      interval_start = Clock::now();
+      interval_excluded_ms = 0;
+    }
 
-    if (args.eval_interval > 0 && data.valid && (it % args.eval_interval == 0 || it == args.train_iters)) {
+    const bool evaluate = args.eval_interval > 0 && data.valid && (it % args.eval_interval == 0 || it == args.train_iters);
+    const bool save_now = args.save_interval > 0 && it % args.save_interval == 0 && it != args.train_iters;
+    if ((evaluate || save_now) && !log_now) synchronize(dev);  // the step's own work counts as training time
+    const auto excluded_start = Clock::now();
+    if (evaluate) {
       set_timing_level(0);  // the timers cover training steps only
       double vsum = 0;
       for (int64_t e = 0; e < args.eval_iters; ++e) {
@@ -672,7 +703,11 @@ int run_training(const TrainArgs& args) {
       if (tb) tb->add_scalar("lm loss validation", vloss, it);
       set_timing_level(static_cast<int>(args.timing_log_level));
     }
-    if (args.save_interval > 0 && it % args.save_interval == 0 && it != args.train_iters) save();
+    if (save_now) save();
+    if (evaluate || save_now) {
+      synchronize(dev);
+      interval_excluded_ms += ms_since(excluded_start);
+    }
   }
   save();
   return 0;

@@ -1,0 +1,125 @@
+// The pieces that keep a training step's loss on the device: the host check of a micro-batch
+// (check_batch_on_host), the model's forward with a host-checked batch (forward_loss_sum), the
+// step's average (LossAccumulator) and the CPU side of core/host_transfer.h. Their GPU side (no
+// waits) is tests/gpu/test_gpu_host_waits.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "moecore/core/error.h"
+#include "moecore/core/host_transfer.h"
+#include "moecore/data/mock_data.h"
+#include "moecore/model/gpt.h"
+#include "moecore/train/loss_accumulator.h"
+
+using namespace moecore;
+
+namespace {
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+Tensor i32(std::vector<int32_t> v, Shape shape) { return Tensor::from_vector(v, shape); }
+
+}  // namespace
+
+TEST(CheckBatchOnHost, CountsLabelledTokensAndRefusesIdsOutsideTheVocabulary) {
+  EXPECT_EQ(check_batch_on_host(i32({0, 1, 2, 3}, {2, 2}), i32({1, -1, 3, 2}, {2, 2}), 4), 3);
+  EXPECT_EQ(check_batch_on_host(i32({0, 1}, {1, 2}), i32({-1, -100}, {1, 2}), 4), 0);
+  EXPECT_NE(message_of([] { check_batch_on_host(i32({0, 4}, {1, 2}), i32({1, 1}, {1, 2}), 4); })
+                .find("tokens[1] = 4 is out of range for the vocabulary of 4 (expected 0 <= token < 4"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { check_batch_on_host(i32({0, -2}, {1, 2}), i32({1, 1}, {1, 2}), 4); })
+                .find("tokens[1] = -2 is out of range"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { check_batch_on_host(i32({0, 1}, {1, 2}), i32({1, 9}, {1, 2}), 4); })
+                .find("labels[1] = 9 is out of range for the vocabulary of 4 (expected < 4, or negative to ignore"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { check_batch_on_host(i32({0, 1}, {1, 2}), i32({1, 1, 1}, {1, 3}), 4); })
+                .find("must be [batch, seq] i32 on the host"),
+            std::string::npos);
+}
+
+TEST(LossAccumulator, AveragesTheMicroBatchMeans) {
+  LossAccumulator acc(3, Device::cpu(), DType::F32);
+  acc.add(Tensor::from_vector(std::vector<float>{12.0f}, {1}), 4);   // mean 3
+  acc.add(Tensor::from_vector(std::vector<float>{10.0f}, {1}), 2);   // mean 5
+  acc.add(Tensor::from_vector(std::vector<float>{99.0f}, {1}), 0);   // no labels: mean 0
+  acc.add(Tensor(), 5);                                              // a stage without the head
+  EXPECT_NEAR(acc.value().to_vector<float>()[0], (3.0 + 5.0 + 0.0) / 3.0, 1e-6);
+  EXPECT_NE(message_of([&] { acc.add(Tensor::from_vector(std::vector<double>{1.0}, {1}), 1); })
+                .find("expected a one-element f32 tensor"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { LossAccumulator(0, Device::cpu(), DType::F32); }).find("0 micro-batches; expected >= 1"),
+            std::string::npos);
+}
+
+TEST(HostTransfer, CpuReadsAndUploadsAreCopies) {
+  Tensor t = Tensor::from_vector(std::vector<float>{1.5f, -2.0f}, {2});
+  PendingRead read;
+  EXPECT_FALSE(read.started());
+  read.start(t);
+  t.data<float>()[0] = 7.0f;  // the read holds the values of start()
+  EXPECT_EQ(read.get(), (std::vector<double>{1.5, -2.0}));
+  EXPECT_FALSE(read.started());
+  EXPECT_NE(message_of([&] { read.get(); }).find("PendingRead::get before start"), std::string::npos);
+  PinnedUploader up;
+  const Tensor host = Tensor::from_vector(std::vector<int32_t>{3, 4, 5}, {3});
+  const Tensor copy = up.upload(host, Device::cpu());
+  EXPECT_EQ(copy.to_vector<int32_t>(), (std::vector<int32_t>{3, 4, 5}));
+  EXPECT_NE(copy.data_ptr(), host.data_ptr());
+}
+
+// A host-checked micro-batch gives the loss, the label count and the gradients of the forward
+// that checks and counts on its own.
+TEST(ForwardLossSum, HostCheckedBatchMatchesTheSelfCheckingForward) {
+  ModelConfig c;
+  c.num_layers = 1;
+  c.hidden_size = 16;
+  c.num_attention_heads = 2;
+  c.ffn_hidden_size = 32;
+  c.seq_length = 8;
+  c.vocab_size = 29;
+  c.add_bias_linear = false;
+  c.moe.num_experts = 4;
+  c.moe.router.topk = 2;
+  c.moe.ffn_hidden_size = 16;
+  c.moe.aux_loss_coeff = 0.01;
+  finalize_model_config(c, "1");
+  const MockData data(c.vocab_size, c.seq_length, 3, "train");
+  Batch b = data.batch(0, 2, Device::cpu());
+  b.labels.data<int32_t>()[3] = -1;
+  struct Result {
+    double loss;
+    int64_t labels;
+    std::vector<float> grad;
+  };
+  auto run = [&](bool checked) {
+    ParamStore store(Device::cpu(), DType::F32, DType::F32, 5);
+    GPTModel model(c, store);
+    store.initialize();
+    GPTModel::Ctx ctx;
+    ctx.fused_head_scale = 1.0;
+    if (checked) ctx.checked_num_labels = check_batch_on_host(b.tokens, b.labels, c.vocab_size);
+    const Tensor sum = model.forward_loss_sum(b.tokens, b.labels, true, 1, ctx);
+    const int64_t labels = ctx.num_labels;
+    model.backward(1.0, ctx);
+    Result r{sum.to_vector<float>()[0] / static_cast<double>(labels), labels, {}};
+    for (const auto& p : store.all())
+      if (p->trainable)
+        for (float g : p->grad.to_vector<float>()) r.grad.push_back(g);
+    return r;
+  };
+  const Result self = run(false), checked = run(true);
+  EXPECT_EQ(self.labels, 2 * c.seq_length - 1);
+  EXPECT_EQ(checked.labels, self.labels);
+  EXPECT_EQ(checked.loss, self.loss);
+  EXPECT_EQ(checked.grad, self.grad);
+  EXPECT_GT(self.loss, 2.0);  // about ln(29)
+}
