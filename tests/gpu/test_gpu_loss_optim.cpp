@@ -69,6 +69,49 @@ TEST_P(GpuCrossEntropy, ForwardAndBackwardMatchCpu) {
   }
 }
 
+// The one-pass op (bf16 with V % 8 == 0: the fused kernel; 7 classes and f32: the two kernels)
+// against the CPU's forward + backward. Same tolerances as above: the fused kernel's fast
+// exponentials are within ~2 ulp, below the lse's fp32 summation error.
+TEST_P(GpuCrossEntropy, ForwardBackwardInOnePassMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  const Tolerance row_tol{1e-5, 1e-5};
+  const Tolerance grad_tol = t == DType::F32 ? Tolerance{1e-5, 1e-4} : Tolerance{1e-5, 1e-2};
+  for (int64_t classes : {7, 1000, 32768, 151936}) {
+    const int64_t rows = classes > 100000 ? 6 : 33;
+    Tensor logits = random_tensor({rows, classes}, t, Device::cpu(), -8.0, 8.0);
+    Tensor targets = random_indices(rows, classes, 5);
+    Tensor dloss = random_tensor({rows}, DType::F32, Device::cpu(), -2.0, 2.0);
+    const OutputSpec row_spec{{rows}, DType::F32}, grad_spec{{rows, classes}, t};
+    expect_cuda_matches_cpu({logits, targets, dloss}, {row_spec, row_spec, grad_spec},
+                            [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::cross_entropy_forward_backward(in[0], in[1], in[2], out[0], out[1], out[2]);
+                            },
+                            {row_tol, row_tol, grad_tol});
+    expect_cuda_matches_cpu({logits, targets, dloss}, {row_spec, row_spec, grad_spec},
+                            [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              out[2].copy_from(in[0]);  // in place
+                              ops::cross_entropy_forward_backward(out[2], in[1], in[2], out[0], out[1], out[2]);
+                            },
+                            {row_tol, row_tol, grad_tol});
+    if (HasFailure()) FAIL() << "classes = " << classes;
+  }
+  // A bad target: the error names the op, as the two ops' errors do.
+  Tensor logits = random_tensor({8, 1000}, t, kCuda);
+  Tensor targets = Tensor::from_vector<int32_t>({1, 2, -1, 3, 1000, 4, 5, 6}, {8}).to(kCuda);
+  Tensor loss = Tensor::empty({8}, DType::F32, kCuda), lse = Tensor::empty({8}, DType::F32, kCuda);
+  Tensor dloss = Tensor::zeros({8}, DType::F32, kCuda);
+  try {
+    ops::cross_entropy_forward_backward(logits, targets, dloss, loss, lse, logits);
+    FAIL() << "target 1000 with 1000 classes was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cross_entropy_forward_backward: targets[4] = 1000 is out of range for "
+                                         "1000 classes"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_P(GpuCrossEntropy, OutOfRangeTargetIsAnError) {
   MC_REQUIRE_CUDA();
   const DType t = GetParam();

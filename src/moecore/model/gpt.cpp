@@ -264,6 +264,12 @@ Tensor GPTModel::head_forward_chunked(const Tensor& h, double grad_scale, Ctx& c
       head_chunk_rows_ > 0 ? head_chunk_rows_ : std::max<int64_t>(1, kFusedHeadChunkElements / std::max<int64_t>(1, head_.out));
   Tensor loss = Tensor::empty({n}, stat, dev);
   Tensor dx = backward ? Tensor::empty(x.shape(), x.dtype(), dev) : Tensor();
+  // Without TP the loss and its gradient come from one pass over each chunk's logits.
+  Tensor dloss_rows;
+  if (backward && !dense_.tp) {
+    dloss_rows = Tensor::empty({std::min(n, chunk)}, stat, dev);
+    ops::fill(dloss_rows, dloss);
+  }
   const ops::TargetsValidated checked;  // count_labels checked them
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t r1 = std::min(n, r0 + chunk);
@@ -272,9 +278,13 @@ Tensor GPTModel::head_forward_chunked(const Tensor& h, double grad_scale, Ctx& c
     Tensor logits = head_.forward(x.slice(0, r0, r1), head_ctx);
     Tensor lse = Tensor::empty({r1 - r0}, stat, dev);
     Tensor loss_rows_out = loss.slice(0, r0, r1);
-    loss_rows(logits, labels, loss_rows_out, lse);
-    if (!backward) continue;
-    loss_rows_backward(logits, labels, lse, dloss);
+    if (dloss_rows.defined()) {
+      ops::cross_entropy_forward_backward(logits, labels, dloss_rows.slice(0, 0, r1 - r0), loss_rows_out, lse, logits);
+    } else {
+      loss_rows(logits, labels, loss_rows_out, lse);
+      if (!backward) continue;
+      loss_rows_backward(logits, labels, lse, dloss);
+    }
     dx.slice(0, r0, r1).copy_from(head_.backward(logits, head_ctx));  // dW accumulates here
   }
   if (backward) ctx.d_head_input = dense_.enter_backward(dx, ctx.batch);

@@ -109,6 +109,36 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
   check_bad_row(op, targets, bad, total);
 }
 
+void cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets, const Tensor& dloss, Tensor& loss,
+                                    Tensor& lse, Tensor& dlogits) {
+  constexpr const char* op = "cross_entropy_forward_backward";
+  if (logits.device().is_cpu()) {  // the two ops, with their own checks
+    cross_entropy_forward(logits, targets, loss, lse);
+    cross_entropy_backward(logits, targets, lse, dloss, dlogits);
+    return;
+  }
+  check_logits_targets(op, logits, targets);
+  check_row_tensor(op, "loss", loss, logits);
+  check_row_tensor(op, "lse", lse, logits);
+  check_row_tensor(op, "dloss", dloss, logits);
+  check_contiguous(op, "dlogits", dlogits);
+  check_same_device(op, logits, dlogits);
+  check_same_shape(op, "logits", logits, "dlogits", dlogits);
+  MC_CHECK(dlogits.dtype() == logits.dtype(), op, ": 'dlogits' has dtype ", dtype_name(dlogits.dtype()),
+           "; expected logits' dtype ", dtype_name(logits.dtype()));
+  const char* a = static_cast<const char*>(logits.data_ptr());
+  const char* b = static_cast<const char*>(dlogits.data_ptr());
+  const size_t n = logits.nbytes();
+  MC_CHECK(a == b || a + n <= b || b + n <= a, op,
+           ": 'dlogits' partially overlaps 'logits'; it must be logits itself or separate memory");
+  [[maybe_unused]] const int64_t rows = logits.size(0);
+  const int64_t classes = logits.size(1);
+  int64_t bad = -1;
+  MC_CUDA_BACKEND(op, bad = cuda::cross_entropy_forward_backward(logits, targets, dloss, loss, lse, dlogits, rows,
+                                                                 classes));
+  check_bad_row(op, targets, bad, classes);
+}
+
 void cross_entropy_part_forward(const Tensor& logits, const Tensor& targets, int64_t vocab_start,
                                 int64_t vocab_total, Tensor& lse_part, Tensor& target_logit) {
   constexpr const char* op = "cross_entropy_part_forward";

@@ -63,6 +63,14 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const Tensor& dloss,
                             Tensor& dlogits, int64_t vocab_start = 0, int64_t vocab_total = -1);
 
+// Both in one call, for the whole vocabulary (training's fused output layer without TP):
+// cross_entropy_forward, then cross_entropy_backward with that lse (dlogits may be logits).
+// The CUDA backend reads each bf16 row from memory once (a second pass re-reads it from L2)
+// when V is a multiple of 8 and the rows are 16-byte aligned, else it runs the two kernels;
+// its exponentials are the fast hardware ones (relative error ~1e-7, below f32 sums' rounding).
+void cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets, const Tensor& dloss, Tensor& loss,
+                                    Tensor& lse, Tensor& dlogits);
+
 void cross_entropy_part_forward(const Tensor& logits, const Tensor& targets, int64_t vocab_start,
                                 int64_t vocab_total, Tensor& lse_part, Tensor& target_logit);
 void logsumexp_combine(const Tensor& parts, Tensor& lse);
@@ -85,6 +93,8 @@ void cross_entropy_combined_loss(const Tensor& lse, const Tensor& target_logit, 
                                  int64_t rows);
 }  // namespace cpu
 namespace cuda {
+int64_t cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets, const Tensor& dloss, Tensor& loss,
+                                       Tensor& lse, Tensor& dlogits, int64_t rows, int64_t classes);
 int64_t cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor& loss, Tensor& lse, int64_t rows,
                               int64_t classes);
 int64_t cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const Tensor& dloss,

@@ -139,6 +139,80 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* ta
   }
 }
 
+// Forward and backward in one block per row (bf16, V a multiple of 8, 16-byte aligned rows).
+// Pass 1 reads the row in 16-byte loads into an online (max, sum) per thread, combined over the
+// block in the same fixed tree as the forward kernel; pass 2 reads the row again (from L2: the
+// block read it just before) and writes the gradient, 8 columns per store. Memory traffic: one
+// read and one write per element, against two reads and one write for the two kernels.
+constexpr int kFusedThreads = 512;
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&x)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // little-endian: the lower half is the earlier column
+    x[2 * i] = __uint_as_float(w[i] << 16);
+    x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&x)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = static_cast<uint32_t>(bf16(x[2 * i]).bits) | (static_cast<uint32_t>(bf16(x[2 * i + 1]).bits) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// No __restrict__: dlogits may be logits.
+__global__ void __launch_bounds__(kFusedThreads) cross_entropy_fused_bf16_kernel(
+    const bf16* logits, const int32_t* targets, const float* dloss, float* loss, float* lse, bf16* dlogits,
+    int64_t classes, int* bad_row) {
+  const int64_t row = blockIdx.x;
+  const uint4* xr = reinterpret_cast<const uint4*>(logits + row * classes);
+  uint4* dr = reinterpret_cast<uint4*>(dlogits + row * classes);
+  const int64_t vectors = classes / 8;
+  MaxSum acc{-INFINITY, 0.0f};
+  for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
+    float x[8];
+    unpack_bf16x8(xr[c], x);
+    float m = x[0];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) m = fmaxf(m, x[i]);
+    if (m > acc.m) {  // rescale to the new maximum (0 * 0 at the start)
+      acc.s *= __expf(acc.m - m);
+      acc.m = m;
+    }
+    if (acc.m != -INFINITY) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc.s += __expf(x[i] - acc.m);  // NaN and +inf end as NaN
+    }
+  }
+  acc = block_combine(acc);
+  const float log_sum = logf(acc.s), l = acc.m + log_sum;
+  const int32_t t = targets[row];
+  if (threadIdx.x == 0) {
+    lse[row] = l;
+    if (t >= classes) {
+      atomicMin(bad_row, static_cast<int>(row));
+      loss[row] = NAN;
+    } else {
+      loss[row] = t < 0 ? 0.0f : (acc.m - bf16_bits_to_float(logits[row * classes + t].bits)) + log_sum;
+    }
+  }
+  const bool ignored = t < 0 || t >= classes;
+  const float g = dloss[row];
+  for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
+    float x[8];
+    unpack_bf16x8(xr[c], x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float p = __expf(x[i] - l);
+      x[i] = ignored ? 0.0f : g * (c * 8 + i == t ? p - 1.0f : p);
+    }
+    dr[c] = pack_bf16x8(x);
+  }
+}
+
 __global__ void logsumexp_combine_kernel(const float* parts, float* lse, int64_t num_parts, int64_t rows) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     float m = -INFINITY;
@@ -204,6 +278,26 @@ int64_t cross_entropy_backward(const Tensor& logits, const Tensor& targets, cons
         logits.data<T>(), targets.data<int32_t>(), lse.data<float>(), dloss.data<float>(), dlogits.data<T>(),
         classes, vocab_start, vocab_total, flag.data<int32_t>());
   });
+  MC_CUDA_CHECK_LAUNCH();
+  return read_flag(flag);
+}
+
+int64_t cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets, const Tensor& dloss, Tensor& loss,
+                                       Tensor& lse, Tensor& dlogits, int64_t rows, int64_t classes) {
+  const bool aligned = (reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0) &&
+                       (reinterpret_cast<uintptr_t>(dlogits.data_ptr()) % 16 == 0);
+  if (logits.dtype() != DType::BF16 || classes % 8 != 0 || !aligned) {  // the two kernels
+    const int64_t bad = cross_entropy_forward(logits, targets, loss, lse, rows, classes);
+    if (bad >= 0) return bad;
+    return cross_entropy_backward(logits, targets, lse, dloss, dlogits, rows, classes, 0, classes);
+  }
+  if (rows == 0) return -1;
+  MC_CHECK(rows < kNoBadRow, "cross_entropy_forward_backward: too many rows (", rows, ") for one launch");
+  cudaStream_t s = prepare(logits);
+  Tensor flag = make_flag(logits, s);
+  cross_entropy_fused_bf16_kernel<<<static_cast<unsigned>(rows), kFusedThreads, 0, s>>>(
+      logits.data<bf16>(), targets.data<int32_t>(), dloss.data<float>(), loss.data<float>(), lse.data<float>(),
+      dlogits.data<bf16>(), classes, flag.data<int32_t>());
   MC_CUDA_CHECK_LAUNCH();
   return read_flag(flag);
 }
