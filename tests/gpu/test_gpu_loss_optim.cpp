@@ -96,6 +96,26 @@ TEST_P(GpuCrossEntropy, ForwardBackwardInOnePassMatchesCpu) {
                             {row_tol, row_tol, grad_tol});
     if (HasFailure()) FAIL() << "classes = " << classes;
   }
+  // In place on many rows: the same loss, lse and gradient bit for bit as out of place, every
+  // time (the loss reads the target's logit, which the row's own gradient pass overwrites).
+  {
+    const int64_t rows = 4096, classes = 4096;
+    Tensor logits = random_tensor({rows, classes}, t, kCuda, -8.0, 8.0);
+    const Tensor targets = random_indices(rows, classes, 7).to(kCuda);
+    const Tensor dloss = random_tensor({rows}, DType::F32, kCuda, -2.0, 2.0);
+    Tensor loss = Tensor::empty({rows}, DType::F32, kCuda), lse = Tensor::empty({rows}, DType::F32, kCuda);
+    Tensor grad = Tensor::empty(logits.shape(), t, kCuda);
+    ops::cross_entropy_forward_backward(logits, targets, dloss, loss, lse, grad);
+    const std::vector<float> want_loss = loss.to_vector<float>(), want_lse = lse.to_vector<float>();
+    const Tensor want_grad = grad.to(Device::cpu());
+    for (int rep = 0; rep < 5; ++rep) {
+      Tensor in_place = logits.clone();
+      ops::cross_entropy_forward_backward(in_place, targets, dloss, loss, lse, in_place);
+      ASSERT_EQ(loss.to_vector<float>(), want_loss) << "in-place loss, repetition " << rep;
+      ASSERT_EQ(lse.to_vector<float>(), want_lse) << "repetition " << rep;
+      ASSERT_EQ(to_doubles(in_place.to(Device::cpu())), to_doubles(want_grad)) << "repetition " << rep;
+    }
+  }
   // A bad target: the error names the op, as the two ops' errors do.
   Tensor logits = random_tensor({8, 1000}, t, kCuda);
   Tensor targets = Tensor::from_vector<int32_t>({1, 2, -1, 3, 1000, 4, 5, 6}, {8}).to(kCuda);

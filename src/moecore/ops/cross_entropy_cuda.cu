@@ -187,16 +187,20 @@ __global__ void __launch_bounds__(kFusedThreads) cross_entropy_fused_bf16_kernel
       for (int i = 0; i < 8; ++i) acc.s += __expf(x[i] - acc.m);  // NaN and +inf end as NaN
     }
   }
+  const int32_t t = targets[row];
+  // The target's logit, read before the barrier in block_combine: after it, pass 2 may already
+  // have overwritten it with its gradient (in place).
+  const float target_logit =
+      threadIdx.x == 0 && t >= 0 && t < classes ? bf16_bits_to_float(logits[row * classes + t].bits) : 0.0f;
   acc = block_combine(acc);
   const float log_sum = logf(acc.s), l = acc.m + log_sum;
-  const int32_t t = targets[row];
   if (threadIdx.x == 0) {
     lse[row] = l;
     if (t >= classes) {
       atomicMin(bad_row, static_cast<int>(row));
       loss[row] = NAN;
     } else {
-      loss[row] = t < 0 ? 0.0f : (acc.m - bf16_bits_to_float(logits[row * classes + t].bits)) + log_sum;
+      loss[row] = t < 0 ? 0.0f : (acc.m - target_logit) + log_sum;
     }
   }
   const bool ignored = t < 0 || t >= classes;
