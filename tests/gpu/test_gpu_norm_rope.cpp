@@ -122,9 +122,10 @@ TEST_P(GpuRope, ForwardBackwardAndInPlaceMatchCpu) {
     Shape shape;
     int64_t offset;
   };
-  // Positions up to 2047, and with an offset up to 6144 + 2047 = 8191.
+  // Positions up to 2047, and with an offset up to 6144 + 2047 = 8191. Half head dims 32 and 64
+  // take bf16's vectorised kernel (8 pairs per thread), 10 the scalar one.
   for (const Case& c : {Case{{2, 2048, 4, 64}, 0}, Case{{1, 2048, 2, 128}, 6144}, Case{{3, 17, 5, 128}, 11},
-                        Case{{2, 300, 3, 64}, 0}}) {
+                        Case{{2, 300, 3, 64}, 0}, Case{{2, 9, 3, 20}, 5}}) {
     Tensor x = random_tensor(c.shape, t), dy = random_tensor(c.shape, t);
     const int64_t offset = c.offset;
     expect_cuda_matches_cpu({x, dy}, {{c.shape, t}, {c.shape, t}, {c.shape, t}},
