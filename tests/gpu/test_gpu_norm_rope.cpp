@@ -27,9 +27,12 @@ const Tolerance kStatTol{1e-5, 1e-5};
 struct NormCase {
   int64_t rows, H;
 };
-// H: warp per row (64), block of 256 (1000, not a multiple of 32), block of 512 (4096).
-// Row counts beyond the backward's worker count (4096 warps, 512 blocks) make workers loop.
-const NormCase kNormCases[] = {{37, 64}, {5000, 64}, {37, 1000}, {700, 1000}, {19, 4096}, {600, 4096}};
+// H: warp per row (64), block of 256 (1000, not a multiple of 8), block of 512 (8200). bf16
+// with H a multiple of 8 up to 8192 takes the vectorised kernels: 1024, 2040 (255 threads of 8
+// columns: a partial warp) and 4096. Row counts beyond the backward's worker count (4096 warps,
+// 512 blocks) make workers loop.
+const NormCase kNormCases[] = {{37, 64},    {5000, 64},  {37, 1000},  {700, 1000}, {19, 4096},
+                               {600, 4096}, {700, 1024}, {600, 2040}, {9, 8200}};
 
 }  // namespace
 
@@ -51,6 +54,20 @@ TEST_P(GpuNorm, RMSNormForwardAndBackwardMatchCpu) {
         {data_tol(t), kStatTol, data_tol(t), param_grad_tol(c.rows)});
     if (HasFailure()) FAIL() << "rows " << c.rows << " H " << c.H;
   }
+  // A weight 8 bytes past a 16-byte boundary (a parameter inside a flat buffer): the scalar
+  // kernels, same results.
+  const int64_t rows = 300, H = 1024;
+  Tensor x = random_tensor({rows, H}, t, Device::cpu(), -2, 2), w = random_tensor({H + 4}, t);
+  Tensor dy = random_tensor({rows, H}, t), dw0 = random_tensor({H}, DType::F32);
+  expect_cuda_matches_cpu(
+      {x, w, dy, dw0}, {{{rows, H}, t}, {{rows}, DType::F32}, {{rows, H}, t}, {{H}, DType::F32}},
+      [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+        const Tensor weight = in[1].slice(0, 4, in[1].size(0));
+        ops::rmsnorm_forward(in[0], weight, 1e-5, out[0], out[1]);
+        out[3].copy_from(in[3]);
+        ops::rmsnorm_backward(in[0], weight, out[1], in[2], out[2], out[3]);
+      },
+      {data_tol(t), kStatTol, data_tol(t), param_grad_tol(rows)});
 }
 
 TEST_P(GpuNorm, LayerNormForwardAndBackwardMatchCpu) {
@@ -83,7 +100,7 @@ TEST_P(GpuNorm, LayerNormForwardAndBackwardMatchCpu) {
 TEST_P(GpuNorm, ParameterGradientsAreReproducibleAndAccumulate) {
   MC_REQUIRE_CUDA();
   const DType t = GetParam();
-  for (int64_t H : {64, 1000}) {
+  for (int64_t H : {64, 1000, 1024}) {
     const int64_t rows = 3000;
     Tensor x = random_tensor({rows, H}, t, kCuda), w = random_tensor({H}, t, kCuda), b = random_tensor({H}, t, kCuda);
     Tensor dy = random_tensor({rows, H}, t, kCuda), y = Tensor::empty({rows, H}, t, kCuda);
