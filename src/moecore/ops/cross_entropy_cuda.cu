@@ -146,35 +146,18 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* ta
 // read and one write per element, against two reads and one write for the two kernels.
 constexpr int kFusedThreads = 512;
 
-__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&x)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // little-endian: the lower half is the earlier column
-    x[2 * i] = __uint_as_float(w[i] << 16);
-    x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ uint4 pack_bf16x8(const float (&x)[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    w[i] = static_cast<uint32_t>(bf16(x[2 * i]).bits) | (static_cast<uint32_t>(bf16(x[2 * i + 1]).bits) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 // No __restrict__: dlogits may be logits.
 __global__ void __launch_bounds__(kFusedThreads) cross_entropy_fused_bf16_kernel(
     const bf16* logits, const int32_t* targets, const float* dloss, float* loss, float* lse, bf16* dlogits,
     int64_t classes, int* bad_row) {
   const int64_t row = blockIdx.x;
-  const uint4* xr = reinterpret_cast<const uint4*>(logits + row * classes);
-  uint4* dr = reinterpret_cast<uint4*>(dlogits + row * classes);
+  const bf16* xr = logits + row * classes;
+  bf16* dr = dlogits + row * classes;
   const int64_t vectors = classes / 8;
   MaxSum acc{-INFINITY, 0.0f};
   for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
     float x[8];
-    unpack_bf16x8(xr[c], x);
+    load_bf16x8(xr + c * 8, x);
     float m = x[0];
 #pragma unroll
     for (int i = 1; i < 8; ++i) m = fmaxf(m, x[i]);
@@ -207,13 +190,13 @@ __global__ void __launch_bounds__(kFusedThreads) cross_entropy_fused_bf16_kernel
   const float g = dloss[row];
   for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
     float x[8];
-    unpack_bf16x8(xr[c], x);
+    load_bf16x8(xr + c * 8, x);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float p = __expf(x[i] - l);
       x[i] = ignored ? 0.0f : g * (c * 8 + i == t ? p - 1.0f : p);
     }
-    dr[c] = pack_bf16x8(x);
+    store_bf16x8(dr + c * 8, x);
   }
 }
 
@@ -288,8 +271,7 @@ int64_t cross_entropy_backward(const Tensor& logits, const Tensor& targets, cons
 
 int64_t cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets, const Tensor& dloss, Tensor& loss,
                                        Tensor& lse, Tensor& dlogits, int64_t rows, int64_t classes) {
-  const bool aligned = (reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0) &&
-                       (reinterpret_cast<uintptr_t>(dlogits.data_ptr()) % 16 == 0);
+  const bool aligned = aligned16(logits.data_ptr()) && aligned16(dlogits.data_ptr());
   if (logits.dtype() != DType::BF16 || classes % 8 != 0 || !aligned) {  // the two kernels
     const int64_t bad = cross_entropy_forward(logits, targets, loss, lse, rows, classes);
     if (bad >= 0) return bad;

@@ -60,6 +60,29 @@ __device__ inline float block_max(float v) {
   return warp_max(r);
 }
 
+// Eight consecutive bf16 values as one 16-byte word (p 16-byte aligned: check with
+// aligned16), widened to f32 / rounded to nearest even from f32. In a 32-bit word the lower half
+// holds the earlier element (little-endian).
+__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&x)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    x[2 * j] = __uint_as_float(w[j] << 16);
+    x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&x)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = static_cast<uint32_t>(bf16(x[2 * j]).bits) | (static_cast<uint32_t>(bf16(x[2 * j + 1]).bits) << 16);
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Calls f(T{}) for the dtypes the CUDA kernels support.
 template <typename F>
 void dispatch_cuda_floating(DType t, const char* op, F&& f) {

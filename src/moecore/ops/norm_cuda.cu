@@ -119,26 +119,9 @@ __global__ void norm_backward_kernel(const T* x, const T* w, const float* mean, 
 // sums run over another grouping of the columns, so results differ from them in the last bits.
 constexpr int kVec = 8;
 
-__device__ __forceinline__ void unpack8(const uint4& v, float (&x)[kVec]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {  // little-endian: the lower half is the earlier column
-    x[2 * j] = __uint_as_float(w[j] << 16);
-    x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&x)[kVec]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    w[j] = static_cast<uint32_t>(bf16(x[2 * j]).bits) | (static_cast<uint32_t>(bf16(x[2 * j + 1]).bits) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 __device__ __forceinline__ void load8(const bf16* p, bool active, float (&x)[kVec]) {
   if (active) {
-    unpack8(*reinterpret_cast<const uint4*>(p), x);
+    load_bf16x8(p, x);
   } else {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) x[j] = 0.0f;
@@ -177,7 +160,7 @@ __global__ void norm_forward_bf16x8_kernel(const bf16* x, const bf16* w, const b
       out[j] = (xv[j] - mu) * rs * wv[j];
       if (b) out[j] += bv[j];
     }
-    *reinterpret_cast<uint4*>(y + row * cols + c) = pack8(out);
+    store_bf16x8(y + row * cols + c, out);
   }
   if (threadIdx.x == 0) {
     if (mean) mean[row] = mu;
@@ -220,7 +203,7 @@ __global__ void norm_backward_bf16x8_kernel(const bf16* x, const bf16* w, const 
       gwv[j] += dv[j] * xhat[j];
       gbv[j] += dv[j];
     }
-    *reinterpret_cast<uint4*>(dx + o) = pack8(out);
+    store_bf16x8(dx + o, out);
   }
   if (!active) return;
 #pragma unroll
@@ -236,7 +219,7 @@ __global__ void norm_backward_bf16x8_kernel(const bf16* x, const bf16* w, const 
 bool vector_path(DType dtype, int64_t cols, std::initializer_list<const void*> pointers) {
   if (dtype != DType::BF16 || cols % kVec != 0 || cols <= kWarpMaxCols || cols > 1024 * kVec) return false;
   for (const void* p : pointers)
-    if (p && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (p && !aligned16(p)) return false;
   return true;
 }
 unsigned vector_threads(int64_t cols) { return static_cast<unsigned>((cols / kVec + 31) / 32 * 32); }

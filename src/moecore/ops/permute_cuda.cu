@@ -214,7 +214,6 @@ __global__ void unpermute_backward_kernel(const T* y, const float* probs, const 
   }
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // ---- 16-byte vector row kernels (the fast path of the row ops) ----
 // One block per token; thread i handles packs i, i + blockDim, ... of the row (a pack: 16 bytes,

@@ -44,23 +44,6 @@ __global__ void rope_kernel(const T* in, T* out, const float* cos_t, const float
 // bytes per access and divides 64-bit indices for every pair). The same rounded arithmetic.
 constexpr int kVec = 8;
 
-__device__ __forceinline__ void unpack8(const uint4& v, float (&x)[kVec]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {  // little-endian: the lower half is the earlier element
-    x[2 * j] = __uint_as_float(w[j] << 16);
-    x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&x)[kVec]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    w[j] = static_cast<uint32_t>(bf16(x[2 * j]).bits) | (static_cast<uint32_t>(bf16(x[2 * j + 1]).bits) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 __global__ void rope_bf16x8_kernel(const bf16* in, bf16* out, const float* cos_t, const float* sin_t,
                                    int64_t vectors, int64_t S, int64_t N, int64_t h) {
   const int64_t per_row = h / kVec;
@@ -69,8 +52,8 @@ __global__ void rope_bf16x8_kernel(const bf16* in, bf16* out, const float* cos_t
     const int64_t t = ((row / N) % S) * h + i;
     const int64_t o = row * 2 * h + i;
     float a[kVec], b[kVec], c[kVec], sn[kVec];
-    unpack8(*reinterpret_cast<const uint4*>(in + o), a);  // both halves read before either is written
-    unpack8(*reinterpret_cast<const uint4*>(in + o + h), b);
+    load_bf16x8(in + o, a);  // both halves read before either is written
+    load_bf16x8(in + o + h, b);
     const float4* cv = reinterpret_cast<const float4*>(cos_t + t);
     const float4* sv = reinterpret_cast<const float4*>(sin_t + t);
 #pragma unroll
@@ -85,8 +68,8 @@ __global__ void rope_bf16x8_kernel(const bf16* in, bf16* out, const float* cos_t
       ra[j] = __fadd_rn(__fmul_rn(a[j], c[j]), -__fmul_rn(b[j], sn[j]));
       rb[j] = __fadd_rn(__fmul_rn(b[j], c[j]), __fmul_rn(a[j], sn[j]));
     }
-    *reinterpret_cast<uint4*>(out + o) = pack8(ra);
-    *reinterpret_cast<uint4*>(out + o + h) = pack8(rb);
+    store_bf16x8(out + o, ra);
+    store_bf16x8(out + o + h, rb);
   }
 }
 
@@ -103,8 +86,7 @@ void rope(const Tensor& in, Tensor& out, double base, int64_t position_offset, b
   float* sin_t = cos_t + S * h;
   rope_table_kernel<<<grid_for(S * h), 256, 0, s>>>(cos_t, sin_t, S, h, D, base, position_offset, inverse);
   MC_CUDA_CHECK_LAUNCH();
-  const bool aligned = reinterpret_cast<uintptr_t>(in.data_ptr()) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  const bool aligned = aligned16(in.data_ptr()) && aligned16(out.data_ptr());
   if (in.dtype() == DType::BF16 && h % kVec == 0 && aligned) {
     const int64_t vectors = pairs / kVec;
     rope_bf16x8_kernel<<<grid_for(vectors), 256, 0, s>>>(in.data<bf16>(), out.data<bf16>(), cos_t, sin_t, vectors,
