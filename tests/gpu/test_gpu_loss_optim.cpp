@@ -132,6 +132,47 @@ TEST_P(GpuCrossEntropy, ForwardBackwardInOnePassMatchesCpu) {
   }
 }
 
+// NaN logits give a NaN loss and a NaN gradient row on both paths, wherever they sit: row 0 has
+// its first 8 columns NaN (a whole 16-byte vector of the one-pass kernel, and the first value of
+// 8 threads of the forward kernel: a maximum compared with the empty start alone skipped them),
+// row 1 one NaN in its last column; row 2 is finite and stays so. The CPU ops agree.
+TEST_P(GpuCrossEntropy, NanLogitsGiveNanLossAndGradient) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  const int64_t rows = 3, classes = 1024;
+  Tensor host = random_tensor({rows, classes}, DType::F32, Device::cpu(), -4.0, 4.0);
+  float* x = host.data<float>();
+  for (int c = 0; c < 8; ++c) x[c] = std::nanf("");
+  x[classes + classes - 1] = std::nanf("");
+  const Tensor logits = ops::cast_to(host, t);
+  const Tensor targets = Tensor::from_vector<int32_t>({3, 5, 7}, {rows});
+  const Tensor dloss = Tensor::from_vector<float>({1.0f, 1.0f, 1.0f}, {rows});
+  for (const Device dev : {Device::cpu(), kCuda}) {
+    for (bool one_pass : {false, true}) {
+      SCOPED_TRACE(std::string(dev.is_cpu() ? "cpu" : "cuda") + (one_pass ? " one pass" : " two ops"));
+      const Tensor l = logits.to(dev), tg = targets.to(dev), dl = dloss.to(dev);
+      Tensor loss = Tensor::empty({rows}, DType::F32, dev), lse = Tensor::empty({rows}, DType::F32, dev);
+      Tensor grad = Tensor::empty({rows, classes}, t, dev);
+      if (one_pass) {
+        ops::cross_entropy_forward_backward(l, tg, dl, loss, lse, grad);
+      } else {
+        ops::cross_entropy_forward(l, tg, loss, lse);
+        ops::cross_entropy_backward(l, tg, lse, dl, grad);
+      }
+      const std::vector<float> lv = loss.to_vector<float>();
+      const std::vector<double> g = to_doubles(grad.to(Device::cpu()));
+      EXPECT_TRUE(std::isnan(lv[0])) << lv[0];
+      EXPECT_TRUE(std::isnan(lv[1])) << lv[1];
+      EXPECT_TRUE(std::isfinite(lv[2])) << lv[2];
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t nan = 0;
+        for (int64_t c = 0; c < classes; ++c) nan += std::isnan(g[r * classes + c]) ? 1 : 0;
+        EXPECT_EQ(nan, r < 2 ? classes : 0) << "NaN gradients in row " << r;
+      }
+    }
+  }
+}
+
 TEST_P(GpuCrossEntropy, OutOfRangeTargetIsAnError) {
   MC_REQUIRE_CUDA();
   const DType t = GetParam();

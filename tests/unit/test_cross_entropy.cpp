@@ -107,6 +107,51 @@ TEST(CrossEntropy, BackwardMatchesFormulaInPlaceAndNot) {
   }
 }
 
+// The one-pass op equals the two ops on the CPU, out of place and in place, and its errors name
+// it (not the op it runs inside).
+TEST(CrossEntropy, ForwardBackwardEqualsTheTwoOps) {
+  const int64_t rows = 9, classes = 40;
+  for (DType t : {DType::F32, DType::F64, DType::BF16}) {
+    const Tensor x = random_tensor({rows, classes}, t, Device::cpu(), -4, 4);
+    const Tensor targets = Tensor::from_vector(make_targets(rows, classes, 4), {rows});
+    const Tensor dloss = random_tensor({rows}, row_dtype(t), Device::cpu(), -2, 2);
+    Tensor loss = Tensor::empty({rows}, row_dtype(t)), lse = Tensor::empty({rows}, row_dtype(t));
+    Tensor dx = Tensor::empty({rows, classes}, t);
+    ops::cross_entropy_forward(x, targets, loss, lse);
+    ops::cross_entropy_backward(x, targets, lse, dloss, dx);
+    Tensor loss1 = poisoned({rows}, row_dtype(t)), lse1 = poisoned({rows}, row_dtype(t));
+    Tensor dx1 = poisoned({rows, classes}, t);
+    ops::cross_entropy_forward_backward(x, targets, dloss, loss1, lse1, dx1);
+    EXPECT_EQ(to_doubles(loss1), to_doubles(loss)) << dtype_name(t);
+    EXPECT_EQ(to_doubles(lse1), to_doubles(lse)) << dtype_name(t);
+    EXPECT_EQ(to_doubles(dx1), to_doubles(dx)) << dtype_name(t);
+    Tensor inplace = x.clone();
+    ops::cross_entropy_forward_backward(inplace, targets, dloss, loss1, lse1, inplace);
+    EXPECT_EQ(to_doubles(loss1), to_doubles(loss)) << dtype_name(t) << " in place";
+    EXPECT_EQ(to_doubles(inplace), to_doubles(dx)) << dtype_name(t) << " in place";
+  }
+  Tensor x = Tensor::zeros({4, 10}, DType::F32);
+  const Tensor bad = Tensor::from_vector<int32_t>({1, -1, 10, 3}, {4});
+  Tensor loss = Tensor::empty({4}, DType::F32), lse = Tensor::empty({4}, DType::F32);
+  const Tensor dloss = Tensor::zeros({4}, DType::F32);
+  try {
+    ops::cross_entropy_forward_backward(x, bad, dloss, loss, lse, x);
+    FAIL() << "target 10 with 10 classes was accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "cross_entropy_forward_backward: targets[2] = 10 is out of range for 10 classes (expected 0 <= "
+                 "target < 10, or negative to ignore the row)");
+  }
+  EXPECT_EQ(to_doubles(x), std::vector<double>(40, 0.0)) << "the refused call wrote its gradient";
+  Tensor small = Tensor::empty({3}, DType::F32);
+  try {
+    ops::cross_entropy_forward_backward(x, Tensor::from_vector<int32_t>({1, 2, 3, 4}, {4}), dloss, small, lse, x);
+    FAIL() << "a loss of 3 rows for 4 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cross_entropy_forward_backward"), std::string::npos) << e.what();
+  }
+}
+
 // f64 finite differences for the logits. The targets are an input too (passed as integral
 // f64 values because the harness takes f64 inputs) and have no gradient.
 TEST(CrossEntropy, BackwardMatchesFiniteDifferences) {

@@ -4,6 +4,7 @@
 // waits) is tests/gpu/test_gpu_host_waits.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "moecore/core/error.h"
@@ -33,13 +34,16 @@ TEST(CheckBatchOnHost, CountsLabelledTokensAndRefusesIdsOutsideTheVocabulary) {
   EXPECT_EQ(check_batch_on_host(i32({0, 1, 2, 3}, {2, 2}), i32({1, -1, 3, 2}, {2, 2}), 4), 3);
   EXPECT_EQ(check_batch_on_host(i32({0, 1}, {1, 2}), i32({-1, -100}, {1, 2}), 4), 0);
   EXPECT_NE(message_of([] { check_batch_on_host(i32({0, 4}, {1, 2}), i32({1, 1}, {1, 2}), 4); })
-                .find("tokens[1] = 4 is out of range for the vocabulary of 4 (expected 0 <= token < 4"),
+                .find("tokens[1] (sample 0, position 1) = 4 is out of range for the vocabulary of 4 (expected 0 <= token < 4"),
             std::string::npos);
   EXPECT_NE(message_of([] { check_batch_on_host(i32({0, -2}, {1, 2}), i32({1, 1}, {1, 2}), 4); })
-                .find("tokens[1] = -2 is out of range"),
+                .find("tokens[1] (sample 0, position 1) = -2 is out of range"),
             std::string::npos);
   EXPECT_NE(message_of([] { check_batch_on_host(i32({0, 1}, {1, 2}), i32({1, 9}, {1, 2}), 4); })
-                .find("labels[1] = 9 is out of range for the vocabulary of 4 (expected < 4, or negative to ignore"),
+                .find("labels[1] (sample 0, position 1) = 9 is out of range for the vocabulary of 4 (expected < 4, or negative to ignore"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { check_batch_on_host(i32({0, 1, 2, 3, 0, 7}, {2, 3}), i32({1, 1, 1, 1, 1, 1}, {2, 3}), 4); })
+                .find("tokens[5] (sample 1, position 2) = 7"),
             std::string::npos);
   EXPECT_NE(message_of([] { check_batch_on_host(i32({0, 1}, {1, 2}), i32({1, 1, 1}, {1, 3}), 4); })
                 .find("must be [batch, seq] i32 on the host"),
@@ -69,6 +73,9 @@ TEST(HostTransfer, CpuReadsAndUploadsAreCopies) {
   EXPECT_EQ(read.get(), (std::vector<double>{1.5, -2.0}));
   EXPECT_FALSE(read.started());
   EXPECT_NE(message_of([&] { read.get(); }).find("PendingRead::get before start"), std::string::npos);
+  read.start(t);
+  EXPECT_NE(message_of([&] { read.start(t); }).find("the previous read was not taken (get) yet"), std::string::npos);
+  EXPECT_EQ(read.get(), (std::vector<double>{7.0, -2.0}));  // the refused start left the first read intact
   PinnedUploader up;
   const Tensor host = Tensor::from_vector(std::vector<int32_t>{3, 4, 5}, {3});
   const Tensor copy = up.upload(host, Device::cpu());
@@ -87,6 +94,7 @@ TEST(ForwardLossSum, HostCheckedBatchMatchesTheSelfCheckingForward) {
   c.seq_length = 8;
   c.vocab_size = 29;
   c.add_bias_linear = false;
+  c.untie_embeddings = true;  // output_layer.weight's gradient comes from the loss alone
   c.moe.num_experts = 4;
   c.moe.router.topk = 2;
   c.moe.ffn_hidden_size = 16;
@@ -96,30 +104,47 @@ TEST(ForwardLossSum, HostCheckedBatchMatchesTheSelfCheckingForward) {
   Batch b = data.batch(0, 2, Device::cpu());
   b.labels.data<int32_t>()[3] = -1;
   struct Result {
-    double loss;
+    double sum;
     int64_t labels;
-    std::vector<float> grad;
+    std::vector<float> grad, head_grad;
   };
-  auto run = [&](bool checked) {
+  // given_labels < 0: the forward checks and counts itself; else ctx.checked_num_labels.
+  auto run = [&](int64_t given_labels) {
     ParamStore store(Device::cpu(), DType::F32, DType::F32, 5);
     GPTModel model(c, store);
     store.initialize();
     GPTModel::Ctx ctx;
     ctx.fused_head_scale = 1.0;
-    if (checked) ctx.checked_num_labels = check_batch_on_host(b.tokens, b.labels, c.vocab_size);
+    ctx.checked_num_labels = given_labels;
     const Tensor sum = model.forward_loss_sum(b.tokens, b.labels, true, 1, ctx);
-    const int64_t labels = ctx.num_labels;
+    const int64_t labels = ctx.num_labels;  // backward releases the context
     model.backward(1.0, ctx);
-    Result r{sum.to_vector<float>()[0] / static_cast<double>(labels), labels, {}};
+    Result r{sum.to_vector<float>()[0], labels, {}, store.get("output_layer.weight").grad.to_vector<float>()};
     for (const auto& p : store.all())
       if (p->trainable)
         for (float g : p->grad.to_vector<float>()) r.grad.push_back(g);
     return r;
   };
-  const Result self = run(false), checked = run(true);
+  const int64_t counted = check_batch_on_host(b.tokens, b.labels, c.vocab_size);
+  const Result self = run(-1), checked = run(counted);
   EXPECT_EQ(self.labels, 2 * c.seq_length - 1);
+  EXPECT_EQ(counted, self.labels);
   EXPECT_EQ(checked.labels, self.labels);
-  EXPECT_EQ(checked.loss, self.loss);
+  EXPECT_EQ(checked.sum, self.sum);
   EXPECT_EQ(checked.grad, self.grad);
-  EXPECT_GT(self.loss, 2.0);  // about ln(29)
+  EXPECT_GT(self.sum / static_cast<double>(self.labels), 2.0);  // about ln(29)
+
+  // The given count is the one used, not recounted: three times the count gives the same loss
+  // sum and a third of the output layer's gradient (the mean's divisor).
+  const Result tripled = run(3 * counted);
+  EXPECT_EQ(tripled.labels, 3 * counted);
+  EXPECT_EQ(tripled.sum, self.sum);
+  ASSERT_EQ(tripled.head_grad.size(), self.head_grad.size());
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < self.head_grad.size(); ++i) {
+    worst = std::max(worst, std::fabs(3.0 * tripled.head_grad[i] - self.head_grad[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(self.head_grad[i])));
+  }
+  EXPECT_GT(scale, 0.0);
+  EXPECT_LE(worst, 1e-5 * scale);  // f32 rounding of the scaled softmax gradient
 }

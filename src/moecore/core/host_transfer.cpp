@@ -15,6 +15,8 @@ PendingRead::~PendingRead() {
 
 void PendingRead::start(const Tensor& t) {
   MC_CHECK(t.defined(), "PendingRead::start: undefined tensor");
+  // Replacing a read in flight would free its pinned block while the copy still writes into it.
+  MC_CHECK(!started(), "PendingRead::start: the previous read was not taken (get) yet");
   if (t.device().is_cpu()) {
     host_ = t.clone();
     arrived_.reset();

@@ -193,12 +193,21 @@ void GPTModel::loss_rows_backward(Tensor& logits, const Tensor& labels, const Te
 
 namespace {
 
-// Labelled tokens of labels[0, n), each checked against the vocabulary (negative: ignored).
-int64_t count_checked_labels(const int32_t* labels, size_t n, int64_t vocab_size) {
+// " (sample b, position s)" of flat index i in rows of seq tokens; nothing for seq = 0.
+std::string sample_position(size_t i, int64_t seq) {
+  if (seq <= 0) return "";
+  const size_t s = static_cast<size_t>(seq);
+  return " (sample " + std::to_string(i / s) + ", position " + std::to_string(i % s) + ")";
+}
+
+// Labelled tokens of labels[0, n), each checked against the vocabulary (negative: ignored);
+// seq > 0: the labels are rows of seq tokens, named in the error.
+int64_t count_checked_labels(const int32_t* labels, size_t n, int64_t vocab_size, int64_t seq = 0) {
   int64_t count = 0;
   for (size_t i = 0; i < n; ++i) {
-    MC_CHECK(labels[i] < vocab_size, "labels[", i, "] = ", labels[i], " is out of range for the vocabulary of ",
-             vocab_size, " (expected < ", vocab_size, ", or negative to ignore the token)");
+    MC_CHECK(labels[i] < vocab_size, "labels[", i, "]", sample_position(i, seq), " = ", labels[i],
+             " is out of range for the vocabulary of ", vocab_size, " (expected < ", vocab_size,
+             ", or negative to ignore the token)");
     count += labels[i] >= 0 ? 1 : 0;
   }
   return count;
@@ -213,10 +222,12 @@ int64_t check_batch_on_host(const Tensor& tokens, const Tensor& labels, int64_t 
            "check_batch_on_host: tokens and labels must be [batch, seq] i32 on the host, got ", tokens.describe(),
            " and ", labels.describe());
   const int32_t* t = tokens.data<int32_t>();
+  const int64_t seq = tokens.size(1);
   for (int64_t i = 0; i < tokens.numel(); ++i)
-    MC_CHECK(t[i] >= 0 && t[i] < vocab_size, "tokens[", i, "] = ", t[i], " is out of range for the vocabulary of ",
-             vocab_size, " (expected 0 <= token < ", vocab_size, "; --vocab-size smaller than the tokenizer's?)");
-  return count_checked_labels(labels.data<int32_t>(), static_cast<size_t>(labels.numel()), vocab_size);
+    MC_CHECK(t[i] >= 0 && t[i] < vocab_size, "tokens[", i, "]", sample_position(static_cast<size_t>(i), seq), " = ",
+             t[i], " is out of range for the vocabulary of ", vocab_size, " (expected 0 <= token < ", vocab_size,
+             "; --vocab-size smaller than the tokenizer's?)");
+  return count_checked_labels(labels.data<int32_t>(), static_cast<size_t>(labels.numel()), vocab_size, seq);
 }
 
 void GPTModel::count_labels(Ctx& ctx) const {

@@ -54,7 +54,9 @@ class GPTModel {
     // >= 0: the caller checked this micro-batch's tokens and labels against the vocabulary on the
     // host and counted its labelled tokens (check_batch_on_host; under CP over the whole
     // sequences, before the split). The forward then reads neither back from the device (no
-    // wait). -1: the forward checks and counts them itself (one read each).
+    // wait). -1: the forward checks and counts them itself (one read each). Setting it also
+    // turns off the embedding's device-side id check (ops::EmbeddingIdsValidated), so set it only
+    // from check_batch_on_host on these very tokens and labels.
     int64_t checked_num_labels = -1;
     std::vector<LayerCtx> layers;
     Norm::Ctx final_norm;

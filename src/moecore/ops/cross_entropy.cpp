@@ -112,11 +112,6 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
 void cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets, const Tensor& dloss, Tensor& loss,
                                     Tensor& lse, Tensor& dlogits) {
   constexpr const char* op = "cross_entropy_forward_backward";
-  if (logits.device().is_cpu()) {  // the two ops, with their own checks
-    cross_entropy_forward(logits, targets, loss, lse);
-    cross_entropy_backward(logits, targets, lse, dloss, dlogits);
-    return;
-  }
   check_logits_targets(op, logits, targets);
   check_row_tensor(op, "loss", loss, logits);
   check_row_tensor(op, "lse", lse, logits);
@@ -131,11 +126,16 @@ void cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets,
   const size_t n = logits.nbytes();
   MC_CHECK(a == b || a + n <= b || b + n <= a, op,
            ": 'dlogits' partially overlaps 'logits'; it must be logits itself or separate memory");
-  [[maybe_unused]] const int64_t rows = logits.size(0);
-  const int64_t classes = logits.size(1);
+  const int64_t rows = logits.size(0), classes = logits.size(1);
   int64_t bad = -1;
-  MC_CUDA_BACKEND(op, bad = cuda::cross_entropy_forward_backward(logits, targets, dloss, loss, lse, dlogits, rows,
-                                                                 classes));
+  if (logits.device().is_cpu()) {  // the two passes in turn (the forward has read every row before dlogits is written)
+    bad = cpu::cross_entropy_forward(logits, targets, loss, lse, rows, classes);
+    check_bad_row(op, targets, bad, classes);
+    bad = cpu::cross_entropy_backward(logits, targets, lse, dloss, dlogits, rows, classes, 0, classes);
+  } else {
+    MC_CUDA_BACKEND(op, bad = cuda::cross_entropy_forward_backward(logits, targets, dloss, loss, lse, dlogits, rows,
+                                                                   classes));
+  }
   check_bad_row(op, targets, bad, classes);
 }
 

@@ -64,7 +64,9 @@ __global__ void cross_entropy_forward_kernel(const T* logits, const int32_t* tar
   MaxSum acc{-INFINITY, 0.0f};
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
     const float x = load(xr[c]);
-    if (x > acc.m) {
+    // A NaN becomes the running maximum, so the sum turns NaN even as a thread's first value
+    // (compared with the empty start's -inf alone it would be skipped).
+    if (x > acc.m || isnan(x)) {
       acc.s = acc.s * expf(acc.m - x) + 1.0f;  // rescale to the new maximum (0 * 0 + 1 at the start)
       acc.m = x;
     } else if (acc.m != -INFINITY) {
@@ -161,7 +163,9 @@ __global__ void __launch_bounds__(kFusedThreads) cross_entropy_fused_bf16_kernel
     float m = x[0];
 #pragma unroll
     for (int i = 1; i < 8; ++i) m = fmaxf(m, x[i]);
-    if (m > acc.m) {  // rescale to the new maximum (0 * 0 at the start)
+    // fmaxf skips NaNs: an all-NaN vector gives m = NaN, taken as the maximum so that the sum
+    // turns NaN (a mixed one turns it NaN through __expf below).
+    if (m > acc.m || isnan(m)) {  // rescale to the new maximum (0 * 0 at the start)
       acc.s *= __expf(acc.m - m);
       acc.m = m;
     }

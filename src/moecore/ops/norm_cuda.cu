@@ -128,7 +128,7 @@ __device__ __forceinline__ void load8(const bf16* p, bool active, float (&x)[kVe
   }
 }
 
-__global__ void norm_forward_bf16x8_kernel(const bf16* x, const bf16* w, const bf16* b, float eps, bf16* y,
+__global__ void __launch_bounds__(1024) norm_forward_bf16x8_kernel(const bf16* x, const bf16* w, const bf16* b, float eps, bf16* y,
                                            float* mean, float* rstd, int64_t cols) {
   const int64_t row = blockIdx.x;
   const int64_t c = int64_t(threadIdx.x) * kVec;
@@ -168,7 +168,7 @@ __global__ void norm_forward_bf16x8_kernel(const bf16* x, const bf16* w, const b
   }
 }
 
-__global__ void norm_backward_bf16x8_kernel(const bf16* x, const bf16* w, const float* mean, const float* rstd,
+__global__ void __launch_bounds__(1024) norm_backward_bf16x8_kernel(const bf16* x, const bf16* w, const float* mean, const float* rstd,
                                             const bf16* dy, bf16* dx, float* gw, float* gb, int64_t rows,
                                             int64_t cols) {
   const int64_t worker = blockIdx.x, workers = gridDim.x;

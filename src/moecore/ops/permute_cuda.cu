@@ -214,7 +214,6 @@ __global__ void unpermute_backward_kernel(const T* y, const float* probs, const 
   }
 }
 
-
 // ---- 16-byte vector row kernels (the fast path of the row ops) ----
 // One block per token; thread i handles packs i, i + blockDim, ... of the row (a pack: 16 bytes,
 // 8 bf16 or 4 f32). Sums over j run in ascending j per element, as in the scalar kernels; the

@@ -86,7 +86,9 @@ void rope(const Tensor& in, Tensor& out, double base, int64_t position_offset, b
   float* sin_t = cos_t + S * h;
   rope_table_kernel<<<grid_for(S * h), 256, 0, s>>>(cos_t, sin_t, S, h, D, base, position_offset, inverse);
   MC_CUDA_CHECK_LAUNCH();
-  const bool aligned = aligned16(in.data_ptr()) && aligned16(out.data_ptr());
+  // The tables are a fresh allocation (256-byte aligned) of rows of h floats: with h % 8 == 0 each
+  // thread's 8 cos / sin values start on a 32-byte boundary, so their float4 reads are aligned too.
+  const bool aligned = aligned16(in.data_ptr()) && aligned16(out.data_ptr()) && aligned16(cos_t) && aligned16(sin_t);
   if (in.dtype() == DType::BF16 && h % kVec == 0 && aligned) {
     const int64_t vectors = pairs / kVec;
     rope_bf16x8_kernel<<<grid_for(vectors), 256, 0, s>>>(in.data<bf16>(), out.data<bf16>(), cos_t, sin_t, vectors,

@@ -568,8 +568,12 @@ int run_training(const TrainArgs& args) {
     const bool log_now = it % args.log_interval == 0 || it == args.train_iters;
     const bool timers_on = args.timing_log_level > 0;
     if (log_now || timers_on) synchronize(dev);
+    // Read the clock before the logging below (params-norm collective, printing): the interval's time is its steps'.
+    const double interval_ms = log_now ? ms_since(interval_start) - interval_excluded_ms : 0.0;
     if (timers_on) collect_region_times();  // after the synchronisation: reads finished events only
-    interval_syncs += host_synchronizations() - syncs0;  // includes the log step's synchronisation just above
+    // Includes the log step's synchronisation just above; evaluation and checkpoint waits come
+    // after this line and before the next step's syncs0, so they are not counted (as their time).
+    interval_syncs += host_synchronizations() - syncs0;
     const double dispatch_ms = take_dispatch_comm_seconds() * 1e3;  // MOECORE_COMM_TIMERS=1 only
     const bool skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
     if (!skipped) {
@@ -583,7 +587,7 @@ int run_training(const TrainArgs& args) {
     const double params_norm = log_now ? std::sqrt(optimizer.params_norm_sq()) : 0.0;  // collective
     const std::vector<RegionTime> timers = log_now ? take_region_times() : std::vector<RegionTime>();
     if (logger && log_now) {
-      const double avg_ms = (ms_since(interval_start) - interval_excluded_ms) / static_cast<double>(interval_steps);
+      const double avg_ms = interval_ms / static_cast<double>(interval_steps);
       const double steps_in = static_cast<double>(interval_loss_steps);
       const double nan = std::numeric_limits<double>::quiet_NaN();
       const double avg_loss = interval_loss_steps > 0 ? interval_loss / steps_in : nan;
@@ -672,7 +676,7 @@ int run_training(const TrainArgs& args) {
       interval_steps = interval_skipped = interval_nan = interval_loss_steps = 0;
       interval_syncs = 0;
     }
-    if (log_now) {  // the next interval starts here (the synchronisation above emptied the queue)
+    if (log_now) {  // the next interval starts here (the queue is empty: the params norm above read its result back)
       interval_start = Clock::now();
       interval_excluded_ms = 0;
     }
