@@ -4,13 +4,14 @@
 #   make demo       build, then the default demo
 #   make gpu-test   CUDA build, then the gpu tier; one summary line last
 #   make gpu-dist   2+ GPUs: NCCL tests, DP/EP equivalence on GPUs, multi-GPU throughput table
+#   make gpu-scaling 4 or 8 GPUs: the scaling table (EP, EDP, DP, folded TP/EP, PP=4 interleaved)
 #   make bench      build, then the benchmarks (JSON lines and a table each)
 # BUILD_DIR (default build), JOBS (default: cores), CMAKE_ARGS pass through.
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: build deps configure test demo gpu-test gpu-dist bench clean
+.PHONY: build deps configure test demo gpu-test gpu-dist gpu-scaling bench clean
 
 deps:
 	@scripts/install-deps.sh
@@ -32,6 +33,9 @@ gpu-test:
 
 gpu-dist:
 	@scripts/gpu-dist.sh $(BUILD_DIR)
+
+gpu-scaling:
+	@scripts/gpu-scaling.sh $(BUILD_DIR)
 
 bench: build
 	@scripts/bench.sh $(BUILD_DIR)
