@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "moecore/comm/communicator.h"
+#include "moecore/core/device.h"
 #include "moecore/core/philox.h"
 #include "moecore/moe/token_dispatcher.h"
 
@@ -84,7 +85,14 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
 
   TokenDispatcher d(ep, type, experts, etp, tp_ep);
   TokenDispatcher::Ctx ctx;
+  synchronize(dev);
+  const uint64_t waits_before = host_synchronizations();
   const Tensor expert_in = d.dispatch(x, idx, kept, pad, ctx);
+  if (dev.is_cuda() && type == DispatcherType::AllToAll && ep && !etp) {
+    // One wait: the counts' all-gather read back (the sizes of the all-to-all). Capacity dropping
+    // without padding adds the plan's own copy (its row count is the kept count).
+    EXPECT_EQ(host_synchronizations() - waits_before, drop && pad == 0 ? 2u : 1u) << "host waits in alltoall dispatch";
+  }
   int64_t rows = 0;
   for (int64_t g : ctx.local_rows.host) rows += g;
   EXPECT_EQ(rows, expert_in.size(0));

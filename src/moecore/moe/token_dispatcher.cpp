@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <numeric>
 
 #include "moecore/ops/elementwise.h"
@@ -126,8 +127,9 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   }
 
   // One rank without ETP: the plan's counts need not come to the host when the expert GEMMs
-  // read the device offsets (device_rows); everything else here needs them.
-  ctx.routing = ops::make_moe_routing(indices, kept, num_experts_, pad, !(device_rows && !ep_ && !etp_));
+  // read the device offsets (device_rows). Over EP they come through the all-gather below
+  // instead of a copy of their own (on CUDA; the CPU plan has them anyway).
+  ctx.routing = ops::make_moe_routing(indices, kept, num_experts_, pad, !ep_ && !(device_rows && !etp_));
   Tensor permuted = Tensor::empty({ctx.routing.num_rows, hidden}, x.dtype(), dev);
   ops::moe_permute_forward(x, ctx.routing, permuted);
   if (!ep_) {
@@ -135,30 +137,42 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
     return etp_ ? etp_gather(permuted, ctx, true) : permuted;
   }
 
-  // alltoall: every rank learns every rank's per-expert counts ([EP, E], one small all-gather).
-  const std::vector<int64_t>& mine = ctx.routing.host_tokens_per_expert;
-  Tensor counts_in = Tensor::from_vector(mine, {1, num_experts_}).to(ep_->device());
-  Tensor counts_all = Tensor::empty({ep_size_, num_experts_}, DType::I64, ep_->device());
+  // alltoall: every rank learns every rank's per-expert row counts ([EP, E]: an all-gather of the
+  // plan's device counts, then one copy to the host: the dispatch's only wait; an id outside
+  // [0, E) is left out of the counts and raised by the plan's deferred check with the layer's
+  // statistics).
+  Tensor counts_all = Tensor::empty({ep_size_, num_experts_}, DType::I32, ep_->device());
   {
     CommTimer timer(ep_->device());
-    ep_->all_gather(counts_in, counts_all);
+    ep_->all_gather(ctx.routing.tokens_per_expert.view({1, num_experts_}), counts_all);
   }
-  const std::vector<int64_t> all = counts_all.to_vector<int64_t>();
-  auto count = [&](int64_t src, int64_t expert) { return all[static_cast<size_t>(src * num_experts_ + expert)]; };
+  const std::vector<int32_t> all = counts_all.to_vector<int32_t>();
+  auto count = [&](int64_t src, int64_t expert) {
+    return static_cast<int64_t>(all[static_cast<size_t>(src * num_experts_ + expert)]);
+  };
   ctx.send_rows.assign(static_cast<size_t>(ep_size_), 0);
   ctx.recv_rows.assign(static_cast<size_t>(ep_size_), 0);
-  std::vector<int32_t> local_ids;  // the local expert of each received row, in arrival order
+  std::vector<int64_t> local_counts(static_cast<size_t>(local_experts_), 0);  // received rows per local expert
   for (int64_t s = 0; s < ep_size_; ++s)
     for (int64_t l = 0; l < local_experts_; ++l) {
-      ctx.send_rows[static_cast<size_t>(s)] += mine[static_cast<size_t>(s * local_experts_ + l)];
+      ctx.send_rows[static_cast<size_t>(s)] += count(ep_rank_, s * local_experts_ + l);
       const int64_t c = count(s, first_expert_ + l);
       ctx.recv_rows[static_cast<size_t>(s)] += c;
-      local_ids.insert(local_ids.end(), static_cast<size_t>(c), static_cast<int32_t>(l));
+      local_counts[static_cast<size_t>(l)] += c;
     }
+  // Enqueued before the sort plan is built on the host, so the GPU has the transfer to run meanwhile.
   const Tensor received = all_to_all_rows(permuted, ctx.send_rows, ctx.recv_rows);
-  // (source, local expert) chunks -> (local expert, source): a stable permutation by local expert.
-  const int64_t rows = static_cast<int64_t>(local_ids.size());
-  ctx.sort = ops::make_moe_routing(Tensor::from_vector(local_ids, {rows, 1}).to(dev), Tensor(), local_experts_);
+  // (source, local expert) chunks -> (local expert, source): a stable permutation by local expert,
+  // planned from each received row's local expert (uploaded through pinned staging: no wait).
+  const int64_t rows = total(ctx.recv_rows);
+  Tensor local_ids = Tensor::empty({rows, 1}, DType::I32, Device::cpu());
+  int32_t* id = local_ids.data<int32_t>();
+  for (int64_t s = 0; s < ep_size_; ++s)
+    for (int64_t l = 0; l < local_experts_; ++l) id = std::fill_n(id, count(s, first_expert_ + l), static_cast<int32_t>(l));
+  ctx.sort = ops::make_moe_routing(uploader_->upload(local_ids, dev), Tensor(), local_experts_, 0, false);
+  // The ids are ours and all in range, so the plan's deferred check has nothing to find; its
+  // counts are the ones just summed.
+  ctx.sort.host_tokens_per_expert = local_counts;
   Tensor expert_in = Tensor::empty({rows, hidden}, x.dtype(), dev);
   ops::moe_permute_forward(received, ctx.sort, expert_in);
   ctx.local_rows = {ctx.sort.host_tokens_per_expert, ctx.sort.row_offsets};

@@ -40,9 +40,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "moecore/comm/communicator.h"
+#include "moecore/core/host_transfer.h"
 #include "moecore/ops/grouped_gemm.h"
 #include "moecore/ops/permute.h"
 
@@ -104,6 +106,8 @@ class TokenDispatcher {
   comm::Communicator* gather_ = nullptr;  // allgather's group: ETP x EP (or EP)
   DispatcherType type_ = DispatcherType::AllToAll;
   int64_t num_experts_ = 0, ep_size_ = 1, ep_rank_ = 0, local_experts_ = 0, first_expert_ = 0, gather_size_ = 1;
+  // alltoall: the sort plan's ids go to the device through it (shared: the dispatcher is copied).
+  std::shared_ptr<PinnedUploader> uploader_ = std::make_shared<PinnedUploader>();
 };
 
 }  // namespace moecore
