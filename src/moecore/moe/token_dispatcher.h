@@ -17,7 +17,8 @@
 //   none (EP = 1)  permute by expert (ops::moe_permute_forward), unpermute with probs.
 //   alltoall       permute locally by global expert -> all-to-all-v over EP (rank r sends the
 //                  rows of rank s's experts to s; per-(source, expert) counts come from an
-//                  all-gather of every rank's [E] counts) -> sort the received chunks from
+//                  all-gather of every rank's [E] device counts, read back once: the
+//                  dispatch's one host wait) -> sort the received chunks from
 //                  (source, local expert) order to (local expert, source) order. Combine is
 //                  the exact reverse: unsort, all-to-all-v back, unpermute with probs.
 //                  The sort is itself a permutation plan (ops::make_moe_routing over the L local
