@@ -356,6 +356,19 @@ TEST(GpuVocabParallelCombine, LogsumexpCombineMatchesCpu) {
                           {Tolerance{1e-5, 1e-6}});
 }
 
+// A NaN part makes its row NaN wherever it sits (fmaxf alone would skip it), as on the CPU.
+TEST(GpuVocabParallelCombine, NanPartGivesNanRow) {
+  MC_REQUIRE_CUDA();
+  const float nan = std::nanf(""), inf = INFINITY;
+  const Tensor parts = Tensor::from_vector<float>({nan, -inf, inf, 2.0f, nan, 3.0f, nan, 4.0f, -inf, nan, 1.0f, 5.0f},
+                                                  {3, 4});
+  Tensor lse = Tensor::empty({4}, DType::F32, kCuda);
+  ops::logsumexp_combine(parts.to(kCuda), lse);
+  const std::vector<float> l = lse.to_vector<float>();
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(std::isnan(l[r])) << "row " << r << ": " << l[r];
+  EXPECT_NEAR(l[3], 5.0f + std::log(1.0f + std::exp(-1.0f) + std::exp(-3.0f)), 1e-5f) << "row 3 has no NaN";
+}
+
 TEST_P(GpuVocabParallel, PartTargetOutOfRangeIsAnError) {
   MC_REQUIRE_CUDA();
   const DType t = GetParam();

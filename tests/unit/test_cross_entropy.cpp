@@ -392,6 +392,11 @@ TEST(CrossEntropy, LogsumexpCombineMatchesFormula) {
   EXPECT_NEAR(l[0], 1000.0f + std::log(2.0f), 1e-4f);
   EXPECT_EQ(l[1], 5.0f);
   EXPECT_EQ(l[2], -inf);
+  // A NaN part makes its row NaN wherever it sits, beside finite, empty or infinite parts.
+  const float nan = std::nanf("");
+  Tensor with_nan = Tensor::from_vector<float>({nan, -inf, inf, nan, 3.0f, nan, nan, nan, 1.0f}, {3, 3});
+  ops::logsumexp_combine(with_nan, lse);
+  for (float v : lse.to_vector<float>()) EXPECT_TRUE(std::isnan(v)) << v;
 }
 
 // f64 finite differences of the recipe's loss as a function of one part's logits, the other

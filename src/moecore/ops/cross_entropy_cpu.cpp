@@ -111,7 +111,15 @@ void logsumexp_combine(const Tensor& parts, Tensor& lse, int64_t num_parts, int6
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       C mx = -std::numeric_limits<C>::infinity();
-      for (int64_t p = 0; p < num_parts; ++p) mx = std::max(mx, pp[p * rows + r]);
+      bool nan = false;  // std::max keeps its first argument against a NaN: a NaN part must still make the row NaN
+      for (int64_t p = 0; p < num_parts; ++p) {
+        nan = nan || std::isnan(pp[p * rows + r]);
+        mx = std::max(mx, pp[p * rows + r]);
+      }
+      if (nan) {
+        pl[r] = std::numeric_limits<C>::quiet_NaN();
+        continue;
+      }
       if (std::isinf(mx)) {  // every part empty (-inf), or an infinite part: the max is the answer
         pl[r] = mx;
         continue;

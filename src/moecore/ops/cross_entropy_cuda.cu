@@ -207,7 +207,16 @@ __global__ void __launch_bounds__(kFusedThreads) cross_entropy_fused_bf16_kernel
 __global__ void logsumexp_combine_kernel(const float* parts, float* lse, int64_t num_parts, int64_t rows) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     float m = -INFINITY;
-    for (int64_t p = 0; p < num_parts; ++p) m = fmaxf(m, parts[p * rows + r]);
+    bool nan = false;  // fmaxf skips NaNs: a NaN part must still make the row NaN
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float v = parts[p * rows + r];
+      nan = nan || isnan(v);
+      m = fmaxf(m, v);
+    }
+    if (nan) {
+      lse[r] = NAN;
+      continue;
+    }
     if (isinf(m)) {  // every part empty (-inf), or an infinite part: the max is the answer
       lse[r] = m;
       continue;
