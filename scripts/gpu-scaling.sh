@@ -10,7 +10,8 @@
 #   - mixtral-small with 16 layers: PP=4 (1F1B) and PP=4 x 2 virtual stages (interleaved), with
 #     DP=G/4, at 4 and at 1 sequence per micro-batch
 # Prints one markdown table (tokens/s per GPU, scaling efficiency against the one-GPU row of the
-# same model) and the last line: gpu-scaling: N runs, N failed on <cards>
+# same model, the dispatch share: the last step's dispatch collectives and, of that, the wait for
+# the group's slowest rank) and the last line: gpu-scaling: N runs, N failed on <cards>
 set -uo pipefail
 build=${1:-build}
 export PATH=$PATH:/usr/local/cuda/bin NCCL_NVLS_ENABLE=0
@@ -47,15 +48,18 @@ run() {
   if [ "$ok" = 0 ] || [ ! -s "$metrics" ]; then
     failed=$((failed + 1)); echo "FAIL $model $label"; tail -5 "$log"; return
   fi
-  local dispatch
-  dispatch=$(grep "iteration       10/" "$log" | grep -o "dispatch communication (ms, last step): [0-9.]*" | grep -o "[0-9.]*$")
-  python3 - "$model" "$label" "$np" "${dispatch:-}" "$(tail -1 "$metrics")" >>"$results" <<'PY'
+  local timed dispatch wait
+  timed=$(grep "iteration       10/" "$log" | grep -o "dispatch communication (ms, last step): [^|]*")
+  dispatch=$(grep -o "step): [0-9.]*" <<<"$timed" | grep -o "[0-9.]*$")
+  wait=$(grep -o "slowest rank: [0-9.]*" <<<"$timed" | grep -o "[0-9.]*$")
+  python3 - "$model" "$label" "$np" "${dispatch:-}" "${wait:-}" "$(tail -1 "$metrics")" >>"$results" <<'PY'
 import json, sys
-model, label, np, dispatch, line = sys.argv[1:6]
+model, label, np, dispatch, wait, line = sys.argv[1:7]
 m = json.loads(line)
 print(json.dumps({"model": model, "layout": label, "gpus": int(np), "ms": m["ms_per_iteration"],
                   "tokens_per_s": m["tokens_per_s"], "peak_gb": m["mem_max_allocated_bytes"] / 1e9,
-                  "lm_loss": m["lm_loss"], "dispatch_ms": float(dispatch) if dispatch else None}))
+                  "lm_loss": m["lm_loss"], "dispatch_ms": float(dispatch) if dispatch else None,
+                  "wait_ms": float(wait) if wait else None}))
 PY
   echo "done $model $label"
 }
@@ -89,7 +93,10 @@ print("|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     per = r["tokens_per_s"] / r["gpus"]
     eff = f'{per / base[r["model"]]:.2f}' if r["model"] in base and "16 layers" not in r["layout"] else "-"
-    share = f'{100 * r["dispatch_ms"] / r["ms"]:.0f}% ({r["dispatch_ms"]:.1f} ms)' if r["dispatch_ms"] is not None else "-"
+    share = "-"
+    if r["dispatch_ms"] is not None:
+        share = f'{100 * r["dispatch_ms"] / r["ms"]:.0f}% ({r["dispatch_ms"]:.1f} ms, of which {r["wait_ms"]:.1f} waiting)'
+
     print(f'| {r["model"]} | {r["layout"]} | {r["gpus"]} | {r["ms"]:.1f} | {r["tokens_per_s"] / 1e3:.1f}k | '
           f'{per / 1e3:.1f}k | {eff} | {share} | {r["peak_gb"]:.2f} | {r["lm_loss"]:.4f} |')
 PY

@@ -13,15 +13,22 @@ namespace moecore {
 const char* dispatcher_name(DispatcherType t) { return t == DispatcherType::AllGather ? "allgather" : "alltoall"; }
 
 namespace {
-double g_comm_seconds = 0;
+double g_comm_seconds = 0, g_wait_seconds = 0;
 
-// Accumulates the wall time of one collective when MOECORE_COMM_TIMERS=1 (device-synchronised).
+// Accumulates the wall time of one collective when MOECORE_COMM_TIMERS=1: the device is
+// synchronised, then the group meets at a barrier (the time until its slowest rank arrives is
+// the wait), then the collective runs from a common start until this device has finished it.
+// Every rank of the group constructs one at the same point (the dispatch collectives are matched
+// across the group), so the barriers pair up.
 class CommTimer {
  public:
-  explicit CommTimer(Device dev) : dev_(dev), on_(dispatch_timers_enabled()) {
+  explicit CommTimer(comm::Communicator& group) : dev_(group.device()), on_(dispatch_timers_enabled()) {
     if (!on_) return;
     synchronize(dev_);
+    const auto arrived = std::chrono::steady_clock::now();
+    group.barrier();
     t0_ = std::chrono::steady_clock::now();
+    g_wait_seconds += std::chrono::duration<double>(t0_ - arrived).count();
   }
   ~CommTimer() {
     if (!on_) return;
@@ -44,10 +51,10 @@ bool dispatch_timers_enabled() {
   return on;
 }
 
-double take_dispatch_comm_seconds() {
-  const double s = g_comm_seconds;
-  g_comm_seconds = 0;
-  return s;
+DispatchCommTime take_dispatch_comm_time() {
+  const DispatchCommTime t{g_comm_seconds + g_wait_seconds, g_wait_seconds};
+  g_comm_seconds = g_wait_seconds = 0;
+  return t;
 }
 
 TokenDispatcher::TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts,
@@ -77,21 +84,21 @@ int64_t total(const std::vector<int64_t>& v) { return std::accumulate(v.begin(),
 Tensor TokenDispatcher::all_to_all_rows(const Tensor& in, const std::vector<int64_t>& send,
                                         const std::vector<int64_t>& recv) const {
   Tensor out = Tensor::empty(with_rows(in, total(recv)), in.dtype(), in.device());
-  CommTimer timer(in.device());
+  CommTimer timer(*ep_);
   ep_->all_to_all(in, send, out, recv);
   return out;
 }
 
 Tensor TokenDispatcher::gather_rows(const Tensor& in) const {
   Tensor out = Tensor::empty(with_rows(in, in.size(0) * gather_size_), in.dtype(), in.device());
-  CommTimer timer(in.device());
+  CommTimer timer(*gather_);
   gather_->all_gather(in, out);
   return out;
 }
 
 Tensor TokenDispatcher::reduce_scatter_rows(const Tensor& in) const {
   Tensor out = Tensor::empty(with_rows(in, in.size(0) / gather_size_), in.dtype(), in.device());
-  CommTimer timer(in.device());
+  CommTimer timer(*gather_);
   gather_->reduce_scatter(in, out, comm::ReduceOp::Sum);
   return out;
 }
@@ -143,7 +150,7 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   // statistics).
   Tensor counts_all = Tensor::empty({ep_size_, num_experts_}, DType::I32, ep_->device());
   {
-    CommTimer timer(ep_->device());
+    CommTimer timer(*ep_);
     ep_->all_gather(ctx.routing.tokens_per_expert.view({1, num_experts_}), counts_all);
   }
   const std::vector<int32_t> all = counts_all.to_vector<int32_t>();
@@ -187,7 +194,7 @@ Tensor TokenDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) cons
     Tensor mine = Tensor::from_vector(ctx.local_rows.host, {1, local_experts_}).to(etp_->device());
     Tensor all = Tensor::empty({n, local_experts_}, DType::I64, etp_->device());
     {
-      CommTimer timer(dev);
+      CommTimer timer(*etp_);
       etp_->all_gather(mine, all);
     }
     const std::vector<int64_t> counts = all.to_vector<int64_t>();
@@ -206,7 +213,7 @@ Tensor TokenDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) cons
   // all-gather with per-rank row counts: a send to every ETP rank (itself too) and a receive from each.
   Tensor gathered = Tensor::empty({ctx.etp_sort.num_tokens, hidden}, rows.dtype(), dev);
   {
-    CommTimer timer(dev);
+    CommTimer timer(*etp_);
     etp_->group_start();
     int64_t at = 0;
     for (int64_t r = 0; r < n; ++r) {
@@ -235,7 +242,7 @@ Tensor TokenDispatcher::etp_reduce(const Tensor& sorted, Ctx& ctx) const {
   const int64_t mine = ctx.etp_rows[static_cast<size_t>(me)];
   std::vector<Tensor> parts;
   {
-    CommTimer timer(dev);
+    CommTimer timer(*etp_);
     etp_->group_start();
     int64_t at = 0;
     for (int64_t r = 0; r < n; ++r) {

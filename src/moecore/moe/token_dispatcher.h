@@ -57,9 +57,15 @@ const char* dispatcher_name(DispatcherType t);
 // Timers for the share of a step spent in dispatch communication (issue: scaling runs). With
 // MOECORE_COMM_TIMERS=1 in the environment every dispatcher collective is bracketed by device
 // synchronisations and its wall time accumulated (which serialises the step: for measurement
-// runs only). Returns the seconds since the last call and resets; 0 when timers are off.
+// runs only); a barrier of the collective's group before it separates the time spent waiting
+// for the group's slowest rank to arrive from the collective itself.
 bool dispatch_timers_enabled();
-double take_dispatch_comm_seconds();
+struct DispatchCommTime {
+  double seconds = 0;       // waiting + the collectives
+  double wait_seconds = 0;  // of which waiting for the group's slowest rank
+};
+// The time since the last call (then reset); zeros when the timers are off.
+DispatchCommTime take_dispatch_comm_time();
 
 class TokenDispatcher {
  public:

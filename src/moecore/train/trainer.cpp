@@ -574,7 +574,8 @@ int run_training(const TrainArgs& args) {
     // Includes the log step's synchronisation just above; evaluation and checkpoint waits come
     // after this line and before the next step's syncs0, so they are not counted (as their time).
     interval_syncs += host_synchronizations() - syncs0;
-    const double dispatch_ms = take_dispatch_comm_seconds() * 1e3;  // MOECORE_COMM_TIMERS=1 only
+    const DispatchCommTime dispatch_time = take_dispatch_comm_time();  // MOECORE_COMM_TIMERS=1 only
+    const double dispatch_ms = dispatch_time.seconds * 1e3, dispatch_wait_ms = dispatch_time.wait_seconds * 1e3;
     const bool skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
     if (!skipped) {
       interval_loss += lm_loss;
@@ -611,8 +612,9 @@ int run_training(const TrainArgs& args) {
       if (dev.is_cuda()) std::printf(" MFU: %.1f%% |", 100.0 * tflops / 989.0);
       std::printf(" mem allocated/peak (GB): %.2f/%.2f |", mem.allocated_bytes / 1e9, mem.peak_allocated_bytes / 1e9);
       if (dispatch_timers_enabled())
-        std::printf(" dispatch communication (ms, last step): %.1f (%.0f%% of the average step) |", dispatch_ms,
-                    100.0 * dispatch_ms / avg_ms);
+        std::printf(" dispatch communication (ms, last step): %.1f (%.0f%% of the average step; waiting for the "
+                    "slowest rank: %.1f) |",
+                    dispatch_ms, 100.0 * dispatch_ms / avg_ms, dispatch_wait_ms);
       std::printf("\n");
       print_timers(timers, interval_steps, avg_ms);
       if (cfg.moe.per_layer_logging) {
