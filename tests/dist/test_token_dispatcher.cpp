@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "moecore/comm/communicator.h"
+#include "moecore/core/error.h"
 #include "moecore/core/device.h"
 #include "moecore/core/philox.h"
 #include "moecore/moe/token_dispatcher.h"
@@ -131,7 +132,31 @@ void check_cases(comm::Communicator& c, comm::Communicator* ep, comm::Communicat
   }
 }
 
+// An expert id outside [0, E) on every rank (each rank then raises without a collective left
+// half done): the alltoall dispatcher names the id, as make_moe_routing does. On CUDA the plan
+// defers that check, and the id is missing from the all-gathered counts: the dispatcher must
+// raise it instead of an all-to-all whose send counts do not add up.
+void check_bad_expert_id(comm::Communicator& c) {
+  const int64_t tokens = 6, k = 2, hidden = 5, experts = 2 * c.size();
+  const Device dev = c.device();
+  Routing r = make_routing(c.rank(), tokens, k, experts, 0, false);
+  r.idx[5 * k + 1] = static_cast<int32_t>(experts);
+  const Tensor x = Tensor::zeros({tokens, hidden}, DType::F32, dev);
+  const Tensor idx = Tensor::from_vector(r.idx, {tokens, k}).to(dev);
+  TokenDispatcher d(&c, DispatcherType::AllToAll, experts, nullptr, nullptr);
+  TokenDispatcher::Ctx ctx;
+  try {
+    d.dispatch(x, idx, Tensor(), 0, ctx);
+    ADD_FAILURE() << "expert id " << experts << " of " << experts << " experts was dispatched";
+  } catch (const Error& e) {
+    const std::string want =
+        "make_moe_routing: indices[5, 1] = " + std::to_string(experts) + " is out of range [0, " + std::to_string(experts) + ")";
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+  }
+}
+
 void check_all(comm::Communicator& c) {
+  check_bad_expert_id(c);
   check_cases(c, &c, nullptr, nullptr);
   if (c.size() % 2 != 0) return;
   // Expert tensor parallelism, the expert generator's order (etp fastest): ETP groups {0,1},

@@ -135,39 +135,47 @@ TEST_P(GpuCrossEntropy, ForwardBackwardInOnePassMatchesCpu) {
 // NaN logits give a NaN loss and a NaN gradient row on both paths, wherever they sit: row 0 has
 // its first 8 columns NaN (a whole 16-byte vector of the one-pass kernel, and the first value of
 // 8 threads of the forward kernel: a maximum compared with the empty start alone skipped them),
-// row 1 one NaN in its last column; row 2 is finite and stays so. The CPU ops agree.
+// row 1 one NaN in its last column, row 3 one NaN in column 192 (with 200 classes the forward
+// kernel's thread 192 first meets lane 208, which has no column: fmaxf dropped the NaN there),
+// row 4 is -inf but for a NaN in column 7 (fmaxf over the one-pass kernel's vector gave -inf,
+// and the sum skipped it); row 2 is finite and stays so. The CPU ops agree.
 TEST_P(GpuCrossEntropy, NanLogitsGiveNanLossAndGradient) {
   MC_REQUIRE_CUDA();
   const DType t = GetParam();
-  const int64_t rows = 3, classes = 1024;
-  Tensor host = random_tensor({rows, classes}, DType::F32, Device::cpu(), -4.0, 4.0);
-  float* x = host.data<float>();
-  for (int c = 0; c < 8; ++c) x[c] = std::nanf("");
-  x[classes + classes - 1] = std::nanf("");
-  const Tensor logits = ops::cast_to(host, t);
-  const Tensor targets = Tensor::from_vector<int32_t>({3, 5, 7}, {rows});
-  const Tensor dloss = Tensor::from_vector<float>({1.0f, 1.0f, 1.0f}, {rows});
-  for (const Device dev : {Device::cpu(), kCuda}) {
-    for (bool one_pass : {false, true}) {
-      SCOPED_TRACE(std::string(dev.is_cpu() ? "cpu" : "cuda") + (one_pass ? " one pass" : " two ops"));
-      const Tensor l = logits.to(dev), tg = targets.to(dev), dl = dloss.to(dev);
-      Tensor loss = Tensor::empty({rows}, DType::F32, dev), lse = Tensor::empty({rows}, DType::F32, dev);
-      Tensor grad = Tensor::empty({rows, classes}, t, dev);
-      if (one_pass) {
-        ops::cross_entropy_forward_backward(l, tg, dl, loss, lse, grad);
-      } else {
-        ops::cross_entropy_forward(l, tg, loss, lse);
-        ops::cross_entropy_backward(l, tg, lse, dl, grad);
-      }
-      const std::vector<float> lv = loss.to_vector<float>();
-      const std::vector<double> g = to_doubles(grad.to(Device::cpu()));
-      EXPECT_TRUE(std::isnan(lv[0])) << lv[0];
-      EXPECT_TRUE(std::isnan(lv[1])) << lv[1];
-      EXPECT_TRUE(std::isfinite(lv[2])) << lv[2];
-      for (int64_t r = 0; r < rows; ++r) {
-        int64_t nan = 0;
-        for (int64_t c = 0; c < classes; ++c) nan += std::isnan(g[r * classes + c]) ? 1 : 0;
-        EXPECT_EQ(nan, r < 2 ? classes : 0) << "NaN gradients in row " << r;
+  const int64_t rows = 5;
+  for (const int64_t classes : {1024, 200}) {
+    SCOPED_TRACE(std::to_string(classes) + " classes");
+    Tensor host = random_tensor({rows, classes}, DType::F32, Device::cpu(), -4.0, 4.0);
+    float* x = host.data<float>();
+    for (int c = 0; c < 8; ++c) x[c] = std::nanf("");
+    x[classes + classes - 1] = std::nanf("");
+    x[3 * classes + 192] = std::nanf("");
+    for (int64_t c = 0; c < classes; ++c) x[4 * classes + c] = c == 7 ? std::nanf("") : -INFINITY;
+    const Tensor logits = ops::cast_to(host, t);
+    const Tensor targets = Tensor::from_vector<int32_t>({3, 5, 7, 9, 11}, {rows});
+    const Tensor dloss = Tensor::from_vector<float>({1.0f, 1.0f, 1.0f, 1.0f, 1.0f}, {rows});
+    for (const Device dev : {Device::cpu(), kCuda}) {
+      for (bool one_pass : {false, true}) {
+        SCOPED_TRACE(std::string(dev.is_cpu() ? "cpu" : "cuda") + (one_pass ? " one pass" : " two ops"));
+        const Tensor l = logits.to(dev), tg = targets.to(dev), dl = dloss.to(dev);
+        Tensor loss = Tensor::empty({rows}, DType::F32, dev), lse = Tensor::empty({rows}, DType::F32, dev);
+        Tensor grad = Tensor::empty({rows, classes}, t, dev);
+        if (one_pass) {
+          ops::cross_entropy_forward_backward(l, tg, dl, loss, lse, grad);
+        } else {
+          ops::cross_entropy_forward(l, tg, loss, lse);
+          ops::cross_entropy_backward(l, tg, lse, dl, grad);
+        }
+        const std::vector<float> lv = loss.to_vector<float>();
+        const std::vector<double> g = to_doubles(grad.to(Device::cpu()));
+        for (int64_t r = 0; r < rows; ++r) {
+          const bool finite = r == 2;
+          EXPECT_EQ(std::isfinite(lv[r]), finite) << "loss of row " << r << ": " << lv[r];
+          if (!finite) EXPECT_TRUE(std::isnan(lv[r])) << "loss of row " << r << ": " << lv[r];
+          int64_t nan = 0;
+          for (int64_t c = 0; c < classes; ++c) nan += std::isnan(g[r * classes + c]) ? 1 : 0;
+          EXPECT_EQ(nan, finite ? 0 : classes) << "NaN gradients in row " << r;
+        }
       }
     }
   }
@@ -367,6 +375,43 @@ TEST(GpuVocabParallelCombine, NanPartGivesNanRow) {
   const std::vector<float> l = lse.to_vector<float>();
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(std::isnan(l[r])) << "row " << r << ": " << l[r];
   EXPECT_NEAR(l[3], 5.0f + std::log(1.0f + std::exp(-1.0f) + std::exp(-3.0f)), 1e-5f) << "row 3 has no NaN";
+}
+
+// A NaN in a part's logits makes its lse_part NaN wherever it sits (column 0: the first value
+// of thread 0 was skipped against the empty start; column 192 of 200: fmaxf dropped it against
+// an empty lane), and the combined lse and loss NaN, as on the CPU; other rows stay finite.
+TEST_P(GpuVocabParallel, NanInPartGivesNanLse) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  const int64_t rows = 3, classes = 200, total = 2 * classes;
+  Tensor host = random_tensor({rows, classes}, DType::F32, Device::cpu(), -4.0, 4.0);
+  host.data<float>()[0] = std::nanf("");
+  host.data<float>()[classes + 192] = std::nanf("");
+  const Tensor part0 = ops::cast_to(host, t);
+  const Tensor part1 = random_tensor({rows, classes}, t, Device::cpu(), -4.0, 4.0);
+  const Tensor targets = Tensor::from_vector<int32_t>({1, 250, 3}, {rows});
+  for (const Device dev : {Device::cpu(), kCuda}) {
+    SCOPED_TRACE(dev.is_cpu() ? "cpu" : "cuda");
+    Tensor parts = Tensor::empty({2, rows}, DType::F32, dev), target_logit = Tensor::zeros({rows}, DType::F32, dev);
+    int p = 0;
+    for (const Tensor* logits : {&part0, &part1}) {
+      Tensor lse_part = Tensor::empty({rows}, DType::F32, dev), tl = Tensor::empty({rows}, DType::F32, dev);
+      ops::cross_entropy_part_forward(logits->to(dev), targets.to(dev), p * classes, total, lse_part, tl);
+      const std::vector<float> v = lse_part.to_vector<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        EXPECT_EQ(std::isnan(v[r]), p == 0 && r < 2) << "lse_part of part " << p << " row " << r << ": " << v[r];
+      parts.slice(0, p, p + 1).copy_from(lse_part.view({1, rows}));
+      ++p;
+    }
+    Tensor lse = Tensor::empty({rows}, DType::F32, dev), loss = Tensor::empty({rows}, DType::F32, dev);
+    ops::logsumexp_combine(parts, lse);
+    ops::cross_entropy_combined_loss(lse, target_logit, targets.to(dev), loss);
+    const std::vector<float> l = lse.to_vector<float>(), lv = loss.to_vector<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_EQ(std::isnan(l[r]), r < 2) << "lse of row " << r << ": " << l[r];
+      EXPECT_EQ(std::isnan(lv[r]), r < 2) << "loss of row " << r << ": " << lv[r];
+    }
+  }
 }
 
 TEST_P(GpuVocabParallel, PartTargetOutOfRangeIsAnError) {

@@ -74,8 +74,14 @@ TEST(HostTransfer, CpuReadsAndUploadsAreCopies) {
   EXPECT_FALSE(read.started());
   EXPECT_NE(message_of([&] { read.get(); }).find("PendingRead::get before start"), std::string::npos);
   read.start(t);
+  t.data<float>()[1] = 8.0f;
   EXPECT_NE(message_of([&] { read.start(t); }).find("the previous read was not taken (get) yet"), std::string::npos);
   EXPECT_EQ(read.get(), (std::vector<double>{7.0, -2.0}));  // the refused start left the first read intact
+  const Tensor bytes = Tensor::from_vector(std::vector<uint8_t>{1, 2}, {2});
+  EXPECT_NE(message_of([&] { read.start(bytes); }).find("PendingRead::start: dtype u8 is not supported (expected f64, "
+                                                          "f32, i64 or i32)"),
+            std::string::npos);
+  EXPECT_FALSE(read.started());
   PinnedUploader up;
   const Tensor host = Tensor::from_vector(std::vector<int32_t>{3, 4, 5}, {3});
   const Tensor copy = up.upload(host, Device::cpu());
@@ -147,4 +153,10 @@ TEST(ForwardLossSum, HostCheckedBatchMatchesTheSelfCheckingForward) {
   }
   EXPECT_GT(scale, 0.0);
   EXPECT_LE(worst, 1e-5 * scale);  // f32 rounding of the scaled softmax gradient
+
+  // The forward that checks its labels itself names a bad one's sample and position too.
+  b.labels.data<int32_t>()[c.seq_length + 5] = 29;
+  EXPECT_NE(message_of([&] { run(-1); })
+                .find("labels[13] (sample 1, position 5) = 29 is out of range for the vocabulary of 29"),
+            std::string::npos);
 }

@@ -17,6 +17,9 @@ void PendingRead::start(const Tensor& t) {
   MC_CHECK(t.defined(), "PendingRead::start: undefined tensor");
   // Replacing a read in flight would free its pinned block while the copy still writes into it.
   MC_CHECK(!started(), "PendingRead::start: the previous read was not taken (get) yet");
+  const DType d = t.dtype();
+  MC_CHECK(d == DType::F64 || d == DType::F32 || d == DType::I64 || d == DType::I32, "PendingRead::start: dtype ",
+           dtype_name(d), " is not supported (expected f64, f32, i64 or i32)");
   if (t.device().is_cpu()) {
     host_ = t.clone();
     arrived_.reset();
@@ -46,7 +49,7 @@ std::vector<double> PendingRead::get() {
     case DType::I32:
       for (int32_t v : host_.to_vector<int32_t>()) out.push_back(static_cast<double>(v));
       break;
-    default: MC_FAIL("PendingRead: dtype ", dtype_name(host_.dtype()), " is not supported (f64, f32, i64, i32)");
+    default: MC_FAIL("PendingRead::get: dtype ", dtype_name(host_.dtype()), " is not supported");  // start() refuses it
   }
   host_ = Tensor();
   return out;

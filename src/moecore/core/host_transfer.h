@@ -28,8 +28,8 @@ class PendingRead {
   ~PendingRead();  // waits for a copy still in flight (its pinned block is reused once freed)
   PendingRead(const PendingRead&) = delete;
   PendingRead& operator=(const PendingRead&) = delete;
-  // Starts copying `t` (any floating or integer dtype) to the host; the previous read must have
-  // been taken (get) first.
+  // Starts copying `t` (f64, f32, i64 or i32) to the host; the previous read must have been
+  // taken (get) first.
   void start(const Tensor& t);
   bool started() const { return host_.defined(); }
   // The values as doubles; waits for the copy only if it has not finished (counted as a host

@@ -238,7 +238,7 @@ void GPTModel::count_labels(Ctx& ctx) const {
   // Checked here, on the host, so the loss ops need not synchronise for their own range check
   // (they run inside ops::TargetsValidated).
   const std::vector<int32_t> labels = ctx.labels.to_vector<int32_t>();
-  ctx.num_labels = count_checked_labels(labels.data(), labels.size(), cfg_.vocab_size);
+  ctx.num_labels = count_checked_labels(labels.data(), labels.size(), cfg_.vocab_size, ctx.label_seq);
   if (dense_.cp) {  // this rank holds its chunks of the sequences: the whole sequences' count
     std::vector<double> v = {static_cast<double>(ctx.num_labels)};
     comm::all_reduce_host(*dense_.cp, v);
@@ -341,6 +341,7 @@ Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bo
   const TimedRegion timed("output-layer", 2, h.device());
   h = final_norm_.forward(h, ctx.final_norm);
   ctx.labels = labels.view({labels.numel()});
+  ctx.label_seq = !dense_.cp && labels.ndim() == 2 ? labels.size(1) : 0;  // CP: this rank's chunks only
   // Training with fused_head_scale: loss and backward chunk by chunk; evaluation: the loss chunk
   // by chunk (no backward will come); MOECORE_FUSED_HEAD=0: the plain path (logits kept).
   const bool chunked = fused_head_enabled() && (!training || ctx.fused_head_scale > 0);

@@ -51,6 +51,7 @@ class GPTModel {
   struct Ctx {
     Tensor token_ids, position_ids, labels;  // [T] i32 (position ids: this rank's tokens after SP)
     int64_t batch = 0, num_labels = 0;
+    int64_t label_seq = 0;  // labels per sample, to name a bad label's (sample, position); 0 under CP
     // >= 0: the caller checked this micro-batch's tokens and labels against the vocabulary on the
     // host and counted its labelled tokens (check_batch_on_host; under CP over the whole
     // sequences, before the split). The forward then reads neither back from the device (no

@@ -263,7 +263,8 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
     }
     stats_.micro_batches++;
   } else if (plan.status.defined()) {
-    // Evaluation: only the plan's deferred checks (flags), read with the next statistics.
+    // Evaluation: only the plan's deferred checks (flags), read with the next statistics or by
+    // check_evaluation_routing after the evaluation.
     if (!eval_checks_.defined()) eval_checks_ = Tensor::zeros({e + 2}, DType::I64, dev);
     ops::accumulate_routing_counts(plan, eval_checks_);
   }
@@ -438,30 +439,38 @@ void MoeLayer::prefetch_stats() {
   prefetched_->record();
 }
 
+// The router's top-k cannot produce these; they guard the plans' deferred checks.
+void MoeLayer::check_routing_flags(const std::vector<int64_t>& c) const {
+  const size_t e = stats_.tokens_per_expert.size();
+  MC_CHECK(c[e] == 0, prefix_, ": an expert index outside [0, ", e, ") reached the token dispatch");
+  MC_CHECK(c[e + 1] == 0, prefix_, ": an expert received more assignments than its padded capacity");
+}
+
+void MoeLayer::check_evaluation_routing() const {
+  // A prefetched host copy is read only once its copy has arrived.
+  if (host_eval_checks_.defined() && prefetched_ && !prefetched_->ready()) prefetched_->synchronize();
+  for (Tensor* t : {&host_eval_checks_, &eval_checks_}) {
+    if (!t->defined()) continue;
+    const std::vector<int64_t> c = t->to_vector<int64_t>();
+    *t = Tensor();
+    check_routing_flags(c);
+  }
+}
+
 void MoeLayer::sync_stats() const {
   const size_t e = stats_.tokens_per_expert.size();
   if (prefetched_) {  // the copies of prefetch_stats(): wait only if they have not arrived yet
     if (!prefetched_->ready()) prefetched_->synchronize();
     prefetched_.reset();
   }
-  // The router's top-k cannot produce these; they guard the plans' deferred checks.
-  auto check_flags = [&](const std::vector<int64_t>& c) {
-    MC_CHECK(c[e] == 0, prefix_, ": an expert index outside [0, ", e, ") reached the token dispatch");
-    MC_CHECK(c[e + 1] == 0, prefix_, ": an expert received more assignments than its padded capacity");
-  };
   // Each statistic from its prefetched host copy, then from the device (what accumulated since,
   // or everything when nothing was prefetched).
-  for (Tensor* t : {&host_eval_checks_, &eval_checks_}) {
-    if (!t->defined()) continue;
-    const std::vector<int64_t> c = t->to_vector<int64_t>();
-    *t = Tensor();
-    check_flags(c);
-  }
+  check_evaluation_routing();
   for (Tensor* t : {&host_counts_, &counts_acc_}) {
     if (!t->defined()) continue;
     const std::vector<int64_t> c = t->to_vector<int64_t>();
     *t = Tensor();
-    check_flags(c);
+    check_routing_flags(c);
     for (size_t i = 0; i < e; ++i) stats_.tokens_per_expert[i] += static_cast<double>(c[i]);
   }
   for (Tensor* t : {&host_aux_, &aux_acc_}) {

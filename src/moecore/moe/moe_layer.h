@@ -86,6 +86,10 @@ class MoeLayer {
   void prefetch_stats();
   // Data parallelism: the trainer reduces the step's statistics over the ranks before finish_step.
   MoeStepStats& mutable_stats();
+  // Raises the deferred routing checks of the evaluation forwards since the last read (an expert
+  // index outside [0, E), an expert over its padded capacity): call after an evaluation or
+  // generation, whose flags no training statistics would read. Reads a small tensor (waits).
+  void check_evaluation_routing() const;
 
  private:
   Tensor router_logits(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx) const;
@@ -109,6 +113,7 @@ class MoeLayer {
   Linear shared_gate_;
   void accumulate_loss(Tensor& acc, const Tensor& loss);
   void sync_stats() const;  // device loss sums -> stats_
+  void check_routing_flags(const std::vector<int64_t>& counts_and_flags) const;
   mutable MoeStepStats stats_;
   mutable Tensor aux_acc_, z_acc_;  // this step's balancing losses not yet read, on the device
   // Tokens per expert summed on the device (i64 [E + 2]: counts, then the deferred-check flags of

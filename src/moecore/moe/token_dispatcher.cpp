@@ -145,9 +145,11 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   }
 
   // alltoall: every rank learns every rank's per-expert row counts ([EP, E]: an all-gather of the
-  // plan's device counts, then one copy to the host: the dispatch's only wait; an id outside
-  // [0, E) is left out of the counts and raised by the plan's deferred check with the layer's
-  // statistics).
+  // plan's device counts, then one copy to the host: the dispatch's only wait without ETP,
+  // capacity dropping or padding). An id outside [0, E) is left out of the counts, so this
+  // rank's counts then sum to fewer than the plan's rows: the plan's deferred check raises it
+  // here, before the all-to-all would fail on the sizes. (Padded, each expert's count is the
+  // capacity whatever the ids: the check then comes with the layer's statistics.)
   Tensor counts_all = Tensor::empty({ep_size_, num_experts_}, DType::I32, ep_->device());
   {
     CommTimer timer(*ep_);
@@ -157,6 +159,9 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   auto count = [&](int64_t src, int64_t expert) {
     return static_cast<int64_t>(all[static_cast<size_t>(src * num_experts_ + expert)]);
   };
+  int64_t my_rows = 0;
+  for (int64_t e = 0; e < num_experts_; ++e) my_rows += count(ep_rank_, e);
+  if (my_rows != ctx.routing.num_rows) ops::check_moe_routing(ctx.routing, indices);
   ctx.send_rows.assign(static_cast<size_t>(ep_size_), 0);
   ctx.recv_rows.assign(static_cast<size_t>(ep_size_), 0);
   std::vector<int64_t> local_counts(static_cast<size_t>(local_experts_), 0);  // received rows per local expert

@@ -18,7 +18,8 @@
 //   alltoall       permute locally by global expert -> all-to-all-v over EP (rank r sends the
 //                  rows of rank s's experts to s; per-(source, expert) counts come from an
 //                  all-gather of every rank's [E] device counts, read back once: the
-//                  dispatch's one host wait) -> sort the received chunks from
+//                  dispatch's one host wait without ETP, capacity dropping or padding)
+//                  -> sort the received chunks from
 //                  (source, local expert) order to (local expert, source) order. Combine is
 //                  the exact reverse: unsort, all-to-all-v back, unpermute with probs.
 //                  The sort is itself a permutation plan (ops::make_moe_routing over the L local
@@ -62,7 +63,9 @@ const char* dispatcher_name(DispatcherType t);
 bool dispatch_timers_enabled();
 struct DispatchCommTime {
   double seconds = 0;       // waiting + the collectives
-  double wait_seconds = 0;  // of which waiting for the group's slowest rank
+  // Of which waiting for the group's slowest rank: an upper bound, as it includes the barrier's
+  // own latency (on NCCL a one-element all-reduce, some microseconds per collective).
+  double wait_seconds = 0;
 };
 // The time since the last call (then reset); zeros when the timers are off.
 DispatchCommTime take_dispatch_comm_time();

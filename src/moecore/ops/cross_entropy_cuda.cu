@@ -28,6 +28,8 @@ struct MaxSum {
 };
 
 __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
+  // A NaN partial wins outright: fmaxf would drop it against an empty (-inf) partner.
+  if (isnan(a.m) || isnan(b.m)) return {NAN, NAN};
   const float m = fmaxf(a.m, b.m);
   if (m == -INFINITY) return {m, 0.0f};  // both empty (or all -inf)
   return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
@@ -99,7 +101,7 @@ __global__ void cross_entropy_part_forward_kernel(const T* logits, const int32_t
   MaxSum acc{-INFINITY, 0.0f};
   for (int64_t c = threadIdx.x; c < classes; c += blockDim.x) {
     const float x = load(xr[c]);
-    if (x > acc.m) {
+    if (x > acc.m || isnan(x)) {  // as the forward kernel: a NaN first value is not skipped
       acc.s = acc.s * expf(acc.m - x) + 1.0f;
       acc.m = x;
     } else if (acc.m != -INFINITY) {
@@ -160,11 +162,12 @@ __global__ void __launch_bounds__(kFusedThreads) cross_entropy_fused_bf16_kernel
   for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
     float x[8];
     load_bf16x8(xr + c * 8, x);
+    // The vector's maximum, NaN if any lane is NaN (fmaxf would skip it, and next to -inf lanes
+    // alone the sum below would never see it); a NaN maximum becomes the running one, so the
+    // sum turns NaN.
     float m = x[0];
 #pragma unroll
-    for (int i = 1; i < 8; ++i) m = fmaxf(m, x[i]);
-    // fmaxf skips NaNs: an all-NaN vector gives m = NaN, taken as the maximum so that the sum
-    // turns NaN (a mixed one turns it NaN through __expf below).
+    for (int i = 1; i < 8; ++i) m = x[i] > m || isnan(x[i]) ? x[i] : m;
     if (m > acc.m || isnan(m)) {  // rescale to the new maximum (0 * 0 at the start)
       acc.s *= __expf(acc.m - m);
       acc.m = m;

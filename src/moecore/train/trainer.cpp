@@ -700,6 +700,8 @@ int run_training(const TrainArgs& args) {
         // Forward only, stage to stage; the loss appears on the last stage (where the logger is).
         vsum += pipeline_forward_only(chunks, *pp, b);
       }
+      // The evaluation forwards' deferred routing checks (nothing else reads them after the last one).
+      for (MoeLayer* l : moe_layers) l->check_evaluation_routing();
       const double vloss = vsum / static_cast<double>(args.eval_iters);
       if (logger)
         std::printf(" validation loss at iteration %lld | lm loss value: %.6E | lm loss PPL: %.6E |\n",
