@@ -20,17 +20,28 @@ log="$build/gpu-test.log"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 shards=${GPU_TEST_SHARDS:-$gpus}
 [ "$shards" -ge 1 ] 2>/dev/null || shards=1
-total=0; failed=0; skipped=0
+total=0; failed=0; skipped=0; unfinished=0
+# The gpu tests are discovered when ctest first runs (DISCOVERY_MODE PRE_TEST): once here, since
+# shards starting together would race to write the same lists (a shard then runs nothing).
+(cd "$build" && ctest -N -L gpu >/dev/null 2>&1)
 for i in $(seq 1 "$shards"); do
   (cd "$build" && CUDA_VISIBLE_DEVICES=$((i - 1)) ctest -L gpu -I "$i,,$shards" --output-on-failure --timeout 600) \
     > "$log.$i" 2>&1 &
 done
 wait
+# A shard without ctest's summary line ran nothing (or stopped): a failure, with its log's end.
+for i in $(seq 1 "$shards"); do
+  if ! grep -qE "tests passed|tests failed" "$log.$i"; then
+    echo "gpu-test: shard $i of $shards did not finish its tests:"; tail -20 "$log.$i"
+    unfinished=$((unfinished + 1))
+  fi
+done
 cat "$log".* > "$log"; rm -f "$log".*
 grep -E "Test +#|tests passed|tests failed|\*\*\*Failed|Skipped" "$log"
 for n in $(grep -Eo "out of [0-9]+" "$log" | grep -Eo "[0-9]+"); do total=$((total + n)); done
 for n in $(grep -Eo "[0-9]+ tests failed" "$log" | grep -Eo "^[0-9]+"); do failed=$((failed + n)); done
 skipped=$(grep -c "\*\*\*Skipped\| Skipped " "$log")
 passed=$((total - failed - skipped))
-echo "gpu-test: ${passed} passed, ${failed} failed, ${skipped} skipped on ${card:-no GPU}"
-[ "$total" -gt 0 ] && [ "$failed" -eq 0 ] && [ "$skipped" -eq 0 ]
+# An unfinished shard counts as one failure: its tests did not run.
+echo "gpu-test: ${passed} passed, $((failed + unfinished)) failed, ${skipped} skipped on ${card:-no GPU}"
+[ "$total" -gt 0 ] && [ "$failed" -eq 0 ] && [ "$unfinished" -eq 0 ] && [ "$skipped" -eq 0 ]
