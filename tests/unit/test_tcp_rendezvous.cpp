@@ -48,6 +48,33 @@ struct Listener {
   }
 };
 
+// A socket bound to `port` (0: the kernel's choice) without listening, as the local end of an
+// outgoing connection holds its port: binding that port fails, connecting to it is refused.
+// fd < 0 when the port could not be bound.
+struct Bound {
+  int fd = -1;
+  explicit Bound(int port = 0) {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ~Bound() {
+    if (fd >= 0) ::close(fd);
+  }
+  int port() const {
+    sockaddr_in a{};
+    socklen_t len = sizeof a;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    return ntohs(a.sin_port);
+  }
+};
+
 int free_port() {
   Listener l;
   return l.port();  // closed again: free for the test (a race with other processes is unlikely)
@@ -213,8 +240,8 @@ TEST(TcpRendezvous, AnotherServiceOnThePortGivesBadHeaderOrShortRead) {
     const int port = service.port();
     std::thread server([&] {
       const int c = ::accept(service.fd, nullptr, nullptr);
-      char hello[16];
-      EXPECT_EQ(::recv(c, hello, sizeof hello, MSG_WAITALL), 16);
+      char hello[20];
+      EXPECT_EQ(::recv(c, hello, sizeof hello, MSG_WAITALL), 20);
       if (send_junk) {
         const char junk[16] = "HTTP/1.1 400 Ba";
         ::send(c, junk, sizeof junk, MSG_NOSIGNAL);
@@ -252,10 +279,87 @@ TEST(TcpRendezvous, PortInUseOnRankZeroSaysHowToChooseAnother) {
   }
 }
 
+// torchrun's agent may hold the port after MASTER_PORT as the local end of a connection (seen on
+// a GPU machine): with several candidates rank 0 binds the next one and the peers find it there.
+TEST(TcpRendezvous, RankZeroSkipsACandidateHeldByAnotherSocket) {
+  Bound held;
+  ASSERT_GE(held.fd, 0);
+  const int port = held.port();
+  if (port + 4 > 65535) GTEST_SKIP() << "kernel port " << port << " leaves no room for the candidates";
+  // One candidate: the held port is an error naming it.
+  try {
+    tcp_broadcast("127.0.0.1", port, 0, 2, {}, 1.0);
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot listen on port " + std::to_string(port)), std::string::npos) << e.what();
+  }
+  std::vector<std::function<std::vector<uint8_t>()>> ranks;
+  for (int r = 0; r < 3; ++r)
+    ranks.push_back([&, r] { return tcp_broadcast("127.0.0.1", port, r, 3, r == 0 ? pattern(16) : pattern(2), 20.0, 4, 7); });
+  const auto out = run_all(ranks);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(out[r].error, "") << "rank " << r;
+    EXPECT_EQ(out[r].data, pattern(16)) << "rank " << r;
+  }
+}
+
+// Another job's rank 0 on the first candidate (another job_key): it closes this job's peers, which
+// go on to this job's rank 0 on the next candidate; each job's ranks get their own payload.
+TEST(TcpRendezvous, PeersPassAnotherJobsRankZero) {
+  const int port = free_port();
+  if (port + 3 > 65535) GTEST_SKIP() << "kernel port " << port << " leaves no room for the candidates";
+  auto later = [](int ms, std::function<std::vector<uint8_t>()> f) {
+    return [ms, f] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      return f();
+    };
+  };
+  const auto out = run_all({
+      [&] { return tcp_broadcast("127.0.0.1", port, 0, 2, pattern(8), 20.0, 1, 111); },               // job A
+      later(300, [&] { return tcp_broadcast("127.0.0.1", port, 0, 2, pattern(24), 20.0, 3, 222); }),  // job B
+      later(600, [&] { return tcp_broadcast("127.0.0.1", port, 1, 2, {}, 20.0, 3, 222); }),
+      later(900, [&] { return tcp_broadcast("127.0.0.1", port, 1, 2, {}, 20.0, 1, 111); }),
+  });
+  for (const auto& o : out) EXPECT_EQ(o.error, "");
+  EXPECT_EQ(out[2].data, pattern(24)) << "job B's peer";
+  EXPECT_EQ(out[3].data, pattern(8)) << "job A's peer";
+}
+
+TEST(TcpRendezvous, EveryCandidateHeldNamesTheRange) {
+  Bound first;
+  ASSERT_GE(first.fd, 0);
+  const int port = first.port();
+  Bound second(port + 1);
+  if (second.fd < 0 || port + 1 > 65535) GTEST_SKIP() << "port " << port + 1 << " is not free";
+  try {
+    tcp_broadcast("127.0.0.1", port, 0, 2, {}, 1.0, 2, 5);
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("cannot listen on any of ports " + std::to_string(port) + ".." + std::to_string(port + 1)),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("MOECORE_RENDEZVOUS_PORT"), std::string::npos) << m;
+  }
+  // A peer that finds no rank 0 on any candidate names the range and the last refusal.
+  try {
+    tcp_broadcast("127.0.0.1", port, 1, 2, {}, 0.5, 2, 5);
+    FAIL() << "expected an Error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("ports " + std::to_string(port) + ".." + std::to_string(port + 1) + " (last error, port " +
+                     std::to_string(port + 1) + ": connection refused)"),
+              std::string::npos)
+        << m;
+  }
+}
+
 TEST(TcpRendezvous, BadArguments) {
   EXPECT_THROW(tcp_broadcast("127.0.0.1", 0, 0, 2, {}, 1.0), Error);
   EXPECT_THROW(tcp_broadcast("127.0.0.1", 1234, 2, 2, {}, 1.0), Error);
   EXPECT_THROW(tcp_broadcast("127.0.0.1", 1234, 1, 2, {}, 0.0), Error);
+  EXPECT_THROW(tcp_broadcast("127.0.0.1", 65535, 1, 2, {}, 1.0, 2), Error);  // the second candidate is past 65535
+  EXPECT_THROW(tcp_broadcast("127.0.0.1", 1234, 1, 2, {}, 1.0, 0), Error);
   // One rank: no socket at all (port 1 would need root).
   EXPECT_EQ(tcp_broadcast("127.0.0.1", 1, 0, 1, pattern(3), 1.0), pattern(3));
 }
@@ -266,18 +370,27 @@ TEST(TcpRendezvous, PortRuleForTorchrun) {
   RendezvousEndpoint ep = rendezvous_endpoint(env, {});
   EXPECT_EQ(ep.addr, "node0");
   EXPECT_EQ(ep.port, 29500);  // the agent left MASTER_PORT free for the workers' rank 0
+  EXPECT_EQ(ep.ports, 1);
+  EXPECT_EQ(ep.job_key, 29500u);
   EXPECT_EQ(ep.timeout_s, 300);
   ep = rendezvous_endpoint(env, {{"TORCHELASTIC_USE_AGENT_STORE", "False"}});
   EXPECT_EQ(ep.port, 29500);
   ep = rendezvous_endpoint(env, {{"TORCHELASTIC_USE_AGENT_STORE", "True"}});
   EXPECT_EQ(ep.port, 29501);  // the agent's TCPStore holds MASTER_PORT
-  EXPECT_NE(ep.port_rule.find("MASTER_PORT+1"), std::string::npos) << ep.port_rule;
+  EXPECT_EQ(ep.ports, 8);     // its connections may hold the next ones
+  EXPECT_EQ(ep.job_key, 29500u);
+  EXPECT_NE(ep.port_rule.find("MASTER_PORT+1..+8, the first free"), std::string::npos) << ep.port_rule;
   ep = rendezvous_endpoint(env, {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"MOECORE_RENDEZVOUS_PORT", "4242"},
                                  {"MOECORE_RENDEZVOUS_TIMEOUT", "2.5"}});
   EXPECT_EQ(ep.port, 4242);
+  EXPECT_EQ(ep.ports, 1);  // a port the user chose: that one only
   EXPECT_EQ(ep.timeout_s, 2.5);
+  env.master_port = 65530;  // MASTER_PORT+8 would pass 65535: the 8 ports below it
+  ep = rendezvous_endpoint(env, {{"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+  EXPECT_EQ(ep.port, 65522);
+  EXPECT_EQ(ep.ports, 8);
+  EXPECT_NE(ep.port_rule.find("MASTER_PORT-8..-1"), std::string::npos) << ep.port_rule;
   env.master_port = 65535;
-  EXPECT_EQ(rendezvous_endpoint(env, {{"TORCHELASTIC_USE_AGENT_STORE", "True"}}).port, 65534);
   try {
     rendezvous_endpoint(env, {{"MOECORE_RENDEZVOUS_PORT", "70000"}});
     FAIL() << "expected an Error";

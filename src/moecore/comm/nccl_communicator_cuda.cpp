@@ -243,7 +243,7 @@ std::unique_ptr<Communicator> make_nccl_world(Device device) {
       std::memcpy(bytes.data(), &id, sizeof id);
     }
     try {
-      bytes = tcp_broadcast(ep.addr, ep.port, env.rank, env.world, bytes, ep.timeout_s);
+      bytes = tcp_broadcast(ep.addr, ep.port, env.rank, env.world, bytes, ep.timeout_s, ep.ports, ep.job_key);
     } catch (const Error& e) {
       throw Error(std::string(e.what()) + " [rendezvous port from " + ep.port_rule + "]", e.file(), e.line());
     }

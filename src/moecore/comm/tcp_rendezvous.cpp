@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <string_view>
 #include <thread>
@@ -25,9 +26,12 @@ namespace moecore::comm {
 namespace {
 
 constexpr uint32_t kMagic = 0x5652434D;  // "MCRV" read as little-endian bytes
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr uint64_t kMaxPayload = 1 << 20;
-constexpr size_t kHelloBytes = 16, kHeaderBytes = 16;
+constexpr size_t kHelloBytes = 20, kHeaderBytes = 16;
+// Rank 0 waits this long for a connection's hello before dropping it as a stranger's; a peer
+// scanning several candidates waits a little longer for rank 0's header before moving on.
+constexpr int kHelloSeconds = 10, kScanReplySeconds = 15;
 
 using Clock = std::chrono::steady_clock;
 
@@ -102,10 +106,16 @@ struct Who {
   std::string addr;
   int port, rank, world;
   double timeout_s;
+  int ports;  // candidates [port, port + ports)
+  uint32_t key;
   std::string prefix() const {
     return detail::concat("tcp rendezvous (rank ", rank, " of ", world, "): ");
   }
-  std::string where() const { return detail::concat("MASTER_ADDR=", addr, " port ", port); }
+  std::string port_text() const {
+    return ports == 1 ? detail::concat("port ", port) : detail::concat("ports ", port, "..", port + ports - 1);
+  }
+  std::string where() const { return detail::concat("MASTER_ADDR=", addr, " ", port_text()); }
+  std::string where(int p) const { return detail::concat("MASTER_ADDR=", addr, " port ", p); }
 };
 
 // ---- rank 0 ------------------------------------------------------------------------
@@ -138,15 +148,19 @@ int bind_any(int family, int port, int* err) {
   return out;
 }
 
-int listen_socket(const Who& w) {
-  int err = 0;
-  int fd = bind_any(AF_INET6, w.port, &err);
-  if (fd < 0 && err != EADDRINUSE) fd = bind_any(AF_INET, w.port, &err);
-  MC_CHECK(fd >= 0, w.prefix(), "cannot listen on port ", w.port, " (", errno_text(err),
-           "), expected a free port on this host (", w.where(),
+// Listens on the first candidate port that can be bound; *bound says which.
+int listen_socket(const Who& w, int* bound) {
+  int err = 0, fd = -1;
+  for (int i = 0; i < w.ports && fd < 0; ++i) {
+    *bound = w.port + i;
+    fd = bind_any(AF_INET6, *bound, &err);
+    if (fd < 0 && err != EADDRINUSE) fd = bind_any(AF_INET, *bound, &err);
+  }
+  MC_CHECK(fd >= 0, w.prefix(), "cannot listen on ", w.ports == 1 ? "" : "any of ", w.port_text(), " (",
+           errno_text(err), "), expected a free port on this host (", w.where(),
            "); set MOECORE_RENDEZVOUS_PORT to a free port (the same on every rank)");
   Fd guard(fd);
-  MC_CHECK(::listen(fd, std::max(16, w.world)) == 0, w.prefix(), "listen on port ", w.port, " failed: ",
+  MC_CHECK(::listen(fd, std::max(16, w.world)) == 0, w.prefix(), "listen on port ", *bound, " failed: ",
            errno_text(errno));
   guard.fd = -1;
   return fd;
@@ -155,7 +169,8 @@ int listen_socket(const Who& w) {
 std::vector<uint8_t> serve(const Who& w, const std::vector<uint8_t>& payload) {
   MC_CHECK(payload.size() <= kMaxPayload, w.prefix(), "payload of ", payload.size(), " bytes, expected at most ",
            kMaxPayload);
-  Fd listener(listen_socket(w));
+  int port = w.port;
+  Fd listener(listen_socket(w, &port));
   const Clock::time_point deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                         std::chrono::duration<double>(w.timeout_s));
   std::vector<uint8_t> reply(kHeaderBytes + payload.size());
@@ -174,8 +189,8 @@ std::vector<uint8_t> serve(const Who& w, const std::vector<uint8_t>& payload) {
       std::string missing;
       for (int k = 1; k < w.world; ++k)
         if (!served.count(k)) missing += (missing.empty() ? "" : ", ") + std::to_string(k);
-      MC_FAIL(w.prefix(), "timeout after ", w.timeout_s, " s waiting on port ", w.port, " for rank(s) ", missing, " (",
-              served.size(), " of ", w.world - 1, " connected), expected every rank to start and reach ", w.where(),
+      MC_FAIL(w.prefix(), "timeout after ", w.timeout_s, " s waiting on port ", port, " for rank(s) ", missing, " (",
+              served.size(), " of ", w.world - 1, " connected), expected every rank to start and reach ", w.where(port),
               " (MOECORE_RENDEZVOUS_TIMEOUT sets the limit)");
     }
     Fd conn(::accept(listener.fd, nullptr, nullptr));
@@ -184,20 +199,21 @@ std::vector<uint8_t> serve(const Who& w, const std::vector<uint8_t>& payload) {
     size_t got = 0;
     int err = 0;
     // A peer sends its hello right after connecting; anything slower is not one of ours.
-    const Clock::time_point hello_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(10));
+    const Clock::time_point hello_deadline = std::min(deadline, Clock::now() + std::chrono::seconds(kHelloSeconds));
     if (read_full(conn.fd, hello, kHelloBytes, hello_deadline, &got, &err) != Io::Ok) continue;
     if (get_u32(hello) != kMagic || get_u32(hello + 4) != kVersion) continue;  // not a moecore rank
+    if (get_u32(hello + 16) != w.key) continue;  // another job's rank: closed, so it tries its next port
     const int peer_world = static_cast<int>(get_u32(hello + 8)), peer_rank = static_cast<int>(get_u32(hello + 12));
     if (peer_world != w.world) {
       send_all(conn.fd, reply.data(), kHeaderBytes, &err);  // the peer reports the mismatch too
       MC_FAIL(w.prefix(), "WORLD_SIZE mismatch: rank ", peer_rank, " has WORLD_SIZE=", peer_world,
               ", rank 0 has WORLD_SIZE=", w.world, "; expected every rank of one job to have the same WORLD_SIZE (is ",
-              "another job using ", w.where(), "?)");
+              "another job using ", w.where(port), "?)");
     }
     MC_CHECK(peer_rank >= 1 && peer_rank < w.world, w.prefix(), "a peer claims RANK=", peer_rank,
              ", expected 1 <= RANK < WORLD_SIZE=", w.world);
     MC_CHECK(!served.count(peer_rank), w.prefix(), "two processes claim RANK=", peer_rank,
-             ", expected one process per rank (is another job using ", w.where(), "?)");
+             ", expected one process per rank (is another job using ", w.where(port), "?)");
     MC_CHECK(send_all(conn.fd, reply.data(), reply.size(), &err), w.prefix(), "sending the payload to rank ", peer_rank,
              " failed: ", errno_text(err));
     served.insert(peer_rank);
@@ -231,74 +247,111 @@ int try_connect(const addrinfo* ai, Clock::time_point deadline, int* err) {
   return out;
 }
 
-int connect_with_retries(const Who& w, Clock::time_point deadline) {
-  const std::string port = std::to_string(w.port);
-  std::string last = "no attempt";
-  while (true) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* list = nullptr;
-    const int g = ::getaddrinfo(w.addr.c_str(), port.c_str(), &hints, &list);
-    if (g != 0) {
-      last = detail::concat("cannot resolve MASTER_ADDR=", w.addr, ": ", ::gai_strerror(g));
-    } else {
-      for (const addrinfo* ai = list; ai; ai = ai->ai_next) {
-        int err = 0;
-        const int fd = try_connect(ai, deadline, &err);
-        if (fd >= 0) {
-          ::freeaddrinfo(list);
-          return fd;
-        }
-        last = err == ECONNREFUSED ? std::string("connection refused") : errno_text(err);
-      }
-      ::freeaddrinfo(list);
-    }
-    if (Clock::now() >= deadline) break;
-    std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(100), deadline - Clock::now()));
+// One connection to rank 0's candidate `port` (each address `addr` resolves to); the socket, or
+// -1 with *why set.
+int connect_once(const Who& w, int port, Clock::time_point deadline, std::string* why) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* list = nullptr;
+  const int g = ::getaddrinfo(w.addr.c_str(), std::to_string(port).c_str(), &hints, &list);
+  if (g != 0) {
+    *why = detail::concat("cannot resolve MASTER_ADDR=", w.addr, ": ", ::gai_strerror(g));
+    return -1;
   }
-  MC_FAIL(w.prefix(), "timeout after ", w.timeout_s, " s connecting to rank 0 at ", w.where(), " (last error: ", last,
-          "), expected rank 0 to listen there: is rank 0 running and MASTER_ADDR reachable from this host? ",
-          "(MOECORE_RENDEZVOUS_TIMEOUT sets the limit)");
+  int fd = -1;
+  for (const addrinfo* ai = list; ai && fd < 0; ai = ai->ai_next) {
+    int err = 0;
+    fd = try_connect(ai, deadline, &err);
+    if (fd < 0) *why = err == ECONNREFUSED ? std::string("connection refused") : errno_text(err);
+  }
+  ::freeaddrinfo(list);
+  return fd;
 }
 
-std::vector<uint8_t> receive(const Who& w) {
-  const Clock::time_point deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                        std::chrono::duration<double>(w.timeout_s));
-  Fd conn(connect_with_retries(w, deadline));
+// Hello, header and payload over a connection to candidate `port`. With one candidate every
+// failure is an Error; with several, an answer that is not moecore's rank 0 (closed, silent,
+// another header) returns nothing with *why set, so the caller tries the next candidate. A
+// WORLD_SIZE mismatch from moecore's rank 0 with this job's key is an Error either way.
+std::optional<std::vector<uint8_t>> exchange(const Who& w, int fd, int port, Clock::time_point deadline,
+                                             std::string* why) {
+  const bool scan = w.ports > 1;
   uint8_t hello[kHelloBytes];
   put_u32(hello, kMagic);
   put_u32(hello + 4, kVersion);
   put_u32(hello + 8, static_cast<uint32_t>(w.world));
   put_u32(hello + 12, static_cast<uint32_t>(w.rank));
+  put_u32(hello + 16, w.key);
   int err = 0;
-  MC_CHECK(send_all(conn.fd, hello, sizeof hello, &err), w.prefix(), "sending to rank 0 at ", w.where(),
-           " failed: ", errno_text(err));
-
-  auto read_or_fail = [&](uint8_t* buf, size_t n, const char* what) {
+  if (!send_all(fd, hello, sizeof hello, &err)) {
+    MC_CHECK(scan, w.prefix(), "sending to rank 0 at ", w.where(port), " failed: ", errno_text(err));
+    *why = detail::concat("sending the hello failed: ", errno_text(err));
+    return std::nullopt;
+  }
+  auto read_or_fail = [&](uint8_t* buf, size_t n, const char* what, Clock::time_point until) {
     size_t got = 0;
-    const Io io = read_full(conn.fd, buf, n, deadline, &got, &err);
+    const Io io = read_full(fd, buf, n, until, &got, &err);
+    if (io == Io::Ok) return true;
+    if (scan) {
+      *why = io == Io::Timeout ? detail::concat("no answer to the hello within ", kScanReplySeconds, " s")
+             : io == Io::Eof  ? detail::concat("closed after ", got, " of ", n, " bytes of the ", what)
+                              : errno_text(err);
+      return false;
+    }
     MC_CHECK(io != Io::Timeout, w.prefix(), "timeout after ", w.timeout_s, " s waiting for the ", what, " from ",
-             w.where(), " (", got, " of ", n, " bytes arrived), expected rank 0 to answer");
-    MC_CHECK(io != Io::Eof, w.prefix(), "short read: ", w.where(), " closed the connection after ", got, " of ", n,
+             w.where(port), " (", got, " of ", n, " bytes arrived), expected rank 0 to answer");
+    MC_CHECK(io != Io::Eof, w.prefix(), "short read: ", w.where(port), " closed the connection after ", got, " of ", n,
              " bytes of the ", what, ", expected moecore's rank 0 (is another service listening there?)");
-    MC_CHECK(io == Io::Ok, w.prefix(), "reading the ", what, " from ", w.where(), " failed: ", errno_text(err));
+    MC_FAIL(w.prefix(), "reading the ", what, " from ", w.where(port), " failed: ", errno_text(err));
   };
   uint8_t header[kHeaderBytes];
-  read_or_fail(header, kHeaderBytes, "header");
+  const Clock::time_point reply_deadline =
+      scan ? std::min(deadline, Clock::now() + std::chrono::seconds(kScanReplySeconds)) : deadline;
+  if (!read_or_fail(header, kHeaderBytes, "header", reply_deadline)) return std::nullopt;
   const uint32_t magic = get_u32(header);
   const uint64_t length = get_u64(header + 8);
-  MC_CHECK(magic == kMagic, w.prefix(), "bad header from ", w.where(), ": magic 0x", std::hex, magic,
+  if (magic != kMagic && scan) {
+    *why = "a listener that is not moecore's rank 0";
+    return std::nullopt;
+  }
+  MC_CHECK(magic == kMagic, w.prefix(), "bad header from ", w.where(port), ": magic 0x", std::hex, magic,
            ", expected 0x", kMagic, std::dec, " (moecore's rendezvous); another service listens on that port");
   const int root_world = static_cast<int>(get_u32(header + 4));
-  MC_CHECK(root_world == w.world, w.prefix(), "WORLD_SIZE mismatch: rank 0 at ", w.where(), " has WORLD_SIZE=",
+  MC_CHECK(root_world == w.world, w.prefix(), "WORLD_SIZE mismatch: rank 0 at ", w.where(port), " has WORLD_SIZE=",
            root_world, ", this rank has WORLD_SIZE=", w.world, "; expected every rank of one job to have the same ",
            "WORLD_SIZE");
-  MC_CHECK(length <= kMaxPayload, w.prefix(), "bad header from ", w.where(), ": payload length ", length,
+  MC_CHECK(length <= kMaxPayload, w.prefix(), "bad header from ", w.where(port), ": payload length ", length,
            ", expected at most ", kMaxPayload);
   std::vector<uint8_t> payload(length);
-  if (length > 0) read_or_fail(payload.data(), payload.size(), "payload");
+  if (length > 0 && !read_or_fail(payload.data(), payload.size(), "payload", deadline))
+    MC_FAIL(w.prefix(), "reading the payload from ", w.where(port), " failed: ", *why);
   return payload;
+}
+
+// Tries the candidates in order, round after round every 100 ms (rank 0 may start later).
+std::vector<uint8_t> receive(const Who& w) {
+  const Clock::time_point deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                        std::chrono::duration<double>(w.timeout_s));
+  std::string last = "no attempt";
+  int last_port = w.port;
+  while (true) {
+    for (int i = 0; i < w.ports; ++i) {
+      const int port = w.port + i;
+      std::string why;
+      Fd conn(connect_once(w, port, deadline, &why));
+      if (conn.fd >= 0) {
+        if (std::optional<std::vector<uint8_t>> payload = exchange(w, conn.fd, port, deadline, &why)) return *payload;
+      }
+      last = why;
+      last_port = port;
+    }
+    if (Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(100), deadline - Clock::now()));
+  }
+  MC_FAIL(w.prefix(), "timeout after ", w.timeout_s, " s connecting to rank 0 at ", w.where(), " (last error",
+          w.ports == 1 ? std::string() : detail::concat(", port ", last_port), ": ", last,
+          "), expected rank 0 to listen there: is rank 0 running and MASTER_ADDR reachable from this host? ",
+          "(MOECORE_RENDEZVOUS_TIMEOUT sets the limit)");
 }
 
 int parse_port(const std::string& name, const std::string& text) {
@@ -313,10 +366,12 @@ int parse_port(const std::string& name, const std::string& text) {
 }  // namespace
 
 std::vector<uint8_t> tcp_broadcast(const std::string& addr, int port, int rank, int world,
-                                   const std::vector<uint8_t>& payload_on_rank0, double timeout_s) {
-  const Who w{addr, port, rank, world, timeout_s};
+                                   const std::vector<uint8_t>& payload_on_rank0, double timeout_s, int ports,
+                                   uint32_t job_key) {
+  const Who w{addr, port, rank, world, timeout_s, ports, job_key};
   MC_CHECK(world >= 1 && rank >= 0 && rank < world, w.prefix(), "expected 0 <= rank < world");
-  MC_CHECK(port >= 1 && port <= 65535, w.prefix(), "port ", port, ", expected a port in 1..65535");
+  MC_CHECK(ports >= 1 && port >= 1 && port + ports - 1 <= 65535, w.prefix(), "ports ", port, "..", port + ports - 1,
+           ", expected ports in 1..65535");
   MC_CHECK(timeout_s > 0, w.prefix(), "timeout ", timeout_s, " s, expected > 0");
   if (world == 1) return payload_on_rank0;
   return rank == 0 ? serve(w, payload_on_rank0) : receive(w);
@@ -335,14 +390,18 @@ RendezvousEndpoint rendezvous_endpoint(const LaunchEnv& env, const std::map<std:
     ep.port = parse_port("MOECORE_RENDEZVOUS_PORT", *p);
     ep.port_rule = "MOECORE_RENDEZVOUS_PORT";
   } else if (const std::string* s = get("TORCHELASTIC_USE_AGENT_STORE"); s && *s == "True") {
-    ep.port = env.master_port == 65535 ? 65534 : env.master_port + 1;
-    ep.port_rule = detail::concat(env.master_port == 65535 ? "MASTER_PORT-1" : "MASTER_PORT+1",
-                                  " (torchrun's agent holds MASTER_PORT=", env.master_port,
+    constexpr int kCandidates = 8;
+    const bool below = env.master_port + kCandidates > 65535;
+    ep.port = below ? env.master_port - kCandidates : env.master_port + 1;
+    ep.ports = kCandidates;
+    ep.port_rule = detail::concat(below ? "MASTER_PORT-8..-1" : "MASTER_PORT+1..+8",
+                                  ", the first free (torchrun's agent holds MASTER_PORT=", env.master_port,
                                   ": TORCHELASTIC_USE_AGENT_STORE=True)");
   } else {
     ep.port = env.master_port;
     ep.port_rule = "MASTER_PORT";
   }
+  ep.job_key = static_cast<uint32_t>(env.master_port);
   if (const std::string* t = get("MOECORE_RENDEZVOUS_TIMEOUT")) {
     char* end = nullptr;
     ep.timeout_s = std::strtod(t->c_str(), &end);
