@@ -116,10 +116,12 @@ int run_generate(const std::vector<std::string>& argv) {
       ops::cast(row, f);
       last = f;
     }
-    const std::vector<float> scores = last.to_vector<float>();
-    for (MoeLayer* l : model.moe_layers()) l->check_evaluation_routing();  // the forward's deferred checks
-    ids.push_back(sample(scores, g.temperature, g.top_k, static_cast<uint64_t>(g.seed), static_cast<uint64_t>(step)));
+    ids.push_back(sample(last.to_vector<float>(), g.temperature, g.top_k, static_cast<uint64_t>(g.seed),
+                         static_cast<uint64_t>(step)));
   }
+  // The forwards' deferred routing checks, accumulated over every step: read once, before
+  // anything is printed.
+  for (MoeLayer* l : model.moe_layers()) l->check_evaluation_routing();
   std::printf("prompt ids:    ");
   for (size_t i = 0; i < prompt_len; ++i) std::printf("%d ", ids[i]);
   std::printf("\ngenerated ids: ");
