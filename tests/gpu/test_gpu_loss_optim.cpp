@@ -1,9 +1,10 @@
-// gpu tier: cross-entropy, embedding and AdamW on CUDA held to their CPU ops (op_harness),
+// gpu tier: cross-entropy, embedding, AdamW and split fp32 masters on CUDA held to their CPU ops (op_harness),
 // plus the out-of-range index errors raised from the device flags, and the vocabulary-parallel
 // parts of both (cross_entropy.h's recipe, embedding parts).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 
@@ -13,6 +14,7 @@
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/cross_entropy.h"
 #include "moecore/ops/embedding.h"
+#include "moecore/ops/master_split.h"
 #include "op_harness.h"
 
 using namespace moecore;
@@ -522,5 +524,71 @@ TEST(GpuAdamW, F64IsRefusedOnCuda) {
     FAIL() << "f64 AdamW ran on CUDA";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("f64 is CPU-only"), std::string::npos) << e.what();
+  }
+}
+
+// ---- split fp32 masters (--store-param-remainders) ------------------------------------
+// Split and join are bit operations: the GPU gives the CPU's halves and floats exactly, for
+// floats of every exponent and both signs (random bit patterns, NaNs left out).
+TEST(GpuMasterSplit, SplitAndJoinMatchCpuBitForBit) {
+  MC_REQUIRE_CUDA();
+  const int64_t n = 1 << 20;
+  std::mt19937_64 gen(fresh_seed());
+  std::vector<float> xs;
+  while (static_cast<int64_t>(xs.size()) < n) {
+    const float x = bits_float(static_cast<uint32_t>(gen()));
+    if (!std::isnan(x)) xs.push_back(x);
+  }
+  const Tensor master = Tensor::from_vector(xs, {n});
+  Tensor high = Tensor::empty({n}, DType::BF16), remainder = Tensor::empty({n}, DType::I16);
+  ops::split_master(master, high, remainder);
+  Tensor master_gpu = master.to(kCuda);
+  Tensor high_gpu = Tensor::empty({n}, DType::BF16, kCuda), remainder_gpu = Tensor::empty({n}, DType::I16, kCuda);
+  ops::split_master(master_gpu, high_gpu, remainder_gpu);
+  EXPECT_EQ(to_doubles(high_gpu), to_doubles(high));
+  EXPECT_EQ(to_doubles(remainder_gpu), to_doubles(remainder));
+  Tensor joined_gpu = Tensor::empty({n}, DType::F32, kCuda);
+  ops::join_master(high_gpu, remainder_gpu, joined_gpu);
+  EXPECT_EQ(std::memcmp(joined_gpu.to(Device::cpu()).data_ptr(), master.data_ptr(), master.nbytes()), 0);
+}
+
+// AdamW on the halves: three steps (the second clipped) on both devices; the joined masters agree
+// as ThreeStepsMatchCpu's f32 masters do (nvcc's fused multiply-adds: last bits), and on the GPU
+// the high half is exactly the split of its own joined master (the weight the forward reads).
+TEST(GpuMasterSplit, AdamWOnTheHalvesMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  const int64_t n = 100003;
+  const Tensor master = random_tensor({n}, DType::F32, Device::cpu(), -0.5, 0.5);
+  Tensor m = random_tensor({n}, DType::F32, Device::cpu(), -0.1, 0.1), v = random_tensor({n}, DType::F32, Device::cpu(), 0.0, 0.01);
+  std::vector<Tensor> grads;
+  for (int i = 0; i < 3; ++i) grads.push_back(random_tensor({n}, DType::F32, Device::cpu(), -3.0, 3.0));
+  // offset 1: views one element into their buffers (the kernel's one-element path, no packs).
+  auto run = [&](Device d, int64_t offset) {
+    auto view = [&](const Tensor& t) {
+      Tensor buffer = Tensor::empty({n + 1}, t.dtype(), d);
+      Tensor out = buffer.slice(0, offset, offset + n);
+      out.copy_from(t.to(d));
+      return out;
+    };
+    Tensor high = view(Tensor::empty({n}, DType::BF16)), remainder = view(Tensor::empty({n}, DType::I16));
+    ops::split_master(master.to(d), high, remainder);
+    Tensor md = view(m), vd = view(v);
+    for (int64_t step = 1; step <= 3; ++step)
+      ops::adamw_step_split(high, remainder, grads[step - 1].to(d), md, vd, {1e-3, 0.9, 0.95, 1e-8, 0.1, step},
+                            step == 2 ? 0.5f : 1.0f);
+    Tensor joined = Tensor::empty({n}, DType::F32, d);
+    ops::join_master(high, remainder, joined);
+    return std::vector<Tensor>{joined, high, md, vd};
+  };
+  const std::vector<Tensor> cpu = run(Device::cpu(), 0);
+  for (int64_t offset : {0, 1}) {
+    const std::vector<Tensor> gpu = run(kCuda, offset);
+    EXPECT_TRUE(allclose(gpu[0], cpu[0], Tolerance{1e-6, 1e-5})) << "offset " << offset;
+    EXPECT_TRUE(allclose(gpu[2], cpu[2], Tolerance{1e-6, 1e-5})) << "offset " << offset;
+    EXPECT_TRUE(allclose(gpu[3], cpu[3], Tolerance{1e-6, 1e-5})) << "offset " << offset;
+    Tensor high = Tensor::empty({n}, DType::BF16), remainder = Tensor::empty({n}, DType::I16);
+    ops::split_master(gpu[0].to(Device::cpu()), high, remainder);
+    EXPECT_EQ(to_doubles(gpu[1]), to_doubles(high)) << "offset " << offset;
+    EXPECT_NE(to_doubles(gpu[0]), to_doubles(master));  // the steps moved the masters
   }
 }

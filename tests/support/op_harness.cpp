@@ -67,6 +67,7 @@ std::vector<double> to_doubles(const Tensor& t) {
     case DType::I32: for (int64_t i = 0; i < n; ++i) out[i] = host.data<int32_t>()[i]; break;
     case DType::I64: for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(host.data<int64_t>()[i]); break;
     case DType::U8: for (int64_t i = 0; i < n; ++i) out[i] = host.data<uint8_t>()[i]; break;
+    case DType::I16: for (int64_t i = 0; i < n; ++i) out[i] = host.data<int16_t>()[i]; break;
   }
   return out;
 }

@@ -14,6 +14,7 @@ size_t dtype_size(DType t) {
     case DType::I32: return 4;
     case DType::I64: return 8;
     case DType::U8: return 1;
+    case DType::I16: return 2;
   }
   MC_FAIL("unknown dtype code ", static_cast<int>(t));
 }
@@ -28,6 +29,7 @@ const char* dtype_name(DType t) {
     case DType::I32: return "i32";
     case DType::I64: return "i64";
     case DType::U8: return "u8";
+    case DType::I16: return "i16";
   }
   return "?";
 }
@@ -41,7 +43,8 @@ DType parse_dtype(std::string_view n) {
   if (n == "i32" || n == "int32") return DType::I32;
   if (n == "i64" || n == "int64") return DType::I64;
   if (n == "u8" || n == "uint8") return DType::U8;
-  MC_FAIL("unknown dtype '", n, "': expected one of f32, f64, bf16, fp8e4m3, fp8e5m2, i32, i64, u8");
+  if (n == "i16" || n == "int16") return DType::I16;
+  MC_FAIL("unknown dtype '", n, "': expected one of f32, f64, bf16, fp8e4m3, fp8e5m2, i32, i64, u8, i16");
 }
 
 bool is_floating(DType t) {

@@ -11,7 +11,7 @@
 
 namespace moecore {
 
-enum class DType : uint8_t { F32, F64, BF16, FP8E4M3, FP8E5M2, I32, I64, U8 };
+enum class DType : uint8_t { F32, F64, BF16, FP8E4M3, FP8E5M2, I32, I64, U8, I16 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);  // "f32", "bf16", "fp8e4m3", ...
@@ -28,6 +28,7 @@ template <> struct DTypeOf<fp8e5m2> { static constexpr DType value = DType::FP8E
 template <> struct DTypeOf<int32_t> { static constexpr DType value = DType::I32; };
 template <> struct DTypeOf<int64_t> { static constexpr DType value = DType::I64; };
 template <> struct DTypeOf<uint8_t> { static constexpr DType value = DType::U8; };
+template <> struct DTypeOf<int16_t> { static constexpr DType value = DType::I16; };
 template <typename T> inline constexpr DType dtype_of = DTypeOf<T>::value;
 
 }  // namespace moecore

@@ -316,6 +316,7 @@ MC_INSTANTIATE(fp8e5m2)
 MC_INSTANTIATE(int32_t)
 MC_INSTANTIATE(int64_t)
 MC_INSTANTIATE(uint8_t)
+MC_INSTANTIATE(int16_t)
 #undef MC_INSTANTIATE
 
 }  // namespace moecore

@@ -4,6 +4,7 @@
 
 #include "moecore/core/philox.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/master_split.h"
 #include "moecore/ops/random.h"
 
 namespace moecore {
@@ -188,21 +189,36 @@ void ParamStore::initialize(int64_t dense_shard_multiple, int64_t expert_shard_m
         }
       total = padded(total, kAlign * (expert ? expert_shard_multiple : dense_shard_multiple));
       Tensor& grads = expert ? expert_grad_buffer_ : grad_buffer_;
-      Tensor& masters = expert ? expert_master_buffer_ : master_buffer_;
       grads = Tensor::zeros({total}, master_, device_);
-      masters = Tensor::zeros({total}, master_, device_);
+      Tensor& masters = expert ? expert_master_buffer_ : master_buffer_;
+      if (remainders_) {  // the halves instead of fp32 masters (no flat master buffer)
+        high_buffer(expert) = Tensor::zeros({total}, DType::BF16, device_);
+        remainder_buffer(expert) = Tensor::zeros({total}, DType::I16, device_);
+        masters = Tensor::zeros({0}, master_, device_);
+      } else {
+        masters = Tensor::zeros({total}, master_, device_);
+      }
       for (size_t i = 0; i < params_.size(); ++i) {
         Param& p = *params_[i];
         if (!p.trainable || p.expert != expert) continue;
         const int64_t begin = grad_offsets_[i], end = begin + p.master.numel();
         p.grad = grads.slice(0, begin, end).view(p.shape);
         const bool aliased = p.weight.data_ptr() == p.master.data_ptr();
+        if (remainders_) {
+          p.high = high_buffer(expert).slice(0, begin, end).view(p.shape);
+          p.remainder = remainder_buffer(expert).slice(0, begin, end).view(p.shape);
+          if (p.compute_dtype == DType::BF16) p.weight = p.high;
+          p.master = Tensor();
+          continue;
+        }
         p.master = masters.slice(0, begin, end).view(p.shape);
         if (aliased) p.weight = p.master;
       }
     }
   }
   for (auto& p : params_) {
+    // Split masters: drawn in f32, then split into the halves.
+    Tensor master = p->master.defined() ? p->master : Tensor::empty(p->shape, master_, device_);
     switch (p->init) {
       case Init::Normal: {
         // Global element index of this rank's first element: any expert layout draws the same values.
@@ -212,16 +228,17 @@ void ParamStore::initialize(int64_t dense_shard_multiple, int64_t expert_shard_m
           Tensor full = Tensor::empty(local_full, master_, device_);
           const int64_t per_expert = full.numel() / full.size(0);  // row_offset > 0 only for experts (dim 0 whole)
           ops::fill_normal(full, seed_, rng_key(p->name), 0.0, p->std, p->row_offset * per_expert);
-          p->master.copy_from(part_take(*p, full).to(device_));
+          master.copy_from(part_take(*p, full).to(device_));
           break;
         }
-        const int64_t offset = p->shape.empty() ? 0 : p->row_offset * (p->master.numel() / p->shape[0]);
-        ops::fill_normal(p->master, seed_, rng_key(p->name), 0.0, p->std, offset);
+        const int64_t offset = p->shape.empty() ? 0 : p->row_offset * (master.numel() / p->shape[0]);
+        ops::fill_normal(master, seed_, rng_key(p->name), 0.0, p->std, offset);
         break;
       }
-      case Init::Zeros: ops::fill(p->master, 0.0); break;
-      case Init::Ones: ops::fill(p->master, 1.0); break;
+      case Init::Zeros: ops::fill(master, 0.0); break;
+      case Init::Ones: ops::fill(master, 1.0); break;
     }
+    if (!p->master.defined()) ops::split_master(master, p->high, p->remainder);
     if (p->trainable) {
       ops::fill(p->exp_avg, 0.0);
       ops::fill(p->exp_avg_sq, 0.0);
@@ -287,9 +304,44 @@ void ParamStore::zero_grad() {
 }
 
 void ParamStore::refresh_compute_weights(const std::function<bool(const Param&)>& done) {
-  for (auto& p : params_)
+  for (auto& p : params_) {
     if (p->master.defined() && p->weight.data_ptr() != p->master.data_ptr() && !(done && done(*p)))
       ops::cast(p->master, p->weight);
+    if (!p->master.defined() && p->remainder.defined() && p->weight.data_ptr() != p->high.data_ptr())
+      ops::join_master(p->high, p->remainder, p->weight);  // an fp32-compute weight (the router)
+  }
+}
+
+void ParamStore::store_param_remainders(bool on) {
+  MC_CHECK(!grad_buffer_.defined(), "store_param_remainders: call before initialize()");
+  MC_CHECK(!on || (master_ == DType::F32 && compute_ == DType::BF16), "split masters (--store-param-remainders) need ",
+           "bf16 compute with f32 masters; this store has ", dtype_name(master_), " masters and ", dtype_name(compute_),
+           " compute");
+  remainders_ = on;
+}
+
+void ParamStore::release_remainder_buffers() {
+  remainder_buffer_ = expert_remainder_buffer_ = Tensor();
+  for (auto& p : params_) p->remainder = Tensor();
+}
+
+Tensor ParamStore::master_value(const Param& p) const {
+  if (p.master.defined()) return p.master;
+  MC_CHECK(p.remainder.defined(), "parameter '", p.name, "' has no master here (the distributed optimizer's shards ",
+           "hold it)");
+  Tensor out = Tensor::empty(p.shape, master_, device_);
+  ops::join_master(p.high, p.remainder, out);
+  return out;
+}
+
+void ParamStore::set_master(Param& p, const Tensor& values) {
+  if (p.master.defined()) {
+    p.master.copy_from(values);
+    return;
+  }
+  MC_CHECK(p.remainder.defined(), "parameter '", p.name, "' has no master here (the distributed optimizer's shards ",
+           "hold it)");
+  ops::split_master(values.to(device_).contiguous(), p.high, p.remainder);
 }
 
 int64_t ParamStore::num_elements(bool trainable_only) const {

@@ -48,6 +48,12 @@ struct Param {
   // TP group before the data-parallel reduction (Megatron's sequence_parallel attribute).
   bool tp_partial_grad = false;
   Tensor master, weight, grad, exp_avg, exp_avg_sq;
+  // Split masters (ParamStore::store_param_remainders): `master` is undefined and the fp32 master
+  // is join(high, remainder) (ops/master_split.h): `high` (bf16) is the weight itself for bf16
+  // compute, a separate bf16 tensor for an fp32-compute parameter (whose `weight` is then the
+  // joined master, refreshed after each step). The distributed optimizer keeps `remainder` in its
+  // shards only (undefined here then).
+  Tensor high, remainder;
   // The gradient is stale once an optimizer step has consumed it (ParamStore::mark_grads_stale):
   // its contents are then garbage, and the step's first producer either writes it whole
   // (grad_accumulates() false: a GEMM with beta 0, a grouped wgrad that overwrites) or has it
@@ -98,6 +104,22 @@ class ParamStore {
   void initialize(int64_t dense_shard_multiple = 1, int64_t expert_shard_multiple = 1);
   Tensor& master_buffer() { return master_buffer_; }
   Tensor& expert_master_buffer() { return expert_master_buffer_; }
+  // Split masters (--store-param-remainders, the default with bf16 compute and f32 masters; call
+  // before initialize()): every trainable parameter's fp32 master is kept as its bf16 high half
+  // and an int16 remainder (ops/master_split.h), in two flat buffers of the gradient layout, instead
+  // of a flat fp32 master buffer next to the bf16 weights: 2 bytes fewer per parameter, the same
+  // fp32 values. The bf16 weights are views of the high-half buffer.
+  void store_param_remainders(bool on);
+  bool param_remainders() const { return remainders_; }
+  Tensor& high_buffer(bool expert) { return expert ? expert_high_buffer_ : high_buffer_; }
+  Tensor& remainder_buffer(bool expert) { return expert ? expert_remainder_buffer_ : remainder_buffer_; }
+  // The distributed optimizer's sharded remainders: it keeps the shard it owns and drops these
+  // (Param::remainder becomes undefined; the high halves stay: they are the weights).
+  void release_remainder_buffers();
+  // A parameter's master values in the master dtype: `master` itself, or the joined halves (a new
+  // tensor). set_master writes them (`master`, or both halves); refresh_compute_weights follows.
+  Tensor master_value(const Param& p) const;
+  void set_master(Param& p, const Tensor& values);
   // The distributed optimizer's sharded masters: it keeps the fp32 masters of bf16-compute
   // parameters in its shards only and drops the whole-model buffers (Param::master becomes
   // undefined for those parameters; refresh_compute_weights skips them).
@@ -117,7 +139,8 @@ class ParamStore {
   void zero_stale_grads();
   void zero_stale_grads(bool expert, int64_t begin, int64_t end);
   // weight = cast(master) where they differ (after the optimizer step or a checkpoint load),
-  // except for the parameters `done` says are already fresh (the optimizer wrote them).
+  // except for the parameters `done` says are already fresh (the optimizer wrote them); with
+  // split masters, an fp32-compute weight = join(high, remainder).
   void refresh_compute_weights(const std::function<bool(const Param&)>& done = {});
   int64_t num_elements(bool trainable_only = true) const;
 
@@ -138,6 +161,8 @@ class ParamStore {
   uint64_t seed_;
   std::vector<std::unique_ptr<Param>> params_;
   Tensor grad_buffer_, expert_grad_buffer_, master_buffer_, expert_master_buffer_;
+  bool remainders_ = false;
+  Tensor high_buffer_, expert_high_buffer_, remainder_buffer_, expert_remainder_buffer_;
   std::vector<int64_t> grad_offsets_;  // per params_ entry, -1 for buffers
 };
 

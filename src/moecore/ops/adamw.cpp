@@ -55,4 +55,32 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   }
 }
 
+void adamw_step_split(Tensor& high, Tensor& remainder, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                      const AdamWConfig& config, float grad_scale) {
+  constexpr const char* op = "adamw_step_split";
+  check_contiguous(op, "high", high);
+  check_dtype(op, "high", high, {DType::BF16});
+  check_contiguous(op, "remainder", remainder);
+  check_dtype(op, "remainder", remainder, {DType::I16});
+  check_same_device(op, high, remainder);
+  check_same_shape(op, "high", high, "remainder", remainder);
+  // The halves stand for an f32 master: f32 gradients, f32 or bf16 moments.
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"grad", &grad}, {"exp_avg", &exp_avg},
+                                {"exp_avg_sq", &exp_avg_sq}}) {
+    check_contiguous(op, name, *t);
+    check_same_device(op, high, *t);
+    check_same_shape(op, "high", high, name, *t);
+    const bool ok = t->dtype() == DType::F32 || (t != &grad && t->dtype() == DType::BF16);
+    MC_CHECK(ok, op, ": '", name, "' has dtype ", dtype_name(t->dtype()), "; expected f32",
+             t != &grad ? " or bf16" : "");
+  }
+  check_config(op, config);
+  const AdamWCoefficients<float> k = adamw_coefficients<float>(config, grad_scale);
+  if (high.device().is_cpu()) {
+    cpu::adamw_step_split(high, remainder, grad, exp_avg, exp_avg_sq, k);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::adamw_step_split(high, remainder, grad, exp_avg, exp_avg_sq, k));
+  }
+}
+
 }  // namespace moecore::ops

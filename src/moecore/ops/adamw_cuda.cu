@@ -1,8 +1,9 @@
-// CUDA AdamW: one grid-stride elementwise kernel (f32 params; moments f32 or bf16); the per-step
-// coefficients (bias corrections included) come from the host, the per-element update is
-// adamw.h's adamw_update.
+// CUDA AdamW: grid-stride elementwise kernels, 8 elements per iteration where the pointers allow
+// (f32 params or split masters; moments f32 or bf16); the per-step coefficients (bias corrections
+// included) come from the host, the per-element update is adamw.h's adamw_update.
 #include "moecore/ops/adamw.h"
 #include "moecore/ops/cuda_common.cuh"
+#include "moecore/ops/master_split.h"
 
 namespace moecore::ops::cuda {
 
@@ -10,10 +11,32 @@ namespace {
 
 // M and V: float or bf16 (the moments' storage; the update runs in f32 either way).
 // w (may be null): the updated param rounded to bf16 (the compute weight), written in the same pass.
+// packed: every pointer is aligned to its Pack (cuda_common.cuh): kVec elements per iteration.
 template <typename M, typename V>
 __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, M* __restrict__ m,
-                             V* __restrict__ v, bf16* __restrict__ w, int64_t n, AdamWCoefficients<float> k) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+                             V* __restrict__ v, bf16* __restrict__ w, int64_t n, bool packed, AdamWCoefficients<float> k) {
+  const int64_t packs = packed ? n / kVec : 0;
+  MC_GRID_STRIDE(i, packs) {
+    VecPack<float> pp = reinterpret_cast<const VecPack<float>*>(p)[i];
+    const VecPack<float> gp = reinterpret_cast<const VecPack<float>*>(g)[i];
+    VecPack<M> mp = reinterpret_cast<const VecPack<M>*>(m)[i];
+    VecPack<V> vp = reinterpret_cast<const VecPack<V>*>(v)[i];
+    VecPack<bf16> wp;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float mi = static_cast<float>(mp.v[j]), vi = static_cast<float>(vp.v[j]);
+      adamw_update<float>(pp.v[j], gp.v[j], mi, vi, k);
+      mp.v[j] = M(mi);
+      vp.v[j] = V(vi);
+      wp.v[j] = bf16(pp.v[j]);
+    }
+    reinterpret_cast<VecPack<float>*>(p)[i] = pp;
+    reinterpret_cast<VecPack<M>*>(m)[i] = mp;
+    reinterpret_cast<VecPack<V>*>(v)[i] = vp;
+    if (w) reinterpret_cast<VecPack<bf16>*>(w)[i] = wp;
+  }
+  MC_GRID_STRIDE(t, n - packs * kVec) {
+    const int64_t i = packs * kVec + t;
     float pi = p[i], mi = static_cast<float>(m[i]), vi = static_cast<float>(v[i]);
     adamw_update<float>(pi, g[i], mi, vi, k);
     p[i] = pi;
@@ -26,11 +49,71 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
 template <typename M, typename V>
 void launch(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWCoefficients<float>& k,
             bf16* w, int64_t n, cudaStream_t s) {
-  adamw_kernel<M, V><<<grid_for(n), 256, 0, s>>>(param.data<float>(), grad.data<float>(), exp_avg.data<M>(),
-                                                 exp_avg_sq.data<V>(), w, n, k);
+  const bool packed = packable({{param.data_ptr(), 4}, {grad.data_ptr(), 4}, {exp_avg.data_ptr(), sizeof(M)},
+                                {exp_avg_sq.data_ptr(), sizeof(V)}, {w, 2}});
+  adamw_kernel<M, V><<<grid_for(packed ? (n + kVec - 1) / kVec : n), 256, 0, s>>>(
+      param.data<float>(), grad.data<float>(), exp_avg.data<M>(), exp_avg_sq.data<V>(), w, n, packed, k);
+}
+
+// The master as (high, remainder) halves (master_split.h): joined, updated, split back.
+template <typename M, typename V>
+__global__ void adamw_split_kernel(uint16_t* __restrict__ h, int16_t* __restrict__ r, const float* __restrict__ g,
+                                   M* __restrict__ m, V* __restrict__ v, int64_t n, bool packed,
+                                   AdamWCoefficients<float> k) {
+  const int64_t packs = packed ? n / kVec : 0;
+  MC_GRID_STRIDE(i, packs) {
+    VecPack<uint16_t> hp = reinterpret_cast<const VecPack<uint16_t>*>(h)[i];
+    VecPack<int16_t> rp = reinterpret_cast<const VecPack<int16_t>*>(r)[i];
+    const VecPack<float> gp = reinterpret_cast<const VecPack<float>*>(g)[i];
+    VecPack<M> mp = reinterpret_cast<const VecPack<M>*>(m)[i];
+    VecPack<V> vp = reinterpret_cast<const VecPack<V>*>(v)[i];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float pi = join_master_value(hp.v[j], rp.v[j]), mi = static_cast<float>(mp.v[j]), vi = static_cast<float>(vp.v[j]);
+      adamw_update<float>(pi, gp.v[j], mi, vi, k);
+      split_master_value(pi, hp.v[j], rp.v[j]);
+      mp.v[j] = M(mi);
+      vp.v[j] = V(vi);
+    }
+    reinterpret_cast<VecPack<uint16_t>*>(h)[i] = hp;
+    reinterpret_cast<VecPack<int16_t>*>(r)[i] = rp;
+    reinterpret_cast<VecPack<M>*>(m)[i] = mp;
+    reinterpret_cast<VecPack<V>*>(v)[i] = vp;
+  }
+  MC_GRID_STRIDE(t, n - packs * kVec) {
+    const int64_t i = packs * kVec + t;
+    float pi = join_master_value(h[i], r[i]), mi = static_cast<float>(m[i]), vi = static_cast<float>(v[i]);
+    adamw_update<float>(pi, g[i], mi, vi, k);
+    split_master_value(pi, h[i], r[i]);
+    m[i] = M(mi);
+    v[i] = V(vi);
+  }
+}
+
+template <typename M, typename V>
+void launch_split(Tensor& high, Tensor& remainder, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                  const AdamWCoefficients<float>& k, int64_t n, cudaStream_t s) {
+  const bool packed = packable({{high.data_ptr(), 2}, {remainder.data_ptr(), 2}, {grad.data_ptr(), 4},
+                                {exp_avg.data_ptr(), sizeof(M)}, {exp_avg_sq.data_ptr(), sizeof(V)}});
+  adamw_split_kernel<M, V><<<grid_for(packed ? (n + kVec - 1) / kVec : n), 256, 0, s>>>(
+      reinterpret_cast<uint16_t*>(high.data<bf16>()), remainder.data<int16_t>(), grad.data<float>(), exp_avg.data<M>(),
+      exp_avg_sq.data<V>(), n, packed, k);
 }
 
 }  // namespace
+
+void adamw_step_split(Tensor& high, Tensor& remainder, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                      const AdamWCoefficients<float>& k) {
+  const int64_t n = high.numel();
+  if (n == 0) return;
+  cudaStream_t s = prepare(high);
+  const bool m16 = exp_avg.dtype() == DType::BF16, v16 = exp_avg_sq.dtype() == DType::BF16;
+  if (m16 && v16) launch_split<bf16, bf16>(high, remainder, grad, exp_avg, exp_avg_sq, k, n, s);
+  else if (m16) launch_split<bf16, float>(high, remainder, grad, exp_avg, exp_avg_sq, k, n, s);
+  else if (v16) launch_split<float, bf16>(high, remainder, grad, exp_avg, exp_avg_sq, k, n, s);
+  else launch_split<float, float>(high, remainder, grad, exp_avg, exp_avg_sq, k, n, s);
+  MC_CUDA_CHECK_LAUNCH();
+}
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 const AdamWCoefficients<float>& k, Tensor* compute_weight) {

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 #include "moecore/core/cuda_check.h"
 #include "moecore/core/tensor.h"
@@ -82,6 +84,26 @@ __device__ __forceinline__ void store_bf16x8(bf16* p, const float (&x)[8]) {
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Elementwise kernels move kVec consecutive elements per iteration as one VecPack (vector loads
+// and stores) where every pointer is aligned to its pack (packable); the last n % kVec elements,
+// and views at odd offsets, go one by one.
+constexpr int kVec = 8;
+template <typename T>
+struct alignas(sizeof(T) * kVec) VecPack {
+  T v[kVec];
+};
+
+// True when every pointer is aligned for VecPack<T> of its own element type (sizes given).
+inline bool packable(std::initializer_list<std::pair<const void*, size_t>> ptrs) {
+  for (const auto& [p, elem] : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % (elem * kVec) != 0) return false;
+  return true;
+}
+
+// The header of a grid-stride loop of i over [0, n).
+#define MC_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
 
 // Calls f(T{}) for the dtypes the CUDA kernels support.
 template <typename F>

@@ -13,23 +13,6 @@ namespace moecore::ops::cuda {
 
 namespace {
 
-constexpr int kVec = 8;
-template <typename T>
-struct alignas(sizeof(T) * kVec) Pack {
-  T v[kVec];
-};
-
-// True when every pointer is aligned for Pack<T> of its own element type (sizes given).
-bool packable(std::initializer_list<std::pair<const void*, size_t>> ptrs) {
-  for (const auto& [p, elem] : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % (elem * kVec) != 0) return false;
-  return true;
-}
-
-// The header of a grid-stride loop of i over [0, n).
-#define MC_GRID_STRIDE(i, n) \
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
-
 template <typename T>
 __global__ void fill_kernel(T* p, T v, int64_t n) {
   MC_GRID_STRIDE(i, n) p[i] = v;
@@ -37,11 +20,11 @@ __global__ void fill_kernel(T* p, T v, int64_t n) {
 
 template <typename T>
 __global__ void fill_vec_kernel(T* p, T v, int64_t n) {
-  Pack<T> pv;
+  VecPack<T> pv;
 #pragma unroll
   for (int j = 0; j < kVec; ++j) pv.v[j] = v;
   const int64_t packs = n / kVec;
-  MC_GRID_STRIDE(i, packs) reinterpret_cast<Pack<T>*>(p)[i] = pv;
+  MC_GRID_STRIDE(i, packs) reinterpret_cast<VecPack<T>*>(p)[i] = pv;
   MC_GRID_STRIDE(i, n - packs * kVec) p[packs * kVec + i] = v;
 }
 
@@ -54,11 +37,11 @@ template <typename S, typename D>
 __global__ void cast_vec_kernel(const S* s, D* d, int64_t n) {
   const int64_t packs = n / kVec;
   MC_GRID_STRIDE(i, packs) {
-    const Pack<S> in = reinterpret_cast<const Pack<S>*>(s)[i];
-    Pack<D> out;
+    const VecPack<S> in = reinterpret_cast<const VecPack<S>*>(s)[i];
+    VecPack<D> out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) out.v[j] = store<D>(load(in.v[j]));
-    reinterpret_cast<Pack<D>*>(d)[i] = out;
+    reinterpret_cast<VecPack<D>*>(d)[i] = out;
   }
   MC_GRID_STRIDE(i, n - packs * kVec) d[packs * kVec + i] = store<D>(load(s[packs * kVec + i]));
 }
@@ -72,11 +55,11 @@ template <typename T>
 __global__ void binary_vec_kernel(BinaryOp op, float alpha, const T* a, float beta, const T* b, T* out, int64_t n) {
   const int64_t packs = n / kVec;
   MC_GRID_STRIDE(i, packs) {
-    const Pack<T> x = reinterpret_cast<const Pack<T>*>(a)[i], y = reinterpret_cast<const Pack<T>*>(b)[i];
-    Pack<T> r;
+    const VecPack<T> x = reinterpret_cast<const VecPack<T>*>(a)[i], y = reinterpret_cast<const VecPack<T>*>(b)[i];
+    VecPack<T> r;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) r.v[j] = store<T>(math::binary<float>(op, alpha, load(x.v[j]), beta, load(y.v[j])));
-    reinterpret_cast<Pack<T>*>(out)[i] = r;
+    reinterpret_cast<VecPack<T>*>(out)[i] = r;
   }
   const int64_t t0 = packs * kVec;
   MC_GRID_STRIDE(i, n - t0) out[t0 + i] = store<T>(math::binary<float>(op, alpha, load(a[t0 + i]), beta, load(b[t0 + i])));
@@ -91,11 +74,11 @@ template <typename T>
 __global__ void activation_vec_kernel(Activation act, const T* x, T* y, int64_t n) {
   const int64_t packs = n / kVec;
   MC_GRID_STRIDE(i, packs) {
-    const Pack<T> in = reinterpret_cast<const Pack<T>*>(x)[i];
-    Pack<T> out;
+    const VecPack<T> in = reinterpret_cast<const VecPack<T>*>(x)[i];
+    VecPack<T> out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) out.v[j] = store<T>(math::activation(act, load(in.v[j])));
-    reinterpret_cast<Pack<T>*>(y)[i] = out;
+    reinterpret_cast<VecPack<T>*>(y)[i] = out;
   }
   const int64_t t0 = packs * kVec;
   MC_GRID_STRIDE(i, n - t0) y[t0 + i] = store<T>(math::activation(act, load(x[t0 + i])));
@@ -110,11 +93,11 @@ template <typename T>
 __global__ void activation_backward_vec_kernel(Activation act, const T* x, const T* dy, T* dx, int64_t n) {
   const int64_t packs = n / kVec;
   MC_GRID_STRIDE(i, packs) {
-    const Pack<T> xv = reinterpret_cast<const Pack<T>*>(x)[i], gv = reinterpret_cast<const Pack<T>*>(dy)[i];
-    Pack<T> out;
+    const VecPack<T> xv = reinterpret_cast<const VecPack<T>*>(x)[i], gv = reinterpret_cast<const VecPack<T>*>(dy)[i];
+    VecPack<T> out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) out.v[j] = store<T>(load(gv.v[j]) * math::activation_grad(act, load(xv.v[j])));
-    reinterpret_cast<Pack<T>*>(dx)[i] = out;
+    reinterpret_cast<VecPack<T>*>(dx)[i] = out;
   }
   const int64_t t0 = packs * kVec;
   MC_GRID_STRIDE(i, n - t0) dx[t0 + i] = store<T>(load(dy[t0 + i]) * math::activation_grad(act, load(x[t0 + i])));

@@ -117,7 +117,7 @@ __global__ void norm_backward_kernel(const T* x, const T* w, const float* mean, 
 // is read once). The backward's worker keeps its 8 columns' dweight (dbias) partial sums in
 // registers over its rows and writes them once. Same formulas as the kernels above; the per-row
 // sums run over another grouping of the columns, so results differ from them in the last bits.
-constexpr int kVec = 8;
+// (kVec = 8: cuda_common.cuh.)
 
 __device__ __forceinline__ void load8(const bf16* p, bool active, float (&x)[kVec]) {
   if (active) {

@@ -42,7 +42,7 @@ __global__ void rope_kernel(const T* in, T* out, const float* cos_t, const float
 // bf16 with D/2 a multiple of 8: each thread rotates 8 consecutive pairs of one head row, with
 // 16-byte loads and stores of both halves and of the table (the scalar kernel above moves 2
 // bytes per access and divides 64-bit indices for every pair). The same rounded arithmetic.
-constexpr int kVec = 8;
+// (kVec = 8: cuda_common.cuh.)
 
 __global__ void rope_bf16x8_kernel(const bf16* in, bf16* out, const float* cos_t, const float* sin_t,
                                    int64_t vectors, int64_t S, int64_t N, int64_t h) {

@@ -88,6 +88,9 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_string("exp-avg-sq-dtype", &a.exp_avg_sq_dtype,
                "AdamW second moment dtype: fp32 or bf16 (needs --use-precision-aware-optimizer)");
   f.add_bool("bf16", &a.bf16, "bf16 compute with fp32 master weights (on the CPU too: slow, for tests)");
+  f.add_bool("no-store-param-remainders", &a.no_store_param_remainders,
+             "with --bf16: keep whole fp32 master weights instead of the low 16 bits next to the bf16 weights "
+             "(same values, 2 more bytes per parameter)");
   f.add_int("seed", &a.seed, "random seed (initialisation, data, jitter)");
   f.add_int("log-interval", &a.log_interval, "steps between log lines");
   f.add_int("timing-log-level", &a.timing_log_level,
@@ -247,7 +250,7 @@ TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::st
                                           "num-virtual-stages-per-pipeline-rank", "decoder-first-pipeline-num-layers",
                                           "decoder-last-pipeline-num-layers", "expert-model-parallel-size",
                                           "expert-tensor-parallel-size", "use-distributed-optimizer",
-                                          "overlap-grad-reduce"};
+                                          "overlap-grad-reduce", "no-store-param-remainders"};
   for (const auto& [name, value] : saved) {
     if (std::find(std::begin(kNotModel), std::end(kNotModel), name) != std::end(kNotModel)) continue;
     flags.set(name, value, origin);
@@ -368,6 +371,8 @@ void finalize_train_args(TrainArgs& a) {
     MC_CHECK(value == "fp32" || a.precision_aware_optimizer, flag, " ", value,
              " needs --use-precision-aware-optimizer (as in Megatron)");
   }
+  MC_CHECK(a.bf16 || !a.no_store_param_remainders, "--no-store-param-remainders needs --bf16 (fp32 compute keeps ",
+           "whole fp32 weights: there are no remainders to store)");
   MC_CHECK(a.log_interval >= 1, "--log-interval ", a.log_interval, " must be >= 1");
   MC_CHECK(a.timing_log_level >= 0 && a.timing_log_level <= 2, "--timing-log-level ", a.timing_log_level,
            " must be 0 (no timers), 1 (the step's phases) or 2 (also the model's parts)");

@@ -37,6 +37,7 @@ struct TrainArgs {
   // --use-precision-aware-optimizer with --exp-avg-dtype / --exp-avg-sq-dtype: AdamW moments in
   // bf16 (fp32 default); checkpoints keep them in fp32 either way.
   bool precision_aware_optimizer = false;
+  bool no_store_param_remainders = false;  // keep whole fp32 masters next to the bf16 weights
   std::string exp_avg_dtype = "fp32", exp_avg_sq_dtype = "fp32";
   int64_t seed = 1234;
   int64_t log_interval = 1, eval_interval = 0, eval_iters = 10;

@@ -179,10 +179,10 @@ void save_checkpoint(const std::string& dir, const ParamStore& params, const Tra
   std::vector<NamedTensor> tensors;
   for (const auto& p : params.all()) {
     MC_CHECK(!p->sharded(), "save_checkpoint: parameter '", p->name, "' is sharded; gather it first");
-    tensors.push_back({p->name, p->master});
+    tensors.push_back({p->name, params.master_value(*p)});  // split masters: joined
     if (p->trainable) {  // moments in the master dtype (bf16 AdamW states are widened exactly)
-      tensors.push_back({p->name + ".exp_avg", ops::cast_to(p->exp_avg, p->master.dtype())});
-      tensors.push_back({p->name + ".exp_avg_sq", ops::cast_to(p->exp_avg_sq, p->master.dtype())});
+      tensors.push_back({p->name + ".exp_avg", ops::cast_to(p->exp_avg, params.master_dtype())});
+      tensors.push_back({p->name + ".exp_avg_sq", ops::cast_to(p->exp_avg_sq, params.master_dtype())});
     }
   }
   save_checkpoint(dir, tensors, state);
@@ -304,7 +304,7 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
   return load_checkpoint(dir, [&](const TensorFetch& fetch, bool model_only) {
     for (const auto& p : params.all()) {
       MC_CHECK(!p->sharded(), "load_checkpoint: parameter '", p->name, "' is sharded; load through the optimizer");
-      p->master.copy_from(fetch(p->name, p->shape, p->master.dtype()).to(p->master.device()));
+      params.set_master(*p, fetch(p->name, p->shape, params.master_dtype()).to(params.device()));
       if (!p->trainable) continue;
       if (model_only) {
         ops::fill(p->exp_avg, 0.0);
@@ -313,7 +313,7 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
         // Checkpoints hold the moments in the master dtype; bf16 states round them here.
         for (Tensor* state : {&p->exp_avg, &p->exp_avg_sq}) {
           const Tensor saved = fetch(p->name + (state == &p->exp_avg ? ".exp_avg" : ".exp_avg_sq"), p->shape,
-                                     p->master.dtype()).to(state->device());
+                                     params.master_dtype()).to(state->device());
           ops::assign_cast(saved, *state);
         }
       }

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/master_split.h"
 #include "moecore/ops/reduce.h"
 
 namespace moecore {
@@ -52,7 +53,7 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     for (const auto& p : store_.all())
       if (p->name == name) tied = p.get();
     MC_CHECK(tied && !tied->expert, "tied embeddings: a stage of the embedding group lacks '", name, "'");
-    tied_ = {store_.grad_offset(*tied), store_.grad_offset(*tied) + tied->master.numel()};
+    tied_ = {store_.grad_offset(*tied), store_.grad_offset(*tied) + tied->grad.numel()};
     tied_counted_ = groups_.embedding->rank() == 0;
   }
   if (overlap_) {
@@ -63,7 +64,7 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
       const size_t layer = std::stoul(p->name.substr(prefix.size()));
       std::vector<Range>& ranges = p->expert ? layer_expert_ : layer_dense_;
       if (ranges.size() <= layer) ranges.resize(layer + 1, Range{-1, -1});
-      const int64_t begin = store_.grad_offset(*p), end = begin + (p->master.numel() + 63) / 64 * 64;
+      const int64_t begin = store_.grad_offset(*p), end = begin + (numel(*p) + 63) / 64 * 64;
       Range& r = ranges[layer];
       if (r.begin < 0) r = {begin, end};
       MC_CHECK(r.end == begin || r.begin == end || (begin >= r.begin && end <= r.end),
@@ -101,6 +102,17 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
 
 void Optimizer::shard_masters() {
   sharded_masters_ = true;
+  if (store_.param_remainders()) {
+    // Split masters: the store's high halves are already the flat bf16 weights; this rank keeps
+    // the remainders of its shard only.
+    for (bool expert : {false, true}) {
+      Shard& s = expert ? expert_ : dense_;
+      s.weights = store_.high_buffer(expert);
+      s.remainder = store_.remainder_buffer(expert).slice(0, s.begin, s.end).clone();
+    }
+    store_.release_remainder_buffers();
+    return;
+  }
   for (bool expert : {false, true}) {
     Shard& s = expert ? expert_ : dense_;
     const Tensor& masters = expert ? store_.expert_master_buffer() : store_.master_buffer();
@@ -338,7 +350,30 @@ double Optimizer::grad_norm_sq() {
                   dense + sum_over(groups_.ep, sum_over(groups_.etp, sum_over(expert_.group, squares(expert_.grad)))));
 }
 
+double Optimizer::joined_squares(bool expert, const Tensor& high, const Tensor& remainder, int64_t begin) {
+  // The fp32 masters a chunk at a time (a bounded temporary), summed as dense_squares / squares do.
+  constexpr int64_t kChunk = int64_t{1} << 24;
+  double total = 0;
+  for (int64_t lo = 0; lo < high.numel(); lo += kChunk) {
+    const int64_t hi = std::min(high.numel(), lo + kChunk);
+    Tensor master = Tensor::empty({hi - lo}, DType::F32, high.device());
+    ops::join_master(high.slice(0, lo, hi), remainder.slice(0, lo, hi), master);
+    total += expert ? squares(master) : dense_squares(master, begin + lo);
+  }
+  return total;
+}
+
 double Optimizer::params_norm_sq() {
+  if (store_.param_remainders()) {
+    auto part = [&](bool expert) {
+      if (sharded_masters_) {
+        const Shard& s = expert ? expert_ : dense_;
+        return sum_over(s.group, joined_squares(expert, s.weights.slice(0, s.begin, s.end), s.remainder, s.begin));
+      }
+      return joined_squares(expert, store_.high_buffer(expert), store_.remainder_buffer(expert), 0);
+    };
+    return sum_over(groups_.pp, sum_over(groups_.tp, part(false)) + sum_over(groups_.ep, sum_over(groups_.etp, part(true))));
+  }
   if (sharded_masters_) {
     const double dense = sum_over(groups_.tp, sum_over(dense_.group, dense_squares(dense_.master, dense_.begin)));
     return sum_over(groups_.pp,
@@ -355,23 +390,34 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
     return !distributed_ && p.trainable && p.master.defined() && p.master.dtype() == DType::F32 &&
            p.weight.dtype() == DType::BF16 && p.weight.data_ptr() != p.master.data_ptr();
   };
+  const bool split = store_.param_remainders();
   for (const auto& p : store_.all()) {
     if (!p->trainable) continue;
     const ops::AdamWConfig c{lr, h.beta1, h.beta2, h.eps, p->weight_decay ? h.weight_decay : 0.0, step};
     if (!distributed_) {
-      ops::adamw_step(p->master, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale,
-                      writes_weight(*p) ? &p->weight : nullptr);
+      if (split) {  // the halves in place: the high half is the fresh bf16 weight
+        ops::adamw_step_split(p->high, p->remainder, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale);
+      } else {
+        ops::adamw_step(p->master, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale,
+                        writes_weight(*p) ? &p->weight : nullptr);
+      }
       continue;
     }
     Shard& s = shard_of(*p);
     const int64_t offset = store_.grad_offset(*p);
     const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
     if (o.empty()) continue;
-    Tensor master = sharded_masters_ ? s.master.slice(0, o.lo - s.begin, o.hi - s.begin)
-                                     : master_buffer_of(*p).slice(0, o.lo, o.hi);
     Tensor m = s.exp_avg.slice(0, o.lo - s.begin, o.hi - s.begin);
     Tensor v = s.exp_avg_sq.slice(0, o.lo - s.begin, o.hi - s.begin);
-    ops::adamw_step(master, s.grad.slice(0, o.lo - s.begin, o.hi - s.begin), m, v, c, clip_scale);
+    const Tensor grad = s.grad.slice(0, o.lo - s.begin, o.hi - s.begin);
+    if (split) {
+      Tensor high = s.weights.slice(0, o.lo, o.hi), remainder = s.remainder.slice(0, o.lo - s.begin, o.hi - s.begin);
+      ops::adamw_step_split(high, remainder, grad, m, v, c, clip_scale);
+      continue;
+    }
+    Tensor master = sharded_masters_ ? s.master.slice(0, o.lo - s.begin, o.hi - s.begin)
+                                     : master_buffer_of(*p).slice(0, o.lo, o.hi);
+    ops::adamw_step(master, grad, m, v, c, clip_scale);
   }
   if (sharded_masters_) {
     for (bool expert : {false, true}) {
@@ -379,15 +425,22 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
       if (s.weights.numel() == 0) continue;
       // This shard in bf16, then every rank's: the whole bf16 weights everywhere.
       Tensor mine = Tensor::empty({s.end - s.begin}, s.weights.dtype(), s.weights.device());
-      ops::cast(s.master, mine);
+      if (split) {  // the updated high halves (a copy: MPI forbids overlapping buffers)
+        mine.copy_from(s.weights.slice(0, s.begin, s.end));
+      } else {
+        ops::cast(s.master, mine);
+      }
       if (s.group) {
         s.group->all_gather(mine, s.weights);
       } else {
         s.weights.copy_from(mine);
       }
     }
-    for (const auto& p : store_.all())  // fp32-compute parameters: their whole master from the shards
-      if (p->trainable && p->master.defined()) p->master.copy_from(param_state(*p, shard_of(*p), shard_of(*p).master));
+    for (const auto& p : store_.all()) {  // fp32-compute parameters: their whole master from the shards
+      if (!p->trainable) continue;
+      if (p->master.defined()) p->master.copy_from(shard_master(*p));
+      else if (split && p->weight.data_ptr() != p->high.data_ptr()) p->weight.copy_from(shard_master(*p));
+    }
   } else if (distributed_) {
     for (bool expert : {false, true}) {
       Shard& s = expert ? expert_ : dense_;
@@ -435,10 +488,25 @@ Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_stat
   return t;
 }
 
+Tensor Optimizer::shard_master(const Param& p) {
+  Shard& s = shard_of(p);
+  if (!store_.param_remainders()) return param_state(p, s, s.master);
+  // The joined halves of this rank's part (zeros elsewhere), summed over the group.
+  Tensor t = Tensor::zeros(p.shape, store_.master_dtype(), store_.device());
+  const int64_t offset = store_.grad_offset(p), n = numel(p);
+  const Overlap o = overlap(offset, n, s.begin, s.end);
+  if (!o.empty()) {
+    Tensor dst = t.view({n}).slice(0, o.lo - offset, o.hi - offset);
+    ops::join_master(s.weights.slice(0, o.lo, o.hi), s.remainder.slice(0, o.lo - s.begin, o.hi - s.begin), dst);
+  }
+  if (s.group) s.group->all_reduce(t, comm::ReduceOp::Sum);
+  return t;
+}
+
 void Optimizer::full_state(const std::function<void(const std::string& name, const Tensor& full)>& sink) {
   for (const auto& p : store_.all()) {
     const bool from_shards = sharded_masters_ && p->trainable && !p->master.defined();
-    sink(p->name, full_rows(*p, from_shards ? param_state(*p, shard_of(*p), shard_of(*p).master) : p->master));
+    sink(p->name, full_rows(*p, from_shards ? shard_master(*p) : store_.master_value(*p)));
     if (!p->trainable) continue;
     Tensor m = p->exp_avg, v = p->exp_avg_sq;
     if (distributed_) {
@@ -481,8 +549,21 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
   for (const auto& p : store_.all()) {
     const DType dt = store_.master_dtype();
     const Tensor master = local_rows(*p, fetch(p->name, p->full_shape(), dt));
-    if (p->master.defined()) p->master.copy_from(master);
-    if (sharded_masters_ && p->trainable) {  // this rank's shard of the master, and the bf16 weight
+    if (p->master.defined() || p->remainder.defined()) store_.set_master(*p, master);
+    if (sharded_masters_ && p->trainable && store_.param_remainders()) {
+      // Split masters: the whole high half (the weights), this rank's shard of the remainders.
+      Shard& s = shard_of(*p);
+      Tensor high = Tensor::empty(p->shape, DType::BF16, store_.device());
+      Tensor remainder = Tensor::empty(p->shape, DType::I16, store_.device());
+      ops::split_master(master.contiguous(), high, remainder);
+      p->high.copy_from(high);
+      if (p->weight.data_ptr() != p->high.data_ptr()) p->weight.copy_from(master);  // fp32 compute
+      const int64_t offset = store_.grad_offset(*p);
+      const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
+      if (!o.empty())
+        s.remainder.slice(0, o.lo - s.begin, o.hi - s.begin)
+            .copy_from(remainder.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
+    } else if (sharded_masters_ && p->trainable) {  // this rank's shard of the master, and the bf16 weight
       Shard& s = shard_of(*p);
       const int64_t offset = store_.grad_offset(*p);
       const Overlap o = overlap(offset, numel(*p), s.begin, s.end);

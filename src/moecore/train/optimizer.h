@@ -115,6 +115,9 @@ class Optimizer {
     Tensor grad, exp_avg, exp_avg_sq;  // [end - begin]
     Tensor master;                     // sharded masters: the fp32 masters of [begin, end)
     Tensor weights;                    // sharded masters: every bf16 weight, flat (whole buffer)
+    // Sharded split masters (ParamStore::param_remainders): the int16 remainders of [begin, end);
+    // `weights` is the store's high-half buffer, `master` undefined.
+    Tensor remainder;
   };
   void shard_masters();  // sets up the sharded-masters mode (constructor)
   int64_t numel(const Param& p) const { return p.grad.numel(); }
@@ -123,6 +126,9 @@ class Optimizer {
   Tensor& master_buffer_of(const Param& p) { return p.expert ? store_.expert_master_buffer() : store_.master_buffer(); }
   Tensor full_rows(const Param& p, const Tensor& local);  // gathers an expert tensor over ETP, then EP
   Tensor param_state(const Param& p, Shard& s, const Tensor& shard_state);  // one parameter's whole Adam state
+  Tensor shard_master(const Param& p);  // sharded masters: one parameter's whole fp32 master
+  // Squares of the fp32 masters joined from flat halves starting at element `begin` of a buffer.
+  double joined_squares(bool expert, const Tensor& high, const Tensor& remainder, int64_t begin);
   struct Range {
     int64_t begin = 0, end = 0;  // elements of one flat buffer
   };

@@ -306,6 +306,7 @@ int run_training(const TrainArgs& args) {
   const auto [dense_multiple, expert_multiple] = Optimizer::shard_multiples(groups, args.use_distributed_optimizer);
   auto state_dtype = [](const std::string& s) { return s == "bf16" ? DType::BF16 : DType::F32; };
   store.set_optimizer_state_dtypes(state_dtype(args.exp_avg_dtype), state_dtype(args.exp_avg_sq_dtype));
+  store.store_param_remainders(args.bf16 && !args.no_store_param_remainders);
   store.initialize(dense_multiple, expert_multiple);
   // Overlap needs a data-parallel reduction to overlap (over DP x CP, or experts over EDP).
   Optimizer optimizer(store, groups, args.use_distributed_optimizer,
