@@ -67,6 +67,8 @@ if [ "$what" != check ]; then
   perf "one GPU" 1 mixtral-small
   perf "DP=2" 2 mixtral-small
   perf "DP=2 --overlap-grad-reduce" 2 mixtral-small --overlap-grad-reduce
+  perf "DP=2 distributed optimizer --overlap-grad-reduce" 2 mixtral-small --use-distributed-optimizer --overlap-grad-reduce
+  perf "DP=2 distributed optimizer --overlap-grad-reduce --overlap-param-gather" 2 mixtral-small --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
   perf "EP=2 alltoall" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
   perf "EP=2 alltoall --overlap-grad-reduce" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce
   perf "EP=2 allgather" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather

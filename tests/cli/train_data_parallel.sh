@@ -76,6 +76,7 @@ for case in "4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoa
             "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --use-distributed-optimizer" \
             "4 --use-distributed-optimizer" \
             "4 --overlap-grad-reduce" \
+            "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
             "4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce" \
             "2 --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall" \
             "4 --expert-tensor-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer" \
@@ -146,7 +147,9 @@ echo "checkpoint of EP=2 x ETP=2 resumed on one rank: same losses as one rank"
 run_single --bf16
 for case in "4 --bf16 --use-distributed-optimizer" \
             "4 --bf16 --use-distributed-optimizer --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
-            "4 --bf16 --use-distributed-optimizer --pipeline-model-parallel-size 2 --expert-model-parallel-size 2"; do
+            "4 --bf16 --use-distributed-optimizer --pipeline-model-parallel-size 2 --expert-model-parallel-size 2" \
+            "4 --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
+            "4 --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --pipeline-model-parallel-size 2 --expert-model-parallel-size 2"; do
   read -r -a c <<<"$case"
   run_ranks "${c[@]}"
   compare "$dir/dp.jsonl" "$dir/single.jsonl" 1e-3 || { echo "FAIL: np=$case differs from one bf16 rank"; exit 1; }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Two GPUs, bf16 compute: the distributed optimizer with sharded fp32 masters (DP=2, EP=2) prints
+# Two GPUs, bf16 compute: the distributed optimizer with sharded fp32 masters (DP=2, EP=2; also
+# with --overlap-param-gather: the next forward waits for each layer's gathered weights) prints
 # the one-GPU bf16 run's lm loss, load_balancing_loss and grad norm within 1e-3 relative (a
 # gradient norm summed in another order may flip a bf16 rounding). BIN SRC "MPI launcher".
 set -euo pipefail
@@ -9,7 +10,9 @@ base=(train --config "$src/configs/tiny.yaml" --bf16 --train-iters 3 --lr-warmup
       --eval-interval 0 --micro-batch-size 4 --global-batch-size 16 --hidden-size 128 --num-attention-heads 4)
 values() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*' "$1" | cut -d: -f2; }
 CUDA_VISIBLE_DEVICES=0 "$bin" "${base[@]}" --metrics-file "$dir/one.jsonl" > "$dir/one.log" 2>&1 || { cat "$dir/one.log"; exit 1; }
-for flags in "--use-distributed-optimizer" "--use-distributed-optimizer --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"; do
+for flags in "--use-distributed-optimizer" "--use-distributed-optimizer --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
+             "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
+             "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"; do
   rm -f "$dir/two.jsonl"
   # shellcheck disable=SC2086
   $mpi "$bin" "${base[@]}" $flags --metrics-file "$dir/two.jsonl" > "$dir/two.log" 2>&1 || { cat "$dir/two.log"; exit 1; }

@@ -605,7 +605,8 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--num-virtual-stages-per-pipeline-rank", "2"}, "virtual pipeline stages need --pipeline-model-parallel-size > 1"},
       {{"--decoder-first-pipeline-num-layers", "1"}, "--decoder-first-pipeline-num-layers"},
       // Megatron's performance flags that name features moecore lacks
-      {{"--overlap-param-gather"}, "--overlap-param-gather is not available in this version"},
+      {{"--overlap-param-gather"}, "--overlap-param-gather needs --use-distributed-optimizer"},
+      {{"--overlap-param-gather", "--use-distributed-optimizer"}, "--overlap-param-gather needs --overlap-grad-reduce"},
       {{"--tp-comm-overlap"}, "--tp-comm-overlap is not available in this version"},
       {{"--moe-flex-dispatcher-backend", "deepep"}, "--moe-flex-dispatcher-backend deepep: the flex dispatcher"},
       {{"--manual-gc"}, "--manual-gc controls Python's garbage collector"},
@@ -631,6 +632,7 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
   EXPECT_EQ(parse_error(base_args({"--bf16"})), "");
   // Overlap with the distributed optimizer is accepted (Megatron's recipe).
   EXPECT_EQ(parse_error(base_args({"--overlap-grad-reduce", "--use-distributed-optimizer"})), "");
+  EXPECT_EQ(parse_error(base_args({"--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"})), "");
   // The fusion flags of Megatron's performance recipe are accepted (moecore always fuses).
   EXPECT_EQ(parse_error(base_args({"--moe-grouped-gemm", "--moe-router-fusion", "--moe-permute-fusion",
                                    "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"})),

@@ -121,6 +121,7 @@ Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
            " tokens exceeds --max-position-embeddings ", cfg_.max_position_embeddings);
   ctx.batch = batch;
   ctx.token_ids = tokens.view({n});
+  wait_params(-1);
   Tensor x = Tensor::empty({n, cfg_.hidden_size}, compute_, tokens.device());
   if (dense_.tp) {
     // This rank's vocabulary rows (zeros for the other tokens), summed over TP by the exit region.
@@ -144,6 +145,7 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i) {
     const size_t li = static_cast<size_t>(i);
     LayerCtx& lc = ctx.layers[li];
+    wait_params(i);
     // New tensors for the residual stream: the norms keep their inputs for the backward.
     {
       const TimedRegion timed("attention-forward", 2, h.device());
@@ -339,6 +341,7 @@ Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bo
   }
   // With the fused output layer (training) this region holds the output layer's backward too.
   const TimedRegion timed("output-layer", 2, h.device());
+  wait_params(cfg_.num_layers);
   h = final_norm_.forward(h, ctx.final_norm);
   ctx.labels = labels.view({labels.numel()});
   ctx.label_seq = !dense_.cp && labels.ndim() == 2 ? labels.size(1) : 0;  // CP: this rank's chunks only
@@ -418,6 +421,7 @@ Tensor GPTModel::logits(const Tensor& tokens) {
            "GPTModel::logits needs the whole model (one pipeline stage, no tensor or context parallelism)");
   Ctx ctx;
   Tensor h = decoder_forward(embed(tokens, ctx), false, 0, ctx);
+  wait_params(cfg_.num_layers);
   return head_.forward(final_norm_.forward(h, ctx.final_norm), ctx.head);
 }
 

@@ -98,6 +98,10 @@ class GPTModel {
                   const Tensor& d_hidden_out = Tensor());
   // Logits [B*S, V] in the compute dtype, no loss (generation; one rank).
   Tensor logits(const Tensor& tokens);
+  // --overlap-param-gather: wait(-1) runs before the embedding reads its weights, wait(i) before
+  // decoder layer i's forward, wait(num_layers) before the final norm and the output layer (the
+  // optimizer's gathers of those weights may still be running on the communication stream).
+  void set_param_wait(std::function<void(int64_t)> wait) { param_wait_ = std::move(wait); }
   // Rows per chunk of the fused output layer (tests; 0: kFusedHeadChunkElements / vocabulary rows).
   void set_head_chunk_rows(int64_t rows) { head_chunk_rows_ = rows; }
   // Logits per chunk: 256 MiB in bf16 (4096 rows at a 32k vocabulary). Each chunk's wgrad reads
@@ -148,6 +152,10 @@ class GPTModel {
   Norm final_norm_;
   Linear head_;
   DType compute_;
+  std::function<void(int64_t)> param_wait_;
+  void wait_params(int64_t unit) const {
+    if (param_wait_) param_wait_(unit);
+  }
 };
 
 }  // namespace moecore

@@ -127,6 +127,9 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("overlap-grad-reduce", &a.overlap_grad_reduce,
              "reduce each layer's gradients during the last micro-batch's backward (all-reduce, or with the distributed "
              "optimizer a reduce to each shard's owner)");
+  f.add_bool("overlap-param-gather", &a.overlap_param_gather,
+             "with the distributed optimizer: all-gather the updated parameters layer by layer on the communication "
+             "stream; the next forward waits for each layer's just before using it (needs --overlap-grad-reduce)");
   f.add_string("moe-token-dispatcher-type", &a.token_dispatcher,
                "expert-parallel token dispatch: allgather (default) or alltoall");
   // Megatron's performance flags. The fusions they ask for are how moecore always runs, so they
@@ -139,8 +142,6 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("cross-entropy-loss-fusion", &a.cross_entropy_loss_fusion,
              "accepted: the loss is always fused with the output layer (chunked, no logits kept)");
   f.add_string("cross-entropy-fusion-impl", &a.cross_entropy_fusion_impl, "accepted: te or native (moecore's own kernels)");
-  f.add_bool("overlap-param-gather", &a.overlap_param_gather,
-             "not available: the distributed optimizer all-gathers after the step (refused)");
   f.add_bool("tp-comm-overlap", &a.tp_comm_overlap, "not available: TP collectives run on the compute stream (refused)");
   f.add_string("moe-flex-dispatcher-backend", &a.flex_dispatcher_backend, "not available: the flex dispatcher (refused)");
   f.add_bool("manual-gc", &a.manual_gc, "Python's garbage collector: moecore has none (refused: drop the flag)");
@@ -468,8 +469,11 @@ void finalize_train_args(TrainArgs& a) {
   MC_CHECK(a.cross_entropy_fusion_impl.empty() || a.cross_entropy_fusion_impl == "te" ||
                a.cross_entropy_fusion_impl == "native",
            "--cross-entropy-fusion-impl '", a.cross_entropy_fusion_impl, "': expected te or native");
-  MC_CHECK(!a.overlap_param_gather, "--overlap-param-gather is not available in this version: the distributed "
-           "optimizer all-gathers the updated parameters after the step; drop the flag");
+  MC_CHECK(!a.overlap_param_gather || a.use_distributed_optimizer,
+           "--overlap-param-gather needs --use-distributed-optimizer (without it every rank updates its whole model: "
+           "there is nothing to gather)");
+  MC_CHECK(!a.overlap_param_gather || a.overlap_grad_reduce,
+           "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)");
   MC_CHECK(!a.tp_comm_overlap, "--tp-comm-overlap is not available in this version: tensor-parallel collectives run "
            "on the compute stream; drop the flag");
   MC_CHECK(a.flex_dispatcher_backend.empty(), "--moe-flex-dispatcher-backend ", a.flex_dispatcher_backend,

@@ -1,6 +1,7 @@
 #include "moecore/train/optimizer.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/master_split.h"
@@ -57,21 +58,7 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     tied_counted_ = groups_.embedding->rank() == 0;
   }
   if (overlap_) {
-    // Each decoder layer's slice of both buffers: "decoder.layers.<i>." parameters are registered together.
-    const std::string prefix = "decoder.layers.";
-    for (const auto& p : store_.all()) {
-      if (!p->trainable || p->name.rfind(prefix, 0) != 0) continue;
-      const size_t layer = std::stoul(p->name.substr(prefix.size()));
-      std::vector<Range>& ranges = p->expert ? layer_expert_ : layer_dense_;
-      if (ranges.size() <= layer) ranges.resize(layer + 1, Range{-1, -1});
-      const int64_t begin = store_.grad_offset(*p), end = begin + (numel(*p) + 63) / 64 * 64;
-      Range& r = ranges[layer];
-      if (r.begin < 0) r = {begin, end};
-      MC_CHECK(r.end == begin || r.begin == end || (begin >= r.begin && end <= r.end),
-               "--overlap-grad-reduce: the gradients of decoder layer ", layer, " are not contiguous (parameter '",
-               p->name, "')");
-      r = {std::min(r.begin, begin), std::max(r.end, end)};
-    }
+    compute_layer_ranges();
     if (store_.device().is_cuda()) {
       comm_stream_ = Stream::create(store_.device());
       has_comm_stream_ = true;
@@ -98,6 +85,113 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
   for (const auto& p : store_.all())
     if (p->trainable) p->exp_avg = p->exp_avg_sq = Tensor();
   if (store_.compute_dtype() != store_.master_dtype()) shard_masters();
+}
+
+void Optimizer::compute_layer_ranges() {
+  if (!layer_dense_.empty() || !layer_expert_.empty()) return;
+  // Each decoder layer's slice of both buffers: "decoder.layers.<i>." parameters are registered together.
+  const std::string prefix = "decoder.layers.";
+  for (const auto& p : store_.all()) {
+    if (!p->trainable || p->name.rfind(prefix, 0) != 0) continue;
+    const size_t layer = std::stoul(p->name.substr(prefix.size()));
+    std::vector<Range>& ranges = p->expert ? layer_expert_ : layer_dense_;
+    if (ranges.size() <= layer) ranges.resize(layer + 1, Range{-1, -1});
+    const int64_t begin = store_.grad_offset(*p), end = begin + (numel(*p) + 63) / 64 * 64;
+    Range& r = ranges[layer];
+    if (r.begin < 0) r = {begin, end};
+    MC_CHECK(r.end == begin || r.begin == end || (begin >= r.begin && end <= r.end),
+             "--overlap-grad-reduce: the gradients of decoder layer ", layer, " are not contiguous (parameter '",
+             p->name, "')");
+    r = {std::min(r.begin, begin), std::max(r.end, end)};
+  }
+}
+
+void Optimizer::set_overlap_param_gather(bool on) {
+  overlap_param_gather_ = on;
+  if (!on) return;
+  MC_CHECK(distributed_, "--overlap-param-gather needs the distributed optimizer");
+  compute_layer_ranges();
+  // Units: [0, first layer) of each buffer, every decoder layer in order, [last layer's end, size).
+  // The layers of this rank lie back to back in each buffer (registration order), so the units
+  // cover every element once (checked).
+  const size_t layers = std::max(layer_dense_.size(), layer_expert_.size());
+  auto layer_range = [&](const std::vector<Range>& v, size_t l) { return l < v.size() && v[l].begin >= 0 ? v[l] : Range{}; };
+  std::vector<GatherUnit> units(layers + 2);
+  for (bool expert : {false, true}) {
+    const std::vector<Range>& ranges = expert ? layer_expert_ : layer_dense_;
+    const int64_t size = (expert ? store_.expert_grad_buffer() : store_.grad_buffer()).numel();
+    int64_t first = -1, cursor = -1;
+    for (size_t l = 0; l < layers; ++l) {
+      const Range r = layer_range(ranges, l);
+      if (r.end <= r.begin) continue;
+      MC_CHECK(cursor < 0 || r.begin == cursor, "--overlap-param-gather: decoder layer ", l, "'s parameters do not follow ",
+               "the previous layer's in the ", expert ? "expert" : "dense", " buffer");
+      if (first < 0) first = r.begin;
+      cursor = r.end;
+      (expert ? units[l + 1].expert : units[l + 1].dense) = r;
+    }
+    (expert ? units.front().expert : units.front().dense) = {0, first < 0 ? 0 : first};
+    (expert ? units.back().expert : units.back().dense) = {cursor < 0 ? 0 : cursor, size};
+  }
+  gather_units_ = std::move(units);
+  gather_events_.clear();
+  if (has_comm_stream_)
+    for (size_t u = 0; u < gather_units_.size(); ++u) gather_events_.push_back(std::make_unique<Event>(store_.device()));
+}
+
+Tensor& Optimizer::gathered_buffer(bool expert) {
+  if (sharded_masters_) return (expert ? expert_ : dense_).weights;
+  return expert ? store_.expert_master_buffer() : store_.master_buffer();
+}
+
+void Optimizer::gather_range(bool expert, Range r) {
+  Shard& s = expert ? expert_ : dense_;
+  comm::Communicator* group = expert ? groups_.edp_gather : groups_.dp_gather;
+  if (!group) group = s.group;
+  if (!group || r.end <= r.begin) return;
+  MC_CHECK(group->size() == (s.group ? s.group->size() : 1), "--overlap-param-gather: the gather group has ",
+           group->size(), " ranks, the shard group ", s.group ? s.group->size() : 1);
+  Tensor& buffer = gathered_buffer(expert);
+  const int64_t size = s.end - s.begin;
+  group->group_start();
+  for (int owner = 0; owner < group->size(); ++owner) {
+    const int64_t lo = std::max(r.begin, owner * size), hi = std::min(r.end, (owner + 1) * size);
+    if (lo >= hi) continue;
+    Tensor piece = buffer.slice(0, lo, hi);
+    group->broadcast(piece, owner);  // in place: the owner's updated piece everywhere
+  }
+  group->group_end();
+}
+
+void Optimizer::start_param_gather() {
+  const Device dev = store_.device();
+  std::optional<StreamGuard> on_comm;
+  if (has_comm_stream_) {  // after the step's updates on the compute stream
+    Event updated(dev);
+    updated.record(current_stream(dev));
+    updated.wait(comm_stream_);
+    on_comm.emplace(comm_stream_);
+  }
+  for (size_t u = 0; u < gather_units_.size(); ++u) {
+    gather_range(false, gather_units_[u].dense);
+    gather_range(true, gather_units_[u].expert);
+    if (has_comm_stream_) gather_events_[u]->record(comm_stream_);
+  }
+  gathers_pending_ = has_comm_stream_;
+}
+
+void Optimizer::wait_params(int64_t unit) {
+  if (!gathers_pending_) return;
+  // -1: the embedding's unit; a decoder layer past this rank's layers (or num_layers): the last unit.
+  const int64_t last = static_cast<int64_t>(gather_units_.size()) - 1;
+  const int64_t u = unit < 0 ? 0 : std::min(unit + 1, last);
+  gather_events_[static_cast<size_t>(u)]->wait(current_stream(store_.device()));
+}
+
+void Optimizer::wait_all_params() {
+  if (!gathers_pending_) return;
+  gather_events_.back()->wait(current_stream(store_.device()));  // the units run in order
+  gathers_pending_ = false;
 }
 
 void Optimizer::shard_masters() {
@@ -139,6 +233,7 @@ void Optimizer::shard_masters() {
 }
 
 Optimizer::~Optimizer() {
+  if (gathers_pending_) comm_stream_.synchronize();  // no communicator goes away under a running gather
   if (has_comm_stream_) comm_stream_.destroy();
 }
 
@@ -364,6 +459,7 @@ double Optimizer::joined_squares(bool expert, const Tensor& high, const Tensor& 
 }
 
 double Optimizer::params_norm_sq() {
+  wait_all_params();
   if (store_.param_remainders()) {
     auto part = [&](bool expert) {
       if (sharded_masters_) {
@@ -391,6 +487,7 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
            p.weight.dtype() == DType::BF16 && p.weight.data_ptr() != p.master.data_ptr();
   };
   const bool split = store_.param_remainders();
+  wait_all_params();  // the last step's gathers read the shards this step writes
   for (const auto& p : store_.all()) {
     if (!p->trainable) continue;
     const ops::AdamWConfig c{lr, h.beta1, h.beta2, h.eps, p->weight_decay ? h.weight_decay : 0.0, step};
@@ -419,7 +516,16 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
                                      : master_buffer_of(*p).slice(0, o.lo, o.hi);
     ops::adamw_step(master, grad, m, v, c, clip_scale);
   }
-  if (sharded_masters_) {
+  if (overlap_param_gather_) {
+    if (sharded_masters_ && !split)  // this shard's bf16 weights in place, where its owner broadcasts them
+      for (bool expert : {false, true}) {
+        Shard& s = expert ? expert_ : dense_;
+        if (s.weights.numel() == 0) continue;
+        Tensor mine = s.weights.slice(0, s.begin, s.end);
+        ops::cast(s.master, mine);
+      }
+    start_param_gather();
+  } else if (sharded_masters_) {
     for (bool expert : {false, true}) {
       Shard& s = expert ? expert_ : dense_;
       if (s.weights.numel() == 0) continue;
@@ -436,11 +542,6 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
         s.weights.copy_from(mine);
       }
     }
-    for (const auto& p : store_.all()) {  // fp32-compute parameters: their whole master from the shards
-      if (!p->trainable) continue;
-      if (p->master.defined()) p->master.copy_from(shard_master(*p));
-      else if (split && p->weight.data_ptr() != p->high.data_ptr()) p->weight.copy_from(shard_master(*p));
-    }
   } else if (distributed_) {
     for (bool expert : {false, true}) {
       Shard& s = expert ? expert_ : dense_;
@@ -448,6 +549,13 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
       if (!s.group || masters.numel() == 0) continue;
       const Tensor mine = masters.slice(0, s.begin, s.end).clone();  // MPI forbids overlapping buffers
       s.group->all_gather(mine, masters);
+    }
+  }
+  if (sharded_masters_) {
+    for (const auto& p : store_.all()) {  // fp32-compute parameters: their whole master from the shards
+      if (!p->trainable) continue;
+      if (p->master.defined()) p->master.copy_from(shard_master(*p));
+      else if (split && p->weight.data_ptr() != p->high.data_ptr()) p->weight.copy_from(shard_master(*p));
     }
   }
   store_.refresh_compute_weights(writes_weight);
@@ -504,6 +612,7 @@ Tensor Optimizer::shard_master(const Param& p) {
 }
 
 void Optimizer::full_state(const std::function<void(const std::string& name, const Tensor& full)>& sink) {
+  wait_all_params();
   for (const auto& p : store_.all()) {
     const bool from_shards = sharded_masters_ && p->trainable && !p->master.defined();
     sink(p->name, full_rows(*p, from_shards ? shard_master(*p) : store_.master_value(*p)));
@@ -541,6 +650,7 @@ std::vector<TensorSpec> Optimizer::state_specs() const {
 }
 
 void Optimizer::load(const TensorFetch& fetch, bool model_only) {
+  wait_all_params();
   // This rank's rows of a full tensor, on the model's device.
   auto local_rows = [&](const Param& p, const Tensor& full) {
     const Tensor rows = p.expert ? full.slice(0, p.row_offset, p.row_offset + p.shape[0]).contiguous() : full;

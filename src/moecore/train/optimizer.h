@@ -50,6 +50,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "moecore/comm/communicator.h"
@@ -69,6 +70,11 @@ struct OptimizerGroups {
   // Tied embeddings with pipeline stages: the first (rank 0) and last (rank 1) stage of this
   // pipeline, both holding embedding.word_embeddings.weight (null: not on such a stage).
   comm::Communicator* embedding = nullptr;
+  // --overlap-param-gather: communicators of their own for the parameter all-gathers (the ranks
+  // of `dp` and `edp`), so that gathers still running on the communication stream never share a
+  // communicator with the forward's collectives on the compute stream.
+  comm::Communicator* dp_gather = nullptr;
+  comm::Communicator* edp_gather = nullptr;
   int64_t dp_size = 1;  // DP: dense gradients are summed over `dp` and divided by it
 };
 
@@ -88,6 +94,16 @@ class Optimizer {
 
   bool overlapping() const { return overlap_; }
   void layer_ready(int64_t layer);  // overlap: layer's gradients are final
+  // --overlap-param-gather (distributed only; call before the first step): step() all-gathers the
+  // updated parameters in units, each owner broadcasting its piece of a unit: everything before
+  // the decoder layers (embedding), then each decoder layer, then the rest (final norm, output
+  // layer). On a GPU the units run on the communication stream, each followed by an event, and
+  // wait_params(unit) makes the compute stream wait for one: the model calls it with -1 before
+  // the embedding, i before decoder layer i and num_layers before the final norm. On the CPU the
+  // units run in place at the end of the step (the same pieces, no overlap).
+  void set_overlap_param_gather(bool on);
+  void wait_params(int64_t unit);
+  void wait_all_params();  // the compute stream waits for every unit (before reading the weights otherwise)
   void reduce_gradients();
   double grad_norm_sq();    // after reduce_gradients(); the same on every rank
   double params_norm_sq();  // fp32 masters of trainable parameters; the same on every rank
@@ -132,6 +148,18 @@ class Optimizer {
   struct Range {
     int64_t begin = 0, end = 0;  // elements of one flat buffer
   };
+  void compute_layer_ranges();  // layer_dense_, layer_expert_ (overlap)
+  // Parameter gathering (--overlap-param-gather): the units in order, their events, the buffer each
+  // gathers into (the bf16 weights with sharded masters, else the masters) and one range's gather.
+  struct GatherUnit {
+    Range dense, expert;
+  };
+  std::vector<GatherUnit> gather_units_;
+  std::vector<std::unique_ptr<Event>> gather_events_;
+  bool overlap_param_gather_ = false, gathers_pending_ = false;
+  Tensor& gathered_buffer(bool expert);
+  void gather_range(bool expert, Range r);
+  void start_param_gather();
   // Reduces [begin, end) of the dense (expert = false) or expert buffer; records it as done.
   void reduce_range(bool expert, Range r);
 

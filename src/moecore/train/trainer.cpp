@@ -241,6 +241,10 @@ int run_training(const TrainArgs& args) {
   groups.pp = pp;
   groups.etp = group(layout.expt_tp, true);
   comm::Communicator* tp_ep = args.etp > 1 ? group(layout.tp_ep, true) : nullptr;
+  if (args.overlap_param_gather) {  // the parameter gathers' own communicators (optimizer.h)
+    groups.dp_gather = group(args.cp > 1 ? layout.dp_cp : layout.dp, true);
+    groups.edp_gather = group(layout.expt_dp, true);
+  }
   groups.dp_size = args.data_parallel_size();
   const int64_t dp_size = args.data_parallel_size(), dp_rank = layout.dp_rank;
   const int64_t stage = layout.pp_rank, stages = args.pp;
@@ -311,6 +315,10 @@ int run_training(const TrainArgs& args) {
   // Overlap needs a data-parallel reduction to overlap (over DP x CP, or experts over EDP).
   Optimizer optimizer(store, groups, args.use_distributed_optimizer,
                       args.overlap_grad_reduce && (groups.dp != nullptr || groups.edp != nullptr));
+  if (args.overlap_param_gather) {
+    optimizer.set_overlap_param_gather(true);
+    for (GPTModel* c : chunks) c->set_param_wait([&optimizer](int64_t unit) { optimizer.wait_params(unit); });
+  }
   TrainingState state;
   if (!args.load.empty() && !checkpoint_exists(args.load)) {
     // Megatron's behaviour for the first run of a job that passes --load and --save alike.
