@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_timing.h"
 #include "moecore/cli/flags.h"
 #include "moecore/core/philox.h"
 #include "moecore/core/system_info.h"
@@ -27,27 +28,7 @@
 #include "moecore/ops/random.h"
 
 using namespace moecore;
-
-namespace {
-
-template <typename F>
-double time_ms(Device dev, int iters, int repeats, F&& fn) {
-  for (int w = 0; w < 2; ++w) fn();
-  synchronize(dev);
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    Event start(dev), stop(dev);
-    start.record();
-    for (int i = 0; i < iters; ++i) fn();
-    stop.record();
-    stop.synchronize();
-    times.push_back(stop.elapsed_ms_since(start) / iters);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-}  // namespace
+using moecore::bench::time_ms;
 
 int main(int argc, char** argv) {
   try {

@@ -26,6 +26,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_timing.h"
 #include "moecore/cli/flags.h"
 #include "moecore/core/philox.h"
 #include "moecore/core/system_info.h"
@@ -35,6 +36,7 @@
 #include "moecore/ops/random.h"
 
 using namespace moecore;
+using moecore::bench::time_ms;
 
 namespace {
 
@@ -42,23 +44,6 @@ struct Case {
   std::string name;
   int64_t B, S, Hq, Hkv, D;
 };
-
-template <typename F>
-double time_ms(Device dev, int iters, int repeats, F&& fn) {
-  for (int w = 0; w < 2; ++w) fn();
-  synchronize(dev);
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    Event start(dev), stop(dev);
-    start.record();
-    for (int i = 0; i < iters; ++i) fn();
-    stop.record();
-    stop.synchronize();
-    times.push_back(stop.elapsed_ms_since(start) / iters);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
 
 struct Row {
   std::string name, path, dir;

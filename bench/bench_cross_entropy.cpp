@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_timing.h"
 #include "moecore/cli/flags.h"
 #include "moecore/core/philox.h"
 #include "moecore/core/system_info.h"
@@ -23,27 +24,7 @@
 #include "moecore/ops/random.h"
 
 using namespace moecore;
-
-namespace {
-
-template <typename F>
-double time_ms(Device dev, int iters, int repeats, F&& fn) {
-  for (int w = 0; w < 3; ++w) fn();
-  synchronize(dev);
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    Event start(dev), stop(dev);
-    start.record();
-    for (int i = 0; i < iters; ++i) fn();
-    stop.record();
-    stop.synchronize();
-    times.push_back(stop.elapsed_ms_since(start) / iters);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-}  // namespace
+using moecore::bench::time_ms;
 
 int main(int argc, char** argv) {
   try {
@@ -73,15 +54,15 @@ int main(int argc, char** argv) {
     Tensor copy = Tensor::empty(logits.shape(), DType::BF16, dev);
     const int iters = 20;
     const ops::TargetsValidated checked;  // as in training: no flag read per call
-    const double copy_ms = time_ms(dev, iters, static_cast<int>(repeats), [&] { copy.copy_from(source); });
+    const double copy_ms = time_ms(dev, iters, static_cast<int>(repeats), [&] { copy.copy_from(source); }, 3);
     const double forward_ms =
-        time_ms(dev, iters, static_cast<int>(repeats), [&] { ops::cross_entropy_forward(logits, targets, loss, lse); });
+        time_ms(dev, iters, static_cast<int>(repeats), [&] { ops::cross_entropy_forward(logits, targets, loss, lse); }, 3);
     // Out of place (separate dlogits): the same traffic as in place, and the input stays intact.
     const double backward_ms = time_ms(dev, iters, static_cast<int>(repeats),
-                                       [&] { ops::cross_entropy_backward(logits, targets, lse, dloss, copy); });
+                                       [&] { ops::cross_entropy_backward(logits, targets, lse, dloss, copy); }, 3);
     const double fused_ms = time_ms(dev, iters, static_cast<int>(repeats), [&] {
       ops::cross_entropy_forward_backward(logits, targets, dloss, loss, lse, copy);
-    });
+    }, 3);
     const double bytes = static_cast<double>(logits.nbytes());
     struct Row {
       const char* name;

@@ -38,6 +38,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_timing.h"
 #include "moecore/cli/flags.h"
 #include "moecore/core/philox.h"
 #include "moecore/core/system_info.h"
@@ -48,6 +49,7 @@
 #include "moecore/ops/random.h"
 
 using namespace moecore;
+using moecore::bench::time_ms;
 
 namespace {
 
@@ -91,24 +93,6 @@ std::vector<int64_t> rows_per_expert(const Shape5& s, bool skewed) {
     }
   }
   return distribute(total, w);
-}
-
-// Median milliseconds per call of fn() over `repeats` runs of `iters` back-to-back calls.
-template <typename F>
-double time_ms(Device dev, int iters, int repeats, F&& fn) {
-  for (int w = 0; w < 2; ++w) fn();
-  synchronize(dev);
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    Event start(dev), stop(dev);
-    start.record();
-    for (int i = 0; i < iters; ++i) fn();
-    stop.record();
-    stop.synchronize();
-    times.push_back(stop.elapsed_ms_since(start) / iters);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
 }
 
 // Every 13th element as doubles (enough to catch a wrong tile, cheap at 10^8+ elements).
