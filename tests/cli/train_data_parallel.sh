@@ -247,6 +247,7 @@ tied=(--untie-embeddings-and-output-weights=false)
 pipe_cases "${tied[*]}" "2 --pipeline-model-parallel-size 2" "4 --pipeline-model-parallel-size 4" \
   "4 --pipeline-model-parallel-size 2 --use-distributed-optimizer" \
   "4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --overlap-grad-reduce" \
+  "4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
   "4 --pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 1 --decoder-first-pipeline-num-layers 1"
 # a tied checkpoint saved by PP=2 x DP=2 (the word embedding once) resumes on one rank and on PP=4
 rm -f "$dir/single.jsonl"

@@ -307,8 +307,14 @@ void ParamStore::refresh_compute_weights(const std::function<bool(const Param&)>
   for (auto& p : params_) {
     if (p->master.defined() && p->weight.data_ptr() != p->master.data_ptr() && !(done && done(*p)))
       ops::cast(p->master, p->weight);
-    if (!p->master.defined() && p->remainder.defined() && p->weight.data_ptr() != p->high.data_ptr())
-      ops::join_master(p->high, p->remainder, p->weight);  // an fp32-compute weight (the router)
+    if (!p->master.defined() && p->remainder.defined() && p->weight.data_ptr() != p->high.data_ptr()) {
+      // The router's fp32 (or, on the CPU, fp64) weight: the joined master.
+      if (p->weight.dtype() == DType::F32) {
+        ops::join_master(p->high, p->remainder, p->weight);
+      } else {
+        ops::assign_cast(master_value(*p), p->weight);
+      }
+    }
   }
 }
 

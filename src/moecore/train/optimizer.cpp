@@ -111,27 +111,29 @@ void Optimizer::set_overlap_param_gather(bool on) {
   if (!on) return;
   MC_CHECK(distributed_, "--overlap-param-gather needs the distributed optimizer");
   compute_layer_ranges();
-  // Units: [0, first layer) of each buffer, every decoder layer in order, [last layer's end, size).
-  // The layers of this rank lie back to back in each buffer (registration order), so the units
-  // cover every element once (checked).
+  // Units: 0 = every element of a buffer before its last decoder layer's end that belongs to no
+  // layer (the embedding; with virtual pipeline stages a tied embedding copy registered between
+  // two chunks' layers), gathered first so that any reader finds it; then each decoder layer in
+  // order; last = everything after the last layer (final norm, output layer). Together the units
+  // cover every element of both buffers once.
   const size_t layers = std::max(layer_dense_.size(), layer_expert_.size());
-  auto layer_range = [&](const std::vector<Range>& v, size_t l) { return l < v.size() && v[l].begin >= 0 ? v[l] : Range{}; };
   std::vector<GatherUnit> units(layers + 2);
   for (bool expert : {false, true}) {
     const std::vector<Range>& ranges = expert ? layer_expert_ : layer_dense_;
     const int64_t size = (expert ? store_.expert_grad_buffer() : store_.grad_buffer()).numel();
-    int64_t first = -1, cursor = -1;
-    for (size_t l = 0; l < layers; ++l) {
-      const Range r = layer_range(ranges, l);
-      if (r.end <= r.begin) continue;
-      MC_CHECK(cursor < 0 || r.begin == cursor, "--overlap-param-gather: decoder layer ", l, "'s parameters do not follow ",
-               "the previous layer's in the ", expert ? "expert" : "dense", " buffer");
-      if (first < 0) first = r.begin;
+    std::vector<std::pair<Range, size_t>> present;  // (range, layer), by position in the buffer
+    for (size_t l = 0; l < ranges.size(); ++l)
+      if (ranges[l].begin >= 0 && ranges[l].end > ranges[l].begin) present.push_back({ranges[l], l});
+    std::sort(present.begin(), present.end(), [](const auto& a, const auto& b) { return a.first.begin < b.first.begin; });
+    int64_t cursor = 0;
+    for (const auto& [r, l] : present) {
+      MC_CHECK(r.begin >= cursor, "--overlap-param-gather: decoder layer ", l, "'s parameters overlap another layer's in the ",
+               expert ? "expert" : "dense", " buffer");
+      if (r.begin > cursor) (expert ? units.front().expert : units.front().dense).push_back({cursor, r.begin});
+      (expert ? units[l + 1].expert : units[l + 1].dense).push_back(r);
       cursor = r.end;
-      (expert ? units[l + 1].expert : units[l + 1].dense) = r;
     }
-    (expert ? units.front().expert : units.front().dense) = {0, first < 0 ? 0 : first};
-    (expert ? units.back().expert : units.back().dense) = {cursor < 0 ? 0 : cursor, size};
+    if (size > cursor) (expert ? units.back().expert : units.back().dense).push_back({cursor, size});
   }
   gather_units_ = std::move(units);
   gather_events_.clear();
@@ -173,8 +175,8 @@ void Optimizer::start_param_gather() {
     on_comm.emplace(comm_stream_);
   }
   for (size_t u = 0; u < gather_units_.size(); ++u) {
-    gather_range(false, gather_units_[u].dense);
-    gather_range(true, gather_units_[u].expert);
+    for (const Range& r : gather_units_[u].dense) gather_range(false, r);
+    for (const Range& r : gather_units_[u].expert) gather_range(true, r);
     if (has_comm_stream_) gather_events_[u]->record(comm_stream_);
   }
   gathers_pending_ = has_comm_stream_;
@@ -555,7 +557,7 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
     for (const auto& p : store_.all()) {  // fp32-compute parameters: their whole master from the shards
       if (!p->trainable) continue;
       if (p->master.defined()) p->master.copy_from(shard_master(*p));
-      else if (split && p->weight.data_ptr() != p->high.data_ptr()) p->weight.copy_from(shard_master(*p));
+      else if (split && p->weight.data_ptr() != p->high.data_ptr()) ops::assign_cast(shard_master(*p), p->weight);
     }
   }
   store_.refresh_compute_weights(writes_weight);
@@ -667,7 +669,7 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
       Tensor remainder = Tensor::empty(p->shape, DType::I16, store_.device());
       ops::split_master(master.contiguous(), high, remainder);
       p->high.copy_from(high);
-      if (p->weight.data_ptr() != p->high.data_ptr()) p->weight.copy_from(master);  // fp32 compute
+      if (p->weight.data_ptr() != p->high.data_ptr()) ops::assign_cast(master, p->weight);  // fp32 / fp64 compute
       const int64_t offset = store_.grad_offset(*p);
       const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
       if (!o.empty())

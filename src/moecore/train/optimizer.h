@@ -152,7 +152,7 @@ class Optimizer {
   // Parameter gathering (--overlap-param-gather): the units in order, their events, the buffer each
   // gathers into (the bf16 weights with sharded masters, else the masters) and one range's gather.
   struct GatherUnit {
-    Range dense, expert;
+    std::vector<Range> dense, expert;  // pieces of each buffer
   };
   std::vector<GatherUnit> gather_units_;
   std::vector<std::unique_ptr<Event>> gather_events_;
