@@ -155,6 +155,16 @@ for case in "4 --bf16 --use-distributed-optimizer" \
   compare "$dir/dp.jsonl" "$dir/single.jsonl" 1e-3 || { echo "FAIL: np=$case differs from one bf16 rank"; exit 1; }
   echo "np=$case: same losses and grad norm as one bf16 rank"
 done
+# The CPU's fp64 router with bf16 compute: its weight is the (whole or split) fp32 master widened,
+# kept whole beside the shards by the distributed optimizer.
+for masters in "" "--no-store-param-remainders"; do
+  # shellcheck disable=SC2086
+  run_single --bf16 --moe-router-dtype fp64 $masters
+  # shellcheck disable=SC2086
+  run_ranks 2 --bf16 --moe-router-dtype fp64 $masters --use-distributed-optimizer
+  compare "$dir/dp.jsonl" "$dir/single.jsonl" 1e-3 || { echo "FAIL: fp64 router, bf16, distributed [$masters] differs"; exit 1; }
+  echo "np=2 bf16 + fp64 router + distributed optimizer [${masters:-split masters}]: same losses and grad norm as one rank"
+done
 # bf16 AdamW states (precision-aware optimizer): sharded by the distributed optimizer as on one rank.
 bf16_states=(--bf16 --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)
 run_single "${bf16_states[@]}"

@@ -217,7 +217,8 @@ void Optimizer::shard_masters() {
   }
   for (const auto& p : store_.all()) {
     if (!p->trainable) continue;
-    if (p->compute_dtype == p->master.dtype()) {  // fp32 compute (router): a whole master of its own
+    // The router computes in fp32 (or, on the CPU, fp64): a whole master of its own, cast into its weight.
+    if (p->compute_dtype != store_.compute_dtype()) {
       const bool aliased = p->weight.data_ptr() == p->master.data_ptr();
       p->master = p->master.clone();
       if (aliased) p->weight = p->master;
