@@ -527,7 +527,7 @@ TEST(GpuAdamW, F64IsRefusedOnCuda) {
   }
 }
 
-// ---- split fp32 masters (--store-param-remainders) ------------------------------------
+// ---- split fp32 masters (the default with --bf16) -------------------------------------
 // Split and join are bit operations: the GPU gives the CPU's halves and floats exactly, for
 // floats of every exponent and both signs (random bit patterns, NaNs left out).
 TEST(GpuMasterSplit, SplitAndJoinMatchCpuBitForBit) {

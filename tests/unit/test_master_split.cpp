@@ -1,4 +1,4 @@
-// Split fp32 masters (ops/master_split.h, --store-param-remainders): the two halves give back
+// Split fp32 masters (ops/master_split.h; --no-store-param-remainders turns them off): the two halves give back
 // every f32 bit for bit; the high half is the bf16 a cast gives, except on exact ties; AdamW on
 // the halves is AdamW on the f32 master; a ParamStore with split masters steps its optimizer to the
 // same masters (and checkpoint tensors) as one with whole fp32 masters; bad arguments are named.

@@ -320,7 +320,7 @@ void ParamStore::refresh_compute_weights(const std::function<bool(const Param&)>
 
 void ParamStore::store_param_remainders(bool on) {
   MC_CHECK(!grad_buffer_.defined(), "store_param_remainders: call before initialize()");
-  MC_CHECK(!on || (master_ == DType::F32 && compute_ == DType::BF16), "split masters (--store-param-remainders) need ",
+  MC_CHECK(!on || (master_ == DType::F32 && compute_ == DType::BF16), "split masters (stored param remainders) need ",
            "bf16 compute with f32 masters; this store has ", dtype_name(master_), " masters and ", dtype_name(compute_),
            " compute");
   remainders_ = on;

@@ -104,7 +104,7 @@ class ParamStore {
   void initialize(int64_t dense_shard_multiple = 1, int64_t expert_shard_multiple = 1);
   Tensor& master_buffer() { return master_buffer_; }
   Tensor& expert_master_buffer() { return expert_master_buffer_; }
-  // Split masters (--store-param-remainders, the default with bf16 compute and f32 masters; call
+  // Split masters (the default with bf16 compute and f32 masters, off with --no-store-param-remainders; call
   // before initialize()): every trainable parameter's fp32 master is kept as its bf16 high half
   // and an int16 remainder (ops/master_split.h), in two flat buffers of the gradient layout, instead
   // of a flat fp32 master buffer next to the bf16 weights: 2 bytes fewer per parameter, the same

@@ -1,6 +1,6 @@
-// An fp32 master weight kept as two 16-bit halves (--store-param-remainders, the default with
-// --bf16; TransformerEngine's FusedAdam stores its masters the same way): `high`, the bf16
-// compute weight the forward reads, and `remainder`, an int16 holding the low 16 bits. The two
+// An fp32 master weight kept as two 16-bit halves (the default with --bf16, off with
+// --no-store-param-remainders; TransformerEngine's FusedAdam stores its masters the same way):
+// `high`, the bf16 compute weight the forward reads, and `remainder`, an int16 holding the low 16 bits. The two
 // are the fp32 value bit for bit, so AdamW keeps full fp32 masters while the model holds 2 bytes
 // per parameter fewer than separate fp32 masters and bf16 weights (and the optimizer moves 2
 // bytes fewer per parameter).
