@@ -585,33 +585,32 @@ Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
   return full;
 }
 
-Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_state) {
+Tensor Optimizer::assemble(const Param& p, Shard& s, const std::function<void(Range part, Tensor& dst)>& fill) {
   // Zeros outside this rank's shard, then a sum over the group: each element has one owner.
-  // In the master dtype (bf16 moments are widened exactly: checkpoints hold f32 moments).
-  Tensor t = Tensor::zeros(p.shape, store_.master_dtype(), shard_state.device());
-  const int64_t offset = store_.grad_offset(p), n = numel(p);
-  const Overlap o = overlap(offset, n, s.begin, s.end);
-  if (!o.empty()) {
-    Tensor dst = t.view({n}).slice(0, o.lo - offset, o.hi - offset);
-    ops::assign_cast(shard_state.slice(0, o.lo - s.begin, o.hi - s.begin), dst);
-  }
-  if (s.group) s.group->all_reduce(t, comm::ReduceOp::Sum);
-  return t;
-}
-
-Tensor Optimizer::shard_master(const Param& p) {
-  Shard& s = shard_of(p);
-  if (!store_.param_remainders()) return param_state(p, s, s.master);
-  // The joined halves of this rank's part (zeros elsewhere), summed over the group.
   Tensor t = Tensor::zeros(p.shape, store_.master_dtype(), store_.device());
   const int64_t offset = store_.grad_offset(p), n = numel(p);
   const Overlap o = overlap(offset, n, s.begin, s.end);
   if (!o.empty()) {
     Tensor dst = t.view({n}).slice(0, o.lo - offset, o.hi - offset);
-    ops::join_master(s.weights.slice(0, o.lo, o.hi), s.remainder.slice(0, o.lo - s.begin, o.hi - s.begin), dst);
+    fill({o.lo, o.hi}, dst);
   }
   if (s.group) s.group->all_reduce(t, comm::ReduceOp::Sum);
   return t;
+}
+
+Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_state) {
+  // In the master dtype (bf16 moments are widened exactly: checkpoints hold f32 moments).
+  return assemble(p, s, [&](Range r, Tensor& dst) {
+    ops::assign_cast(shard_state.slice(0, r.begin - s.begin, r.end - s.begin), dst);
+  });
+}
+
+Tensor Optimizer::shard_master(const Param& p) {
+  Shard& s = shard_of(p);
+  if (!store_.param_remainders()) return param_state(p, s, s.master);
+  return assemble(p, s, [&](Range r, Tensor& dst) {  // the joined halves
+    ops::join_master(s.weights.slice(0, r.begin, r.end), s.remainder.slice(0, r.begin - s.begin, r.end - s.begin), dst);
+  });
 }
 
 void Optimizer::full_state(const std::function<void(const std::string& name, const Tensor& full)>& sink) {

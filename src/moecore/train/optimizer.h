@@ -149,6 +149,9 @@ class Optimizer {
     int64_t begin = 0, end = 0;  // elements of one flat buffer
   };
   void compute_layer_ranges();  // layer_dense_, layer_expert_ (overlap)
+  // One parameter's whole tensor from the shards: fill(part, dst) writes this rank's elements
+  // `part` (of the flat buffer) into dst; zeros elsewhere, summed over the shard group.
+  Tensor assemble(const Param& p, Shard& s, const std::function<void(Range part, Tensor& dst)>& fill);
   // Parameter gathering (--overlap-param-gather): the units in order, their events, the buffer each
   // gathers into (the bf16 weights with sharded masters, else the masters) and one range's gather.
   struct GatherUnit {
