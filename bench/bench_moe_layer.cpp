@@ -8,7 +8,11 @@
 // untrained router (printed as the max/min tokens per expert).
 //
 // Timing: each iteration (forward + backward) between two CUDA events, `iters` iterations after
-// `warmup`; the median is reported. The grouped GEMM implementation is the process default
+// `warmup`; the median is reported. Two gradient modes, each its own run: "accumulate" (the
+// weight gradients are added to, as in every micro-batch after a step's first: the expert wgrads
+// read and write their fp32 gradients) and "step" (each iteration is a step's first micro-batch,
+// as in every step with one micro-batch: the gradients are written, not read; the store marks
+// them stale between iterations, outside the timing). The grouped GEMM implementation is the process default
 // (MOECORE_GROUPED_GEMM=loop|grouped|hopper|mixed selects it). Without a CUDA device it prints one line.
 // Flags: --iters N (default 10), --warmup N (default 3), --quick (qwen3 only),
 // --breakdown: also time each op of one forward + backward separately (the same ops, shapes and
@@ -53,7 +57,7 @@ struct Result {
   double max_tokens, min_tokens;  // assignments per expert in the last iteration
 };
 
-Result run(const LayerCase& lc, int warmup, int iters) {
+Result run(const LayerCase& lc, int warmup, int iters, bool first_micro_batch) {
   const Device dev = Device::cuda(0);
   ModelConfig c;
   c.num_layers = 1;
@@ -79,6 +83,7 @@ Result run(const LayerCase& lc, int warmup, int iters) {
   ops::fill_normal(dy, 7, rng_key("bench-moe-dy"), 0.0, 1e-3);
   std::vector<double> times;
   for (int i = 0; i < warmup + iters; ++i) {
+    if (first_micro_batch) store.mark_grads_stale();
     Event start(dev), stop(dev);
     start.record();
     MoeLayer::Ctx ctx;
@@ -264,24 +269,35 @@ int main(int argc, char** argv) {
     if (quick) cases.erase(cases.begin());
     if (want_breakdown)
       for (const LayerCase& lc : cases) breakdown(lc, static_cast<int>(warmup), static_cast<int>(iters), card);
-    std::vector<std::pair<LayerCase, Result>> results;
+    struct Row {
+      LayerCase lc;
+      std::string grads;
+      Result r;
+    };
+    std::vector<Row> results;
     for (const LayerCase& lc : cases) {
-      const Result r = run(lc, static_cast<int>(warmup), static_cast<int>(iters));
-      results.push_back({lc, r});
-      const nlohmann::json j = {{"bench", "moe_layer"}, {"case", lc.name}, {"device", card},
-                                {"grouped_gemm", impl}, {"median_ms", r.median_ms}, {"min_ms", r.min_ms},
-                                {"target_ms", lc.target_ms}, {"pytorch_ms", lc.pytorch_ms},
-                                {"max_tokens_per_expert", r.max_tokens}, {"min_tokens_per_expert", r.min_tokens}};
-      std::printf("%s\n", j.dump().c_str());
-      std::fflush(stdout);
+      for (const bool step : {false, true}) {
+        const Result r = run(lc, static_cast<int>(warmup), static_cast<int>(iters), step);
+        const std::string grads = step ? "step" : "accumulate";
+        results.push_back({lc, grads, r});
+        const nlohmann::json j = {{"bench", "moe_layer"}, {"case", lc.name}, {"device", card},
+                                  {"grouped_gemm", impl}, {"weight_grads", grads}, {"median_ms", r.median_ms},
+                                  {"min_ms", r.min_ms},
+                                  {"target_ms", lc.target_ms}, {"pytorch_ms", lc.pytorch_ms},
+                                  {"max_tokens_per_expert", r.max_tokens}, {"min_tokens_per_expert", r.min_tokens}};
+        std::printf("%s\n", j.dump().c_str());
+        std::fflush(stdout);
+      }
     }
     std::printf("\nMoE layer forward+backward on %s (bf16, fp32 router, aux loss; grouped GEMM: %s)\n", card.c_str(),
                 impl.c_str());
-    std::printf("%-34s %10s %10s %10s %11s %12s %14s\n", "case", "median ms", "min ms", "target ms", "vs target",
-                "PyTorch ms", "tokens/expert");
-    for (const auto& [lc, r] : results)
-      std::printf("%-34s %10.2f %10.2f %10.1f %10.2fx %12.1f %7.0f-%-6.0f\n", lc.name.c_str(), r.median_ms, r.min_ms,
-                  lc.target_ms, r.median_ms / lc.target_ms, lc.pytorch_ms, r.min_tokens, r.max_tokens);
+    std::printf("weight gradients: accumulate = added to (a later micro-batch); step = written (a step's first)\n");
+    std::printf("%-34s %-11s %10s %10s %10s %11s %12s %14s\n", "case", "grads", "median ms", "min ms", "target ms",
+                "vs target", "PyTorch ms", "tokens/expert");
+    for (const Row& row : results)
+      std::printf("%-34s %-11s %10.2f %10.2f %10.1f %10.2fx %12.1f %7.0f-%-6.0f\n", row.lc.name.c_str(),
+                  row.grads.c_str(), row.r.median_ms, row.r.min_ms, row.lc.target_ms, row.r.median_ms / row.lc.target_ms,
+                  row.lc.pytorch_ms, row.r.min_tokens, row.r.max_tokens);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe_layer: error: %s\n", e.what());
