@@ -251,7 +251,7 @@ TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::st
                                           "num-virtual-stages-per-pipeline-rank", "decoder-first-pipeline-num-layers",
                                           "decoder-last-pipeline-num-layers", "expert-model-parallel-size",
                                           "expert-tensor-parallel-size", "use-distributed-optimizer",
-                                          "overlap-grad-reduce", "no-store-param-remainders"};
+                                          "overlap-grad-reduce", "overlap-param-gather", "no-store-param-remainders"};
   for (const auto& [name, value] : saved) {
     if (std::find(std::begin(kNotModel), std::end(kNotModel), name) != std::end(kNotModel)) continue;
     flags.set(name, value, origin);

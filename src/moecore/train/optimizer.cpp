@@ -133,7 +133,11 @@ void Optimizer::set_overlap_param_gather(bool on) {
       (expert ? units[l + 1].expert : units[l + 1].dense).push_back(r);
       cursor = r.end;
     }
-    if (size > cursor) (expert ? units.back().expert : units.back().dense).push_back({cursor, size});
+    // A buffer without decoder layers here (a chunk of none): all of it in unit 0, which every
+    // wait covers (the units run in order), rather than in the last unit, which the embedding's
+    // wait would not.
+    GatherUnit& tail = present.empty() ? units.front() : units.back();
+    if (size > cursor) (expert ? tail.expert : tail.dense).push_back({cursor, size});
   }
   gather_units_ = std::move(units);
   gather_events_.clear();
@@ -471,7 +475,10 @@ double Optimizer::params_norm_sq() {
       }
       return joined_squares(expert, store_.high_buffer(expert), store_.remainder_buffer(expert), 0);
     };
-    return sum_over(groups_.pp, sum_over(groups_.tp, part(false)) + sum_over(groups_.ep, sum_over(groups_.etp, part(true))));
+    // One statement each: every rank must issue the host collectives in the same order.
+    const double dense = sum_over(groups_.tp, part(false));
+    const double expert = sum_over(groups_.ep, sum_over(groups_.etp, part(true)));
+    return sum_over(groups_.pp, dense + expert);
   }
   if (sharded_masters_) {
     const double dense = sum_over(groups_.tp, sum_over(dense_.group, dense_squares(dense_.master, dense_.begin)));
