@@ -315,10 +315,10 @@ int main(int argc, char** argv) {
                 impl.c_str());
     std::printf("weight gradients: accumulate = added to (a later micro-batch); step = written (a step's first)\n");
     std::printf("ms: back to back (as in training) / one by one, median and min (the host waits after each)\n");
-    std::printf("%-34s %-11s %8s %10s %8s %10s %10s %12s %14s\n", "case", "grads", "ms", "1-by-1 med", "1-by-1 min",
+    std::printf("%-34s %-11s %8s %10s %10s %10s %10s %12s %14s\n", "case", "grads", "ms", "1-by-1 med", "1-by-1 min",
                 "target ms", "vs target", "PyTorch ms", "tokens/expert");
     for (const Row& row : results)
-      std::printf("%-34s %-11s %8.2f %10.2f %8.2f %10.1f %9.2fx %12.1f %7.0f-%-6.0f\n", row.lc.name.c_str(),
+      std::printf("%-34s %-11s %8.2f %10.2f %10.2f %10.1f %9.2fx %12.1f %7.0f-%-6.0f\n", row.lc.name.c_str(),
                   row.grads.c_str(), row.r.back_to_back_ms, row.r.median_ms, row.r.min_ms, row.lc.target_ms,
                   row.r.back_to_back_ms / row.lc.target_ms, row.lc.pytorch_ms, row.r.min_tokens, row.r.max_tokens);
     return 0;
