@@ -145,6 +145,22 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("tp-comm-overlap", &a.tp_comm_overlap, "not available: TP collectives run on the compute stream (refused)");
   f.add_string("moe-flex-dispatcher-backend", &a.flex_dispatcher_backend, "not available: the flex dispatcher (refused)");
   f.add_bool("manual-gc", &a.manual_gc, "Python's garbage collector: moecore has none (refused: drop the flag)");
+  f.add_bool("overlap-moe-expert-parallel-comm", &a.overlap_moe_ep_comm,
+             "not available: EP all-to-alls overlapped with another micro-batch (refused)");
+  f.add_bool("delay-wgrad-compute", &a.delay_wgrad_compute,
+             "not available: goes with --overlap-moe-expert-parallel-comm (refused)");
+  f.add_bool("moe-shared-expert-overlap", &a.moe_shared_expert_overlap,
+             "not available: the shared expert runs after the dispatch (refused)");
+  f.add_bool("moe-enable-deepep", &a.moe_enable_deepep, "not available: DeepEP kernels (the flex dispatcher) (refused)");
+  f.add_bool("moe-layer-recompute", &a.moe_layer_recompute,
+             "not available: whole-MoE-layer recomputation; --recompute-modules moe_act is (refused)");
+  f.add_bool("moe-use-upcycling", &a.moe_use_upcycling, "not available: dense-to-MoE upcycling (refused)");
+  f.add_int("moe-upcycling-granularity", &a.moe_upcycling_granularity,
+            "not available: goes with --moe-use-upcycling (refused unless 1)");
+  f.add_string("fp8-format", &a.fp8_format, "not available: FP8 training (refused)");
+  f.add_string("fp8-recipe", &a.fp8_recipe, "not available: FP8 training (refused)");
+  f.add_bool("fp8-param-gather", &a.fp8_param_gather, "not available: FP8 training (refused)");
+  f.add_bool("moe-router-padding-for-fp8", &a.moe_router_padding_for_fp8, "not available: FP8 training (refused)");
   f.add_bool("mock-data", &a.mock_data, "synthetic learnable data (arithmetic progressions)");
   f.add_list("data-path", &a.data_path, "Megatron dataset prefixes (.bin/.idx), optionally weighted: [w1] p1 [w2 p2 ...]");
   f.add_string("split", &a.split, "train,valid,test weights over documents");
@@ -480,6 +496,25 @@ void finalize_train_args(TrainArgs& a) {
            ": the flex dispatcher (DeepEP / HybridEP kernels) is not available in this version; use "
            "--moe-token-dispatcher-type alltoall or allgather");
   MC_CHECK(!a.manual_gc, "--manual-gc controls Python's garbage collector; moecore has none: drop the flag");
+  MC_CHECK(!a.overlap_moe_ep_comm, "--overlap-moe-expert-parallel-comm is not available in this version: the "
+           "expert-parallel all-to-alls are not overlapped with another micro-batch's computation; drop the flag");
+  MC_CHECK(!a.delay_wgrad_compute, "--delay-wgrad-compute is not available in this version (it goes with "
+           "--overlap-moe-expert-parallel-comm): drop the flag");
+  MC_CHECK(!a.moe_shared_expert_overlap, "--moe-shared-expert-overlap is not available in this version: the shared "
+           "expert runs on the compute stream after the token dispatch; drop the flag");
+  MC_CHECK(!a.moe_enable_deepep, "--moe-enable-deepep: the flex dispatcher (DeepEP kernels) is not available in this "
+           "version; use --moe-token-dispatcher-type alltoall or allgather");
+  MC_CHECK(!a.moe_layer_recompute, "--moe-layer-recompute (whole-MoE-layer recomputation) is not available in this "
+           "version; --recompute-granularity selective --recompute-modules moe_act recomputes the expert activation");
+  MC_CHECK(!a.moe_use_upcycling, "--moe-use-upcycling (dense-to-MoE upcycling) is not available in this version; "
+           "drop the flag");
+  MC_CHECK(a.moe_upcycling_granularity == 1, "--moe-upcycling-granularity ", a.moe_upcycling_granularity,
+           ": upcycling is not available in this version (the flag goes with --moe-use-upcycling)");
+  for (const auto& [given, flag] : {std::pair{!a.fp8_format.empty(), "--fp8-format"},
+                                    std::pair{!a.fp8_recipe.empty(), "--fp8-recipe"},
+                                    std::pair{a.fp8_param_gather, "--fp8-param-gather"},
+                                    std::pair{a.moe_router_padding_for_fp8, "--moe-router-padding-for-fp8"}})
+    MC_CHECK(!given, flag, ": FP8 training is not available in this version; train in bf16 (--bf16) and drop the flag");
   if (a.token_dispatcher == "alltoall") {
     a.dispatcher = DispatcherType::AllToAll;
   } else if (a.token_dispatcher == "allgather") {

@@ -59,6 +59,13 @@ struct TrainArgs {
        cross_entropy_loss_fusion = false;
   std::string cross_entropy_fusion_impl, flex_dispatcher_backend;
   bool overlap_param_gather = false, tp_comm_overlap = false, manual_gc = false;
+  // Megatron's MoE and FP8 flags for features this version lacks: parsed so that each is refused
+  // by name with what to do instead, rather than as an unknown flag.
+  bool overlap_moe_ep_comm = false, delay_wgrad_compute = false, moe_shared_expert_overlap = false,
+       moe_enable_deepep = false, moe_layer_recompute = false, moe_use_upcycling = false,
+       moe_router_padding_for_fp8 = false, fp8_param_gather = false;
+  int64_t moe_upcycling_granularity = 1;
+  std::string fp8_format, fp8_recipe;
   std::string recompute_granularity;
   std::vector<std::string> recompute_modules;
   int64_t layers_per_virtual_stage = 0, virtual_stages_per_rank = 0;  // 0: no virtual stages
