@@ -622,6 +622,10 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--fp8-recipe", "blockwise"}, "--fp8-recipe: FP8 training is not available in this version"},
       {{"--fp8-param-gather"}, "--fp8-param-gather: FP8 training is not available in this version"},
       {{"--moe-router-padding-for-fp8"}, "--moe-router-padding-for-fp8: FP8 training is not available"},
+      {{"--hidden-dropout", "0.1"}, "--hidden-dropout 0.1: dropout is not available in this version"},
+      {{"--attention-dropout", "0.1"}, "--attention-dropout 0.1: dropout is not available in this version"},
+      {{"--ckpt-format", "torch_dist"}, "--ckpt-format torch_dist: moecore has one checkpoint format"},
+      {{"--auto-detect-ckpt-format"}, "--auto-detect-ckpt-format: moecore has one checkpoint format"},
       // activation recomputation
       {{"--recompute-granularity", "full"}, "--recompute-granularity full (whole-layer recomputation) is not available"},
       {{"--recompute-granularity", "some"}, "--recompute-granularity 'some': expected selective or full"},
@@ -644,6 +648,16 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
   // Overlap with the distributed optimizer is accepted (Megatron's recipe).
   EXPECT_EQ(parse_error(base_args({"--overlap-grad-reduce", "--use-distributed-optimizer"})), "");
   EXPECT_EQ(parse_error(base_args({"--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"})), "");
+  // The model flags of Megatron's example script: no dropout, no masked-softmax kernel, and
+  // --no-position-embedding (learned_absolute becomes none; RoPE stays).
+  EXPECT_EQ(parse_error(base_args({"--attention-dropout", "0.0", "--hidden-dropout", "0", "--no-masked-softmax-fusion"})),
+            "");
+  EXPECT_EQ(parse(base_args({"--no-position-embedding"})).model.position_embedding_type, "rope");
+  EXPECT_EQ(parse(base_args({"--position-embedding-type", "learned_absolute", "--no-position-embedding"}))
+                .model.position_embedding_type,
+            "none");
+  EXPECT_EQ(parse(base_args({"--position-embedding-type", "learned_absolute"})).model.position_embedding_type,
+            "learned_absolute");
   // The fusion flags of Megatron's performance recipe are accepted (moecore always fuses).
   EXPECT_EQ(parse_error(base_args({"--moe-grouped-gemm", "--moe-router-fusion", "--moe-permute-fusion",
                                    "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"})),

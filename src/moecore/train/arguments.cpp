@@ -29,7 +29,11 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_string("normalization", &a.normalization_, "RMSNorm or LayerNorm");
   f.add_double("norm-epsilon", &m.norm_epsilon, "normalisation epsilon");
   f.add_string("position-embedding-type", &m.position_embedding_type, "rope, learned_absolute or none");
+  f.add_bool("no-position-embedding", &a.no_position_embedding,
+             "no learned position embedding: learned_absolute becomes none (rope is unchanged)");
   f.add_double("rotary-base", &m.rotary_base, "RoPE base");
+  f.add_double("attention-dropout", &a.attention_dropout, "dropout of attention probabilities: 0 only (no dropout)");
+  f.add_double("hidden-dropout", &a.hidden_dropout, "dropout of hidden states: 0 only (no dropout)");
   f.add_bool("swiglu", &a.swiglu_flag_, "SwiGLU MLPs and experts (default GELU)");
   f.add_bool("disable-bias-linear", &a.disable_bias_flag_, "no biases in linear layers");
   f.add_bool("add-qkv-bias", &m.add_qkv_bias, "biases on the query/key/value projections only, even with --disable-bias-linear (Qwen2)");
@@ -145,6 +149,10 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("tp-comm-overlap", &a.tp_comm_overlap, "not available: TP collectives run on the compute stream (refused)");
   f.add_string("moe-flex-dispatcher-backend", &a.flex_dispatcher_backend, "not available: the flex dispatcher (refused)");
   f.add_bool("manual-gc", &a.manual_gc, "Python's garbage collector: moecore has none (refused: drop the flag)");
+  f.add_bool("no-masked-softmax-fusion", &a.no_masked_softmax_fusion,
+             "accepted: moecore's attention has no masked-softmax kernel to turn off");
+  f.add_string("ckpt-format", &a.ckpt_format, "not available: one checkpoint format (refused)");
+  f.add_bool("auto-detect-ckpt-format", &a.auto_detect_ckpt_format, "not available: one checkpoint format (refused)");
   f.add_bool("overlap-moe-expert-parallel-comm", &a.overlap_moe_ep_comm,
              "not available: EP all-to-alls overlapped with another micro-batch (refused)");
   f.add_bool("delay-wgrad-compute", &a.delay_wgrad_compute,
@@ -226,7 +234,7 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
   static const std::vector<std::string> model = {
       "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
       "num-query-groups", "kv-channels", "max-position-embeddings", "vocab-size", "normalization",
-      "position-embedding-type", "rotary-base", "swiglu", "disable-bias-linear", "add-qkv-bias",
+      "position-embedding-type", "no-position-embedding", "rotary-base", "swiglu", "disable-bias-linear", "add-qkv-bias",
       "untie-embeddings-and-output-weights", "qk-layernorm", "num-experts", "moe-layer-freq", "moe-ffn-hidden-size",
       "moe-router-topk", "moe-router-score-function", "moe-router-pre-softmax", "moe-router-num-groups",
       "moe-router-group-topk", "moe-router-topk-scaling-factor", "moe-router-enable-expert-bias",
@@ -312,6 +320,8 @@ void finalize_train_args(TrainArgs& a) {
   }
   m.swiglu = a.swiglu_flag_;
   m.add_bias_linear = !a.disable_bias_flag_;
+  // Megatron's --no-position-embedding removes the learned absolute table; RoPE is not one.
+  if (a.no_position_embedding && m.position_embedding_type == "learned_absolute") m.position_embedding_type = "none";
   if (!a.group_query_attention_flag_) {
     MC_CHECK(m.num_query_groups == 0 || m.num_query_groups == m.num_attention_heads,
              "--num-query-groups needs --group-query-attention");
@@ -496,6 +506,14 @@ void finalize_train_args(TrainArgs& a) {
            ": the flex dispatcher (DeepEP / HybridEP kernels) is not available in this version; use "
            "--moe-token-dispatcher-type alltoall or allgather");
   MC_CHECK(!a.manual_gc, "--manual-gc controls Python's garbage collector; moecore has none: drop the flag");
+  for (const auto& [value, flag] : {std::pair{a.attention_dropout, "--attention-dropout"},
+                                    std::pair{a.hidden_dropout, "--hidden-dropout"}})
+    MC_CHECK(value == 0.0, flag, " ", value, ": dropout is not available in this version (the model has no dropout "
+             "layers); pass 0 or drop the flag");
+  MC_CHECK(a.ckpt_format.empty(), "--ckpt-format ", a.ckpt_format, ": moecore has one checkpoint format (full tensors "
+           "in safetensors, read and written by every parallel layout); drop the flag");
+  MC_CHECK(!a.auto_detect_ckpt_format, "--auto-detect-ckpt-format: moecore has one checkpoint format (HF checkpoints "
+           "come in through moecore convert); drop the flag");
   MC_CHECK(!a.overlap_moe_ep_comm, "--overlap-moe-expert-parallel-comm is not available in this version: the "
            "expert-parallel all-to-alls are not overlapped with another micro-batch's computation; drop the flag");
   MC_CHECK(!a.delay_wgrad_compute, "--delay-wgrad-compute is not available in this version (it goes with "

@@ -66,6 +66,12 @@ struct TrainArgs {
        moe_router_padding_for_fp8 = false, fp8_param_gather = false;
   int64_t moe_upcycling_granularity = 1;
   std::string fp8_format, fp8_recipe;
+  // Flags of Megatron's example scripts: dropout (0 only: the model has none), the masked-softmax
+  // kernel switch (moecore's attention has no such kernel), --no-position-embedding (turns
+  // learned_absolute into none) and the checkpoint format flags (refused: one format).
+  double attention_dropout = 0.0, hidden_dropout = 0.0;
+  bool no_masked_softmax_fusion = false, no_position_embedding = false, auto_detect_ckpt_format = false;
+  std::string ckpt_format;
   std::string recompute_granularity;
   std::vector<std::string> recompute_modules;
   int64_t layers_per_virtual_stage = 0, virtual_stages_per_rank = 0;  // 0: no virtual stages
