@@ -151,6 +151,23 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("manual-gc", &a.manual_gc, "Python's garbage collector: moecore has none (refused: drop the flag)");
   f.add_bool("no-masked-softmax-fusion", &a.no_masked_softmax_fusion,
              "accepted: moecore's attention has no masked-softmax kernel to turn off");
+  f.add_string("cuda-graph-impl", &a.cuda_graph_impl, "not available: CUDA graphs (refused)");
+  f.add_list("cuda-graph-scope", &a.cuda_graph_scope, "not available: CUDA graphs (refused)");
+  f.add_bool("external-cuda-graph", &a.external_cuda_graph, "not available: CUDA graphs (refused)");
+  f.add_bool("te-rng-track", &a.te_rng_track, "not available: Transformer Engine's RNG tracker (refused)");
+  f.add_bool("overlap-p2p-comm", &a.overlap_p2p_comm, "not available: pipeline sends overlapped with compute (refused)");
+  f.add_string("pipeline-model-parallel-layout", &a.pipeline_layout,
+               "not available: custom pipeline layouts; --decoder-first/last-pipeline-num-layers are (refused)");
+  f.add_int("mtp-num-layers", &a.mtp_num_layers, "not available: multi-token prediction (refused unless 0)");
+  f.add_int("num-distributed-optimizer-instances", &a.distributed_optimizer_instances,
+            "not available: hybrid-sharded data parallelism (refused unless 1)");
+  f.add_bool("fine-grained-activation-offloading", &a.fine_grained_activation_offloading,
+             "not available: activation offloading (refused)");
+  f.add_list("offload-modules", &a.offload_modules, "not available: activation offloading (refused)");
+  f.add_bool("optimizer-cpu-offload", &a.optimizer_cpu_offload, "not available: optimizer offloading (refused)");
+  f.add_bool("fake-init-process-group", &a.fake_init_process_group,
+             "not available: emulated ranks for memory planning (refused)");
+  f.add_int("manual-gc-interval", &a.manual_gc_interval, "Python's garbage collector: moecore has none (refused)");
   f.add_string("ckpt-format", &a.ckpt_format, "not available: one checkpoint format (refused)");
   f.add_bool("auto-detect-ckpt-format", &a.auto_detect_ckpt_format, "not available: one checkpoint format (refused)");
   f.add_bool("overlap-moe-expert-parallel-comm", &a.overlap_moe_ep_comm,
@@ -514,6 +531,32 @@ void finalize_train_args(TrainArgs& a) {
            "in safetensors, read and written by every parallel layout); drop the flag");
   MC_CHECK(!a.auto_detect_ckpt_format, "--auto-detect-ckpt-format: moecore has one checkpoint format (HF checkpoints "
            "come in through moecore convert); drop the flag");
+  MC_CHECK(a.cuda_graph_impl.empty() && a.cuda_graph_scope.empty() && !a.external_cuda_graph,
+           a.cuda_graph_impl.empty() ? (a.external_cuda_graph ? "--external-cuda-graph" : "--cuda-graph-scope")
+                                     : "--cuda-graph-impl",
+           ": CUDA graphs are not available in this version (a step makes one host wait, for the gradient norm; "
+           "docs/performance.md); drop the flag");
+  MC_CHECK(!a.te_rng_track, "--te-rng-track: Transformer Engine's RNG tracker does not exist in moecore (it goes with "
+           "CUDA graphs, not available in this version); drop the flag");
+  MC_CHECK(!a.overlap_p2p_comm, "--overlap-p2p-comm is not available in this version: pipeline sends and receives "
+           "are not overlapped with computation; drop the flag");
+  MC_CHECK(a.pipeline_layout.empty(), "--pipeline-model-parallel-layout is not available in this version; give uneven "
+           "stages with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers");
+  MC_CHECK(a.mtp_num_layers == 0, "--mtp-num-layers ", a.mtp_num_layers,
+           ": multi-token prediction is not available in this version; drop the flag");
+  MC_CHECK(a.distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances ",
+           a.distributed_optimizer_instances, ": hybrid-sharded data parallelism is not available in this version "
+           "(the distributed optimizer shards over the whole data-parallel group); drop the flag");
+  MC_CHECK(!a.fine_grained_activation_offloading && a.offload_modules.empty(),
+           a.fine_grained_activation_offloading ? "--fine-grained-activation-offloading" : "--offload-modules",
+           ": activation offloading is not available in this version; --recompute-granularity selective "
+           "--recompute-modules moe_act saves the expert activation's memory");
+  MC_CHECK(!a.optimizer_cpu_offload, "--optimizer-cpu-offload is not available in this version: AdamW's states stay on "
+           "the device (--use-precision-aware-optimizer keeps them in bf16); drop the flag");
+  MC_CHECK(!a.fake_init_process_group, "--fake-init-process-group is not available in this version: launch the ranks "
+           "(mpirun, torchrun); drop the flag");
+  MC_CHECK(a.manual_gc_interval == 0, "--manual-gc-interval controls Python's garbage collector; moecore has none: "
+           "drop the flag");
   MC_CHECK(!a.overlap_moe_ep_comm, "--overlap-moe-expert-parallel-comm is not available in this version: the "
            "expert-parallel all-to-alls are not overlapped with another micro-batch's computation; drop the flag");
   MC_CHECK(!a.delay_wgrad_compute, "--delay-wgrad-compute is not available in this version (it goes with "
