@@ -30,6 +30,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_timing.h"
 #include "moecore/cli/flags.h"
 #include "moecore/core/philox.h"
 #include "moecore/core/system_info.h"
@@ -108,17 +109,7 @@ Result run(const LayerCase& lc, int warmup, int iters, bool first_micro_batch) {
   r.min_ms = times.front();
   // Back to back, as in training, where the host runs ahead of the GPU: the one-by-one timing
   // above also counts the GPU waiting for the host to enqueue each iteration's first kernels.
-  std::vector<double> means;
-  for (int rep = 0; rep < 3; ++rep) {
-    Event start(dev), stop(dev);
-    start.record();
-    for (int i = 0; i < iters; ++i) forward_backward();
-    stop.record();
-    stop.synchronize();
-    means.push_back(stop.elapsed_ms_since(start) / iters);
-  }
-  std::sort(means.begin(), means.end());
-  r.back_to_back_ms = means[1];
+  r.back_to_back_ms = bench::time_ms(dev, iters, 3, forward_backward, 0);  // warmed up above
   const MoeStepStats st = layer.finish_step();
   if (!st.tokens_per_expert.empty()) {
     r.max_tokens = *std::max_element(st.tokens_per_expert.begin(), st.tokens_per_expert.end());
