@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Resuming checks the flags: another model is refused naming the flag, other learning-rate
+# Resuming checks the flags: another model is refused naming the flag (the position embedding by
+# what --position-embedding-type and --no-position-embedding make), other learning-rate
 # settings are refused unless --override-opt-param-scheduler, a --load directory without a
 # checkpoint starts from scratch, and a 'latest' file naming a missing checkpoint falls back to
 # the newest complete one.
@@ -15,6 +16,12 @@ grep -q "no checkpoint in --load" "$dir/log" || { cat "$dir/log"; echo "FAIL: sc
 expect_fail "trained with --hidden-size 64; this run has 96" run --load "$dir/a" --hidden-size 96
 expect_fail "trained with --moe-router-topk 2; this run has 1" run --load "$dir/a" --moe-router-topk 1
 expect_fail "--override-opt-param-scheduler" run --load "$dir/a" --lr 1e-3 --train-iters 6
+# --no-position-embedding changes nothing with RoPE (resumes); with learned_absolute it removes the
+# table (refused, naming both flags)
+run --load "$dir/a" --no-position-embedding --train-iters 5 > "$dir/log" 2>&1 || { cat "$dir/log"; echo "FAIL: rope + --no-position-embedding"; exit 1; }
+run --save "$dir/learned" --position-embedding-type learned_absolute > /dev/null 2>&1
+expect_fail "position embedding 'learned_absolute' .*this run's has 'none'" \
+  run --load "$dir/learned" --position-embedding-type learned_absolute --no-position-embedding --train-iters 5
 out=$(run --load "$dir/a" --lr 1e-3 --train-iters 6 --override-opt-param-scheduler 2>&1)
 grep -q "note: --lr changed" <<<"$out" || { echo "$out"; echo "FAIL: change not listed"; exit 1; }
 grep -q "iteration        6/" <<<"$out" || { echo "$out"; echo "FAIL: did not continue"; exit 1; }

@@ -251,7 +251,7 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
   static const std::vector<std::string> model = {
       "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
       "num-query-groups", "kv-channels", "max-position-embeddings", "vocab-size", "normalization",
-      "position-embedding-type", "no-position-embedding", "rotary-base", "swiglu", "disable-bias-linear", "add-qkv-bias",
+      "position-embedding-type", "rotary-base", "swiglu", "disable-bias-linear", "add-qkv-bias",
       "untie-embeddings-and-output-weights", "qk-layernorm", "num-experts", "moe-layer-freq", "moe-ffn-hidden-size",
       "moe-router-topk", "moe-router-score-function", "moe-router-pre-softmax", "moe-router-num-groups",
       "moe-router-group-topk", "moe-router-topk-scaling-factor", "moe-router-enable-expert-bias",
@@ -265,9 +265,21 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
   auto in = [](const std::vector<std::string>& list, const std::string& n) {
     return std::find(list.begin(), list.end(), n) != list.end();
   };
+  // --no-position-embedding changes the model only with learned_absolute: compare what it makes.
+  auto saved_value = [&](const std::string& name, const std::string& otherwise) {
+    const auto it = std::find_if(saved.begin(), saved.end(), [&](const auto& kv) { return kv.first == name; });
+    return it == saved.end() ? otherwise : it->second;
+  };
+  std::string saved_positions = saved_value("position-embedding-type", now.model.position_embedding_type);
+  if (saved_positions == "learned_absolute" && saved_value("no-position-embedding", "false") == "true")
+    saved_positions = "none";
+  MC_CHECK(saved_positions == now.model.position_embedding_type, "--load: the checkpoint's model has position "
+           "embedding '", saved_positions, "' (--position-embedding-type, --no-position-embedding); this run's has '",
+           now.model.position_embedding_type, "' (the model must be the same to resume)");
   for (const auto& [name, value] : now.flag_values) {
     const auto it = std::find_if(saved.begin(), saved.end(), [&](const auto& kv) { return kv.first == name; });
     if (it == saved.end() || it->second == value || in(per_run, name)) continue;
+    if (name == "no-position-embedding" || name == "position-embedding-type") continue;  // compared above
     MC_CHECK(!in(model, name), "--load: the checkpoint was trained with --", name, " ", it->second, "; this run has ",
              value, " (the model must be the same to resume)");
     if (!check_schedule && !in(model, name)) continue;
