@@ -287,5 +287,25 @@ TEST(SentencePieceTokenizer, TinyModelRoundTrips) {
   EXPECT_THROW(t->decode({50}), Error);
 }
 
+// Llama2Tokenizer: the same model, with its BOS id (<s> = 1) before every text, as Megatron's
+// Llama2Tokenizer.tokenize (bos=True, eos=False); decoding drops the control piece.
+TEST(SentencePieceTokenizer, Llama2TokenizerPutsBosFirst) {
+  if (!tokenizer_has_sentencepiece()) GTEST_SKIP() << "moecore was built without SentencePiece (libsentencepiece-dev)";
+  const std::string model = (data_dir() / "tiny_sentencepiece.model").string();
+  auto plain = make_tokenizer("SentencePieceTokenizer", model);
+  auto llama = make_tokenizer("Llama2Tokenizer", model);
+  EXPECT_EQ(llama->name(), "Llama2Tokenizer");
+  EXPECT_EQ(llama->vocab_size(), plain->vocab_size());
+  EXPECT_EQ(llama->eod(), plain->eod());
+  Ids want = {1};
+  for (int64_t id : plain->encode("hello world 42")) want.push_back(id);
+  const Ids ids = llama->encode("hello world 42");
+  EXPECT_EQ(ids, want);
+  EXPECT_EQ(llama->decode(ids), "hello world 42");
+  EXPECT_EQ(llama->encode(""), Ids{1});
+  const std::string msg = error_of([] { make_tokenizer("Llama2Tokenizer", ""); });
+  EXPECT_EQ(msg, "--tokenizer-type Llama2Tokenizer needs --tokenizer-model (a .model file)");
+}
+
 }  // namespace
 }  // namespace moecore

@@ -2,7 +2,7 @@
 // tools/preprocess_data.py without sentence splitting.
 //
 //   moecore preprocess --input data.jsonl --json-keys text [title ...] --tokenizer-type
-//       ByteTokenizer|HuggingFaceTokenizer|SentencePieceTokenizer [--tokenizer-model PATH]
+//       ByteTokenizer|HuggingFaceTokenizer|SentencePieceTokenizer|Llama2Tokenizer [--tokenizer-model PATH]
 //       --output-prefix out/corpus [--append-eod] [--workers N] [--skip-bad-lines]
 //
 // Output per key: {prefix}_{key}_document.bin/.idx; one JSON line = one document = one

@@ -31,12 +31,13 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::st
     MC_CHECK(!model.empty(), "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json or its directory)");
     return std::make_unique<BpeTokenizer>(model);
   }
-  if (type == "SentencePieceTokenizer") {
-    MC_CHECK(!model.empty(), "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model (a .model file)");
-    return make_sentencepiece_tokenizer(model);
+  if (type == "SentencePieceTokenizer" || type == "Llama2Tokenizer") {
+    MC_CHECK(!model.empty(), "--tokenizer-type ", type, " needs --tokenizer-model (a .model file)");
+    return make_sentencepiece_tokenizer(model, type == "Llama2Tokenizer");
   }
   MC_FAIL("unknown tokenizer type '", type,
-          "'; expected ByteTokenizer, HuggingFaceTokenizer (tokenizer.json) or SentencePieceTokenizer (.model)");
+          "'; expected ByteTokenizer, HuggingFaceTokenizer (tokenizer.json), SentencePieceTokenizer (.model) or "
+          "Llama2Tokenizer (.model)");
 }
 
 }  // namespace moecore

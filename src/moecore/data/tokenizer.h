@@ -6,6 +6,7 @@
 //                             directory holding it); see bpe_tokenizer.h. Needs PCRE2 for the
 //                             pre-tokenizer regexes.
 //   "SentencePieceTokenizer"  a SentencePiece .model file; needs libsentencepiece.
+//   "Llama2Tokenizer"         the same with the model's BOS id before every text (Megatron's).
 // A tokenizer whose library was not built in raises an Error naming the package to install.
 // encode/decode are const and thread-safe (preprocess tokenises in several threads).
 #pragma once
@@ -39,7 +40,7 @@ class ByteTokenizer : public Tokenizer {
 };
 
 // type: "ByteTokenizer" (model ignored, may be empty), "HuggingFaceTokenizer",
-// "SentencePieceTokenizer". Unknown types are an Error listing the known ones.
+// "SentencePieceTokenizer", "Llama2Tokenizer". Unknown types are an Error listing the known ones.
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model);
 
 // Whether the optional libraries were built in (tests skip with the reason when not).
