@@ -253,19 +253,23 @@ int run_preprocess(const std::vector<std::string>& raw_args) {
   std::vector<std::string> args;
   std::string keys_text;
   bool keys_given = false;
+  auto add_key = [&](const std::string& key) {  // appended in two steps (g++ 12 warned on the one-expression form)
+    if (!keys_text.empty()) keys_text += ',';
+    keys_text += key;
+  };
   for (size_t i = 0; i < raw_args.size(); ++i) {
     const std::string& a = raw_args[i];
     if (a == "--json-keys" || a == "--json_keys") {
       keys_given = true;
       while (i + 1 < raw_args.size() && raw_args[i + 1].rfind("--", 0) != 0) {
-        keys_text += (keys_text.empty() ? "" : ",") + raw_args[++i];
+        add_key(raw_args[++i]);
       }
       if (keys_text.empty()) throw cli::UsageError("moecore preprocess: flag '--json-keys' needs at least one key", __FILE__, __LINE__);
       continue;
     }
     if (a.rfind("--json-keys=", 0) == 0) {
       keys_given = true;
-      keys_text += (keys_text.empty() ? "" : ",") + a.substr(12);
+      add_key(a.substr(12));
       continue;
     }
     args.push_back(a);
