@@ -141,7 +141,8 @@ paste <(tail_values "$dir/resumed.jsonl") <(tail_values "$dir/single.jsonl") | a
   { echo "FAIL: the EP=2 x ETP=2 checkpoint resumed on one rank differs"; exit 1; }
 echo "checkpoint of EP=2 x ETP=2 resumed on one rank: same losses as one rank"
 # bf16 compute (fp32 masters): the distributed optimizer shards the masters too and all-gathers
-# bf16 weights; DP=4 and EP=2 (+ PP=2) against one bf16 rank, and a checkpoint round trip.
+# bf16 weights; DP=4 and EP=2 (+ PP=2) against one bf16 rank, and a checkpoint round trip; EP=2 on
+# 2 ranks (expert shards of one rank: no gather) with whole and split masters.
 # Tolerance 1e-3: a gradient norm summed in another order (per pipeline stage) changes the
 # clipping factor in its last bits, which can flip a bf16 rounding of a weight (fp32 layouts
 # above agree to 2e-5; a wrong shard would be off by far more).
@@ -149,6 +150,7 @@ run_single --bf16
 for case in "4 --bf16 --use-distributed-optimizer" \
             "4 --bf16 --use-distributed-optimizer --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
             "4 --bf16 --use-distributed-optimizer --pipeline-model-parallel-size 2 --expert-model-parallel-size 2" \
+            "2 --bf16 --use-distributed-optimizer --no-store-param-remainders --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall" \
             "4 --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
             "4 --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --pipeline-model-parallel-size 2 --expert-model-parallel-size 2"; do
   read -r -a c <<<"$case"

@@ -539,6 +539,13 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
     for (bool expert : {false, true}) {
       Shard& s = expert ? expert_ : dense_;
       if (s.weights.numel() == 0) continue;
+      if (!s.group) {  // one rank, one shard: the weights in place (split: the high halves already are)
+        if (!split) {
+          Tensor own = s.weights.slice(0, s.begin, s.end);
+          ops::cast(s.master, own);
+        }
+        continue;
+      }
       // This shard in bf16, then every rank's: the whole bf16 weights everywhere.
       Tensor mine = Tensor::empty({s.end - s.begin}, s.weights.dtype(), s.weights.device());
       if (split) {  // the updated high halves (a copy: MPI forbids overlapping buffers)
@@ -546,11 +553,7 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
       } else {
         ops::cast(s.master, mine);
       }
-      if (s.group) {
-        s.group->all_gather(mine, s.weights);
-      } else {
-        s.weights.copy_from(mine);
-      }
+      s.group->all_gather(mine, s.weights);
     }
   } else if (distributed_) {
     for (bool expert : {false, true}) {
