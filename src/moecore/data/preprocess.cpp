@@ -131,7 +131,7 @@ PreprocessResult preprocess(const PreprocessOptions& opt, std::ostream* log) {
   const auto t0 = clock::now();
   MC_CHECK(!opt.input.empty(), "preprocess needs --input (a JSON Lines file)");
   MC_CHECK(!opt.output_prefix.empty(), "preprocess needs --output-prefix");
-  MC_CHECK(!opt.tokenizer_type.empty(), "preprocess needs --tokenizer-type (ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer or Llama2Tokenizer)");
+  MC_CHECK(!opt.tokenizer_type.empty(), "preprocess needs --tokenizer-type (", kTokenizerTypes, ")");
   MC_CHECK(!opt.json_keys.empty(), "preprocess needs at least one --json-keys key");
   MC_CHECK(opt.workers >= 1 && opt.workers <= 1024, "--workers must be in [1, 1024], got ", opt.workers);
   for (size_t i = 0; i < opt.json_keys.size(); ++i)
@@ -281,7 +281,7 @@ int run_preprocess(const std::vector<std::string>& raw_args) {
                      "(Megatron-LM tools/preprocess_data.py).");
   flags.add_string("input", &opt.input, "JSON Lines file, one document per line");
   flags.add_string("json-keys", &json_keys_dummy, "keys to extract, space separated (default: text); one dataset per key");
-  flags.add_string("tokenizer-type", &opt.tokenizer_type, "ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer or Llama2Tokenizer");
+  flags.add_string("tokenizer-type", &opt.tokenizer_type, kTokenizerTypes);
   flags.add_string("tokenizer-model", &opt.tokenizer_model, "tokenizer.json (or its directory), or a SentencePiece .model");
   flags.add_string("output-prefix", &opt.output_prefix, "output path prefix");
   flags.add_bool("append-eod", &opt.append_eod, "append the end-of-document token to each document");

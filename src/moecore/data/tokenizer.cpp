@@ -35,9 +35,7 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::st
     MC_CHECK(!model.empty(), "--tokenizer-type ", type, " needs --tokenizer-model (a .model file)");
     return make_sentencepiece_tokenizer(model, type == "Llama2Tokenizer");
   }
-  MC_FAIL("unknown tokenizer type '", type,
-          "'; expected ByteTokenizer, HuggingFaceTokenizer (tokenizer.json), SentencePieceTokenizer (.model) or "
-          "Llama2Tokenizer (.model)");
+  MC_FAIL("unknown tokenizer type '", type, "'; expected ", kTokenizerTypes);
 }
 
 }  // namespace moecore

@@ -39,6 +39,10 @@ class ByteTokenizer : public Tokenizer {
   std::string name() const override { return "ByteTokenizer"; }
 };
 
+// The --tokenizer-type values, for help texts and messages.
+inline constexpr const char* kTokenizerTypes =
+    "ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer or Llama2Tokenizer";
+
 // type: "ByteTokenizer" (model ignored, may be empty), "HuggingFaceTokenizer",
 // "SentencePieceTokenizer", "Llama2Tokenizer". Unknown types are an Error listing the known ones.
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model);

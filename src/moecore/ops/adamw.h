@@ -37,9 +37,9 @@ struct AdamWConfig {
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWConfig& config,
                 float grad_scale = 1.0f, Tensor* compute_weight = nullptr);
 
-// AdamW on a master kept as a bf16 high half and an int16 remainder (master_split.h): each element is joined into its f32 master, updated as adamw_step
-// updates an f32 param (adamw_update<float>) and split back, so `high` is also the fresh bf16
-// compute weight. grad f32; the moments f32 or bf16; all one shape, contiguous, one device.
+// AdamW on a master kept as a bf16 high half and an int16 remainder (master_split.h): each
+// element is joined into its f32 master, updated as adamw_step updates an f32 param
+// (adamw_update<float>) and split back, so `high` is also the fresh bf16 compute weight. grad f32; the moments f32 or bf16; all one shape, contiguous, one device.
 void adamw_step_split(Tensor& high, Tensor& remainder, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                       const AdamWConfig& config, float grad_scale = 1.0f);
 

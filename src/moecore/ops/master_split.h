@@ -1,9 +1,9 @@
 // An fp32 master weight kept as two 16-bit halves (the default with --bf16, off with
 // --no-store-param-remainders; TransformerEngine's FusedAdam stores its masters the same way):
-// `high`, the bf16 compute weight the forward reads, and `remainder`, an int16 holding the low 16 bits. The two
-// are the fp32 value bit for bit, so AdamW keeps full fp32 masters while the model holds 2 bytes
-// per parameter fewer than separate fp32 masters and bf16 weights (and the optimizer moves 2
-// bytes fewer per parameter).
+// `high`, the bf16 compute weight the forward reads, and `remainder`, an int16 holding the low 16
+// bits. The two are the fp32 value bit for bit, so AdamW keeps full fp32 masters while the model
+// holds 2 bytes per parameter fewer than separate fp32 masters and bf16 weights (and the optimizer
+// moves 2 bytes fewer per parameter).
 //   split: u = the bits of x; high = u >> 16, plus one when bit 15 of u is set (the bf16 nearest
 //          to x, a tie rounding away from zero where a cast rounds it to even: 1 value in 65536);
 //          remainder = the low 16 bits read as int16 (negative exactly when high was rounded up).

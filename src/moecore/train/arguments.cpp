@@ -190,7 +190,7 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_list("data-path", &a.data_path, "Megatron dataset prefixes (.bin/.idx), optionally weighted: [w1] p1 [w2 p2 ...]");
   f.add_string("split", &a.split, "train,valid,test weights over documents");
   f.add_string("data-cache-path", &a.data_cache_path, "where sample indices are cached (default: beside the data)");
-  f.add_string("tokenizer-type", &a.tokenizer_type, "ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer or Llama2Tokenizer");
+  f.add_string("tokenizer-type", &a.tokenizer_type, kTokenizerTypes);
   f.add_string("tokenizer-model", &a.tokenizer_model, "tokenizer.json or .model file");
   f.add_int("make-vocab-size-divisible-by", &a.make_vocab_size_divisible_by, "pad the tokenizer's vocabulary to a multiple of this");
 }
