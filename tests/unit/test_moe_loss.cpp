@@ -313,18 +313,24 @@ TEST(MoeLoss, SinkhornBalancesRowsAndColumns) {
       for (int64_t e = 0; e < E; ++e) s += o[t * E + e];
       EXPECT_NEAR(s * T, 1.0, 2e-2) << "row " << t;  // converged to tol 1e-4 on d1
     }
-    // Against Megatron's loop, written here in double.
+    // Against Megatron's loop, written here in double. The loop stops once the mean change
+    // of d1 is <= 1e-4; an f32 op's rounding can move that change across the threshold when
+    // it lands within a few percent of it, and then the op stops one iteration earlier or
+    // later. So each iteration's result is kept (with one iteration past the stop), and f32
+    // may match a neighbour of the stopping iteration when the error there was that close.
     const std::vector<double> lv = to_doubles(l);
     std::vector<double> c(lv.size()), d0(T, 1.0), d1(E, 1.0), d1_old = d1;
     for (size_t i = 0; i < lv.size(); ++i) c[i] = std::exp(lv[i]);
-    double error = 1e9;
-    while (error > 1e-4) {
+    std::vector<std::vector<double>> iterate;  // the output after each iteration
+    std::vector<double> errors;                // the stopping test's error after each iteration
+    int stop = -1;
+    while (stop < 0 || static_cast<int>(iterate.size()) <= stop + 1) {
       for (int64_t t = 0; t < T; ++t) {
         double s = 0;
         for (int64_t e = 0; e < E; ++e) s += d1[e] * c[t * E + e];
         d0[t] = (1.0 / T) / (s + 1e-8);
       }
-      error = 0;
+      double error = 0;
       for (int64_t e = 0; e < E; ++e) {
         double s = 0;
         for (int64_t t = 0; t < T; ++t) s += d0[t] * c[t * E + e];
@@ -332,11 +338,23 @@ TEST(MoeLoss, SinkhornBalancesRowsAndColumns) {
         error += std::fabs(d1_old[e] - d1[e]) / E;
       }
       d1_old = d1;
+      std::vector<double> want(lv.size());
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t e = 0; e < E; ++e) want[t * E + e] = d1[e] * c[t * E + e] * d0[t];
+      iterate.push_back(want);
+      errors.push_back(error);
+      if (stop < 0 && error <= 1e-4) stop = static_cast<int>(iterate.size()) - 1;
     }
-    std::vector<double> want(lv.size());
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t e = 0; e < E; ++e) want[t * E + e] = d1[e] * c[t * E + e] * d0[t];
-    EXPECT_TRUE(allclose(out, Tensor::from_vector(want, {T, E}), {1e-9, dt == DType::F64 ? 1e-10 : 1e-4}));
+    const Tolerance tol{1e-9, dt == DType::F64 ? 1e-10 : 1e-4};
+    const auto near_threshold = [&](int i) { return std::fabs(errors[i] - 1e-4) <= 0.05e-4; };
+    bool matched = allclose(out, Tensor::from_vector(iterate[stop], {T, E}), tol);
+    if (!matched && dt == DType::F32) {
+      if (near_threshold(stop)) matched = allclose(out, Tensor::from_vector(iterate[stop + 1], {T, E}), tol);
+      if (!matched && stop > 0 && near_threshold(stop - 1))
+        matched = allclose(out, Tensor::from_vector(iterate[stop - 1], {T, E}), tol);
+    }
+    EXPECT_TRUE(matched) << allclose(out, Tensor::from_vector(iterate[stop], {T, E}), tol).message() << " (stopped after "
+                         << stop + 1 << " iterations, error " << errors[stop] << ")";
   }
 }
 
