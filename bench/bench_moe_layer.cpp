@@ -197,16 +197,26 @@ void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& ca
   add("moe_permute_forward", [&] { ops::moe_permute_forward(x, r, permuted); });
   Tensor fc1_out = Tensor::empty({R, 2 * F}, DType::BF16, dev), act = Tensor::empty({R, F}, DType::BF16, dev);
   ops::fill_normal(fc1_out, 7, rng_key("bd-fc1"), 0.0, 1.0);
-  add("swiglu_forward", [&] { ops::swiglu_forward(fc1_out, act); });
+  // The layer applies the probabilities in the activation (weighted SwiGLU) and sums in the
+  // combine; the probability-weighted unpermute and plain SwiGLU it replaced are timed outside.
+  Tensor row_probs = Tensor::empty({R, 1}, DType::F32, dev);
+  add("moe_permute_probs_forward", [&] { ops::moe_permute_probs_forward(probs, r, row_probs); });
+  add("swiglu_forward (not in layer)", [&] { ops::swiglu_forward(fc1_out, act); });
+  add("weighted_swiglu_forward", [&] { ops::weighted_swiglu_forward(fc1_out, row_probs, act); });
   Tensor expert_out = Tensor::empty({R, H}, DType::BF16, dev), out = Tensor::empty({T, H}, DType::BF16, dev);
   ops::fill_normal(expert_out, 7, rng_key("bd-eo"), 0.0, 1.0);
-  add("moe_unpermute_forward (combine)", [&] { ops::moe_unpermute_forward(expert_out, probs, r, out); });
+  add("moe_unpermute_forward with probs (not in layer)", [&] { ops::moe_unpermute_forward(expert_out, probs, r, out); });
+  add("combine: moe_permute_backward (sum)", [&] { ops::moe_permute_backward(expert_out, r, out); });
   // backward
   Tensor d_eo = Tensor::empty({R, H}, DType::BF16, dev), dprobs = Tensor::empty({T, k}, DType::F32, dev);
-  add("moe_unpermute_backward", [&] { ops::moe_unpermute_backward(expert_out, probs, r, dy, d_eo, dprobs); });
-  Tensor d_fc1 = Tensor::empty({R, 2 * F}, DType::BF16, dev);
+  add("moe_unpermute_backward with probs (not in layer)",
+      [&] { ops::moe_unpermute_backward(expert_out, probs, r, dy, d_eo, dprobs); });
+  add("combine backward: moe_permute_forward", [&] { ops::moe_permute_forward(dy, r, d_eo); });
+  Tensor d_fc1 = Tensor::empty({R, 2 * F}, DType::BF16, dev), d_row_probs = Tensor::empty({R, 1}, DType::F32, dev);
   ops::fill_normal(act, 7, rng_key("bd-da"), 0.0, 1.0);
-  add("swiglu_backward", [&] { ops::swiglu_backward(fc1_out, act, d_fc1); });
+  add("swiglu_backward (not in layer)", [&] { ops::swiglu_backward(fc1_out, act, d_fc1); });
+  add("weighted_swiglu_backward", [&] { ops::weighted_swiglu_backward(fc1_out, row_probs, act, d_fc1, d_row_probs); });
+  add("moe_permute_probs_backward", [&] { ops::moe_permute_probs_backward(d_row_probs, r, dprobs); });
   Tensor dx = Tensor::empty({T, H}, DType::BF16, dev);
   add("moe_permute_backward", [&] { ops::moe_permute_backward(d_eo, r, dx); });
   Tensor dlogits = Tensor::empty({T, E}, DType::F32, dev), daux = Tensor::empty({T, E}, DType::F32, dev);

@@ -291,6 +291,25 @@ TEST_P(GpuSoftmax, SwigluForwardAndBackwardMatchCpu) {
   }
 }
 
+// Weighted (the MoE experts' activation): F = 96 and 1536 on the warp-per-row 16-byte path, 37
+// on its scalar path. dw sums F products in another order than the CPU: atol grows like sqrt(F).
+TEST_P(GpuSoftmax, WeightedSwigluForwardAndBackwardMatchCpu) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  for (int64_t f : {96, 1536, 37}) {
+    SCOPED_TRACE("F=" + std::to_string(f));
+    Tensor x = random_tensor({333, 2 * f}, t, Device::cpu(), -4, 4), dy = random_tensor({333, f}, t);
+    Tensor w = random_tensor({333, 1}, DType::F32, Device::cpu(), 0, 1);
+    const Tolerance dot_tol{2e-5 * std::sqrt(static_cast<double>(f)), 1e-5};
+    expect_cuda_matches_cpu({x, w, dy}, {{{333, f}, t}, {{333, 2 * f}, t}, {{333, 1}, DType::F32}},
+                            [](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::weighted_swiglu_forward(in[0], in[1], out[0]);
+                              ops::weighted_swiglu_backward(in[0], in[1], in[2], out[1], out[2]);
+                            },
+                            {default_tolerance(t), default_tolerance(t), dot_tol});
+  }
+}
+
 // ---- Philox ---------------------------------------------------------------------------
 TEST(GpuPhilox, UniformsAreBitIdenticalToCpu) {
   MC_REQUIRE_CUDA();

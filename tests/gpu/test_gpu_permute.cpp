@@ -106,6 +106,7 @@ TEST_P(GpuPermuteOps, ForwardAndBackwardMatchCpu) {
     const int64_t rows = ops::make_moe_routing(idx, kept, c.E, pad).num_rows;
     Tensor x = random_tensor({c.T, c.H}, t), y = random_tensor({rows, c.H}, t);
     Tensor dtok = random_tensor({c.T, c.H}, t), drow = random_tensor({rows, c.H}, t);
+    Tensor drow_probs = random_tensor({rows, 1}, DType::F32);
     // Without dropping the routing gets an undefined mask; the input slot then holds a dummy.
     const bool has_kept = kept.defined();
     Tensor kept_in = has_kept ? kept : Tensor::zeros({1}, DType::U8);
@@ -113,9 +114,9 @@ TEST_P(GpuPermuteOps, ForwardAndBackwardMatchCpu) {
     // dprobs sums H products in another order: atol grows like sqrt(H).
     const Tolerance dot_tol{5e-6 * std::sqrt(static_cast<double>(H)), 1e-5};
     expect_cuda_matches_cpu(
-        {idx, kept_in, probs, x, y, dtok, drow},
+        {idx, kept_in, probs, x, y, dtok, drow, drow_probs},
         {{{rows, H}, t}, {{T, H}, t}, {{T, H}, t}, {{rows, H}, t}, {{T, k}, DType::F32}, {{T, k}, DType::I32},
-         {{E}, DType::I32}},
+         {{E}, DType::I32}, {{rows, 1}, DType::F32}, {{T, k}, DType::F32}},
         [&](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
           const ops::MoeRouting r = ops::make_moe_routing(in[0], has_kept ? in[1] : Tensor(), E, padding);
           ops::moe_permute_forward(in[3], r, out[0]);
@@ -124,9 +125,11 @@ TEST_P(GpuPermuteOps, ForwardAndBackwardMatchCpu) {
           ops::moe_unpermute_backward(in[4], in[2], r, in[5], out[3], out[4]);
           out[5].copy_from(r.row_map);
           out[6].copy_from(r.tokens_per_expert);
+          ops::moe_permute_probs_forward(in[2], r, out[7]);
+          ops::moe_permute_probs_backward(in[7], r, out[8]);
         },
         {Tolerance{0, 0}, default_tolerance(t), default_tolerance(t), default_tolerance(t), dot_tol, Tolerance{0, 0},
-         Tolerance{0, 0}});
+         Tolerance{0, 0}, Tolerance{0, 0}, Tolerance{0, 0}});
     if (HasFailure()) return;
   }
 }

@@ -406,3 +406,47 @@ TEST(MoeRouting, RowOffsetsAndKeptCountsMatchTheLayout) {
   Tensor short_acc = Tensor::zeros({3}, DType::I64);
   EXPECT_THROW(ops::accumulate_routing_counts(r, short_acc), Error);  // E + 2 entries expected
 }
+
+TEST(MoePermute, ProbsFollowTheirRowsDroppedAndPadded) {
+  Tensor idx = Tensor::from_vector(kIdx, {4, 2});
+  Tensor kept = Tensor::from_vector(std::vector<uint8_t>{1, 1, 1, 0, 1, 1, 1, 0}, {4, 2});
+  Tensor probs = Tensor::from_vector(kProbs, {4, 2});
+  for (int64_t pad : {0, 3}) {
+    SCOPED_TRACE("pad " + std::to_string(pad));
+    ops::MoeRouting r = ops::make_moe_routing(idx, kept, 3, pad);
+    Tensor rows = poisoned({r.num_rows, 1}, DType::F32);
+    ops::moe_permute_probs_forward(probs, r, rows);
+    ASSERT_TRUE(all_written(rows));
+    // Row row_map[t, j] holds probs[t, j]; padding rows 0 (layouts in DroppedAndPaddedLayout).
+    const std::vector<float> want = pad == 0 ? std::vector<float>{0.4f, 0.5f, 0.7f, 0.5f, 0.6f, 0.8f}
+                                             : std::vector<float>{0.4f, 0.5f, 0, 0.7f, 0.5f, 0, 0.6f, 0.8f, 0};
+    EXPECT_EQ(rows.to_vector<float>(), want);
+    // Backward: each assignment reads its row's gradient, dropped ones 0.
+    std::vector<float> d(static_cast<size_t>(r.num_rows));
+    for (size_t i = 0; i < d.size(); ++i) d[i] = 10.0f + static_cast<float>(i);
+    Tensor dprobs = poisoned({4, 2}, DType::F32);
+    ops::moe_permute_probs_backward(Tensor::from_vector(d, {r.num_rows, 1}), r, dprobs);
+    const std::vector<int32_t> rm = r.row_map.to_vector<int32_t>();
+    std::vector<float> want_d(8);
+    for (size_t i = 0; i < 8; ++i) want_d[i] = rm[i] < 0 ? 0.0f : d[static_cast<size_t>(rm[i])];
+    EXPECT_EQ(dprobs.to_vector<float>(), want_d);
+  }
+}
+
+TEST(MoePermute, ProbsOpsRejectBadArguments) {
+  Tensor idx = Tensor::from_vector(kIdx, {4, 2});
+  ops::MoeRouting r = ops::make_moe_routing(idx, Tensor(), 3);
+  Tensor probs = Tensor::from_vector(kProbs, {4, 2});
+  Tensor flat = Tensor::empty({r.num_rows}, DType::F32);
+  try {
+    ops::moe_permute_probs_forward(probs, r, flat);
+    FAIL() << "a 1-D output accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("moe_permute_probs_forward"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'out'"), std::string::npos) << e.what();
+  }
+  Tensor rows64 = Tensor::empty({r.num_rows, 1}, DType::F64);
+  EXPECT_THROW(ops::moe_permute_probs_forward(probs, r, rows64), Error);  // dtype differs from probs
+  Tensor short_rows = Tensor::empty({r.num_rows - 1, 1}, DType::F32), dprobs = Tensor::empty({4, 2}, DType::F32);
+  EXPECT_THROW(ops::moe_permute_probs_backward(short_rows, r, dprobs), Error);
+}

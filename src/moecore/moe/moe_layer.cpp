@@ -239,6 +239,11 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   const bool device_rows = ops::grouped_gemm_device_rows(fc1_->weight) && ops::grouped_gemm_device_rows(fc2_->weight);
   phase.emplace("moe-dispatch", 2, dev);
   ctx.permuted = dispatcher_.dispatch(x, ctx.indices, kept, pad, ctx.dispatch, device_rows);
+  // SwiGLU experts apply each row's probability in the activation (Megatron's weighted SwiGLU):
+  // the probabilities travel with the tokens, the combine is a plain sum, and their gradient
+  // comes from the activation's backward, which reads the rows anyway (the combine's backward
+  // would read every expert output row once more for it).
+  if (swiglu_) ctx.row_probs = dispatcher_.dispatch_probs(ctx.combine_probs, ctx.dispatch);
   const ops::MoeRouting& plan = ctx.dispatch.routing;
   if (training) {
     // Tokens per expert after capacity dropping (Megatron counts its final routing map): the
@@ -275,7 +280,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   ops::grouped_gemm_forward(ctx.permuted, fc1_->weight, groups, ctx.fc1_out);
   ctx.act = Tensor::empty({rows, fc2_->shape[2]}, x.dtype(), dev);
   if (swiglu_) {
-    ops::swiglu_forward(ctx.fc1_out, ctx.act);
+    ops::weighted_swiglu_forward(ctx.fc1_out, ctx.row_probs, ctx.act);
   } else {
     ops::gelu_forward(ctx.fc1_out, ctx.act);
   }
@@ -283,7 +288,10 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, ctx.expert_out);
   if (moe_.recompute_act) ctx.act = Tensor();  // --recompute-modules moe_act: rebuilt in the backward
   phase.emplace("moe-combine", 2, dev);
-  Tensor out = dispatcher_.combine(ctx.expert_out, ctx.combine_probs, ctx.dispatch);
+  Tensor out = dispatcher_.combine(ctx.expert_out, swiglu_ ? Tensor() : ctx.combine_probs, ctx.dispatch);
+  // Kept only for the combine's probability gradient (through the dispatcher's Ctx): with the
+  // weighted SwiGLU nothing reads it again, and the buffer goes now instead of after the backward.
+  ctx.expert_out = Tensor();
 
   if (moe_.shared_expert_size > 0) {
     phase.emplace("moe-shared-expert", 2, dev);
@@ -336,7 +344,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   if (!ctx.act.defined()) {  // recompute the activation from the kept fc1 output
     ctx.act = Tensor::empty({ctx.fc1_out.size(0), fc2_->shape[2]}, dy.dtype(), dev);
     if (swiglu_) {
-      ops::swiglu_forward(ctx.fc1_out, ctx.act);
+      ops::weighted_swiglu_forward(ctx.fc1_out, ctx.row_probs, ctx.act);
     } else {
       ops::gelu_forward(ctx.fc1_out, ctx.act);
     }
@@ -345,8 +353,10 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   ops::grouped_gemm_dgrad(d_expert_out, fc2_->weight, groups, d_act);
   ops::grouped_gemm_wgrad(d_expert_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates());
   Tensor d_fc1 = Tensor::empty(ctx.fc1_out.shape(), dy.dtype(), dev);
+  Tensor d_row_probs;
   if (swiglu_) {
-    ops::swiglu_backward(ctx.fc1_out, d_act, d_fc1);
+    d_row_probs = Tensor::empty(ctx.row_probs.shape(), ctx.row_probs.dtype(), dev);
+    ops::weighted_swiglu_backward(ctx.fc1_out, ctx.row_probs, d_act, d_fc1, d_row_probs);
   } else {
     ops::gelu_backward(ctx.fc1_out, d_act, d_fc1);
   }
@@ -355,6 +365,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   ops::grouped_gemm_wgrad(d_fc1, ctx.permuted, groups, fc1_->grad, fc1_->grad_accumulates());
   phase.emplace("moe-dispatch-backward", 2, dev);
   Tensor dx = dispatcher_.dispatch_backward(d_perm, ctx.dispatch);
+  if (swiglu_ && !ctx.forced) dprobs = dispatcher_.dispatch_probs_backward(d_row_probs, ctx.dispatch);
   phase.emplace("moe-router-backward", 2, dev);
 
   // router: probabilities, balancing losses, then the gate GEMM

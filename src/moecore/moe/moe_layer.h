@@ -62,6 +62,7 @@ class MoeLayer {
     bool forced = false;
     Tensor aux_scores, aux_counts;  // for the balancing-loss backward
     Tensor combine_probs;           // probs in the combine dtype
+    Tensor row_probs;               // SwiGLU experts: each expert row's probability [rows, 1]
     TokenDispatcher::Ctx dispatch;
     Tensor permuted, fc1_out, act, expert_out;  // "expert_fc1" = fc1_out, "moe_act" = act
     Mlp::Ctx shared;

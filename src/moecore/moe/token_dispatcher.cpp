@@ -264,44 +264,67 @@ Tensor TokenDispatcher::etp_reduce(const Tensor& sorted, Ctx& ctx) const {
   return out;
 }
 
+// Without probs (the experts applied them) the combine is a plain sum of each token's rows, which
+// is permute's backward, and its backward a copy of dout to the rows, permute's forward.
+namespace {
+void unpermute(const Tensor& rows, const Tensor& probs, const ops::MoeRouting& r, Tensor& out) {
+  if (probs.defined()) {
+    ops::moe_unpermute_forward(rows, probs, r, out);
+  } else {
+    ops::moe_permute_backward(rows, r, out);
+  }
+}
+}  // namespace
+
 Tensor TokenDispatcher::combine(const Tensor& expert_out, const Tensor& probs, Ctx& ctx) const {
   const Device dev = expert_out.device();
   const int64_t hidden = expert_out.size(1);
   Tensor out = Tensor::empty({ctx.tokens, hidden}, expert_out.dtype(), dev);
+  // The backward reads the rows only for the probabilities' gradient: without probs they are
+  // not kept (an activation buffer fewer).
   if (allgather_path()) {
-    ctx.probs = gather_rows(probs);
-    ctx.unpermute_in = expert_out;
+    ctx.probs = probs.defined() ? gather_rows(probs) : Tensor();
+    if (probs.defined()) ctx.unpermute_in = expert_out;
     Tensor partial = Tensor::empty({ctx.tokens * gather_size_, hidden}, expert_out.dtype(), dev);
-    ops::moe_unpermute_forward(expert_out, ctx.probs, ctx.routing, partial);
+    unpermute(expert_out, ctx.probs, ctx.routing, partial);
     return reduce_scatter_rows(partial);
   }
   ctx.probs = probs;
   const Tensor local_out = etp_ ? etp_reduce(expert_out, ctx) : expert_out;
-  if (!ep_) {
-    ctx.unpermute_in = local_out;
-  } else {
+  Tensor rows = local_out;
+  if (ep_) {
     Tensor arrival = Tensor::empty({ctx.sort.num_tokens, hidden}, expert_out.dtype(), dev);
     ops::moe_permute_backward(local_out, ctx.sort, arrival);  // unsort: a gather by the sort plan
-    ctx.unpermute_in = all_to_all_rows(arrival, ctx.recv_rows, ctx.send_rows);
+    rows = all_to_all_rows(arrival, ctx.recv_rows, ctx.send_rows);
   }
-  ops::moe_unpermute_forward(ctx.unpermute_in, ctx.probs, ctx.routing, out);
+  unpermute(rows, ctx.probs, ctx.routing, out);
+  if (probs.defined()) ctx.unpermute_in = rows;
   return out;
 }
 
 void TokenDispatcher::combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_expert_out, Tensor& dprobs) const {
   const Device dev = dout.device();
   const int64_t hidden = dout.size(1);
+  dprobs = Tensor();
   if (allgather_path()) {
     const Tensor dout_all = gather_rows(dout);
-    d_expert_out = Tensor::empty(ctx.unpermute_in.shape(), dout.dtype(), dev);
+    d_expert_out = Tensor::empty({ctx.routing.num_rows, hidden}, dout.dtype(), dev);
+    if (!ctx.probs.defined()) {
+      ops::moe_permute_forward(dout_all, ctx.routing, d_expert_out);
+      return;
+    }
     Tensor dprobs_all = Tensor::empty({ctx.tokens * gather_size_, ctx.topk}, ctx.probs.dtype(), dev);
     ops::moe_unpermute_backward(ctx.unpermute_in, ctx.probs, ctx.routing, dout_all, d_expert_out, dprobs_all);
     dprobs = reduce_scatter_rows(dprobs_all);
     return;
   }
   Tensor d_local = Tensor::empty({ctx.routing.num_rows, hidden}, dout.dtype(), dev);
-  dprobs = Tensor::empty({ctx.tokens, ctx.topk}, ctx.probs.dtype(), dev);
-  ops::moe_unpermute_backward(ctx.unpermute_in, ctx.probs, ctx.routing, dout, d_local, dprobs);
+  if (ctx.probs.defined()) {
+    dprobs = Tensor::empty({ctx.tokens, ctx.topk}, ctx.probs.dtype(), dev);
+    ops::moe_unpermute_backward(ctx.unpermute_in, ctx.probs, ctx.routing, dout, d_local, dprobs);
+  } else {
+    ops::moe_permute_forward(dout, ctx.routing, d_local);
+  }
   if (!ep_) {
     d_expert_out = etp_ ? etp_gather(d_local, ctx, false) : d_local;
     return;
@@ -310,6 +333,47 @@ void TokenDispatcher::combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_e
   d_expert_out = Tensor::empty({ctx.sort.num_rows, hidden}, dout.dtype(), dev);
   ops::moe_permute_forward(d_arrival, ctx.sort, d_expert_out);
   if (etp_) d_expert_out = etp_gather(d_expert_out, ctx, false);
+}
+
+// The probabilities travel the tokens' way: scattered to the permuted rows, then the same
+// all-to-all, sort and ETP gather as dispatch() (each a [rows, 1] tensor).
+Tensor TokenDispatcher::dispatch_probs(const Tensor& probs, Ctx& ctx) const {
+  const Device dev = probs.device();
+  if (allgather_path()) {
+    const Tensor gathered = gather_rows(probs);
+    Tensor rows = Tensor::empty({ctx.routing.num_rows, 1}, probs.dtype(), dev);
+    ops::moe_permute_probs_forward(gathered, ctx.routing, rows);
+    return rows;
+  }
+  Tensor rows = Tensor::empty({ctx.routing.num_rows, 1}, probs.dtype(), dev);
+  ops::moe_permute_probs_forward(probs, ctx.routing, rows);
+  if (ep_) {
+    const Tensor received = all_to_all_rows(rows, ctx.send_rows, ctx.recv_rows);
+    rows = Tensor::empty({ctx.sort.num_rows, 1}, probs.dtype(), dev);
+    ops::moe_permute_forward(received, ctx.sort, rows);
+  }
+  return etp_ ? etp_gather(rows, ctx, false) : rows;
+}
+
+// The reverse: ETP partial sums reduced (each ETP rank's gradient covers its slice of the FFN),
+// unsorted, sent back, and gathered into [T, k]. allgather: zero for other ranks' experts, then
+// summed by the reduce-scatter.
+Tensor TokenDispatcher::dispatch_probs_backward(const Tensor& d_rows, Ctx& ctx) const {
+  const Device dev = d_rows.device();
+  if (allgather_path()) {
+    Tensor all = Tensor::empty({ctx.tokens * gather_size_, ctx.topk}, d_rows.dtype(), dev);
+    ops::moe_permute_probs_backward(d_rows, ctx.routing, all);
+    return reduce_scatter_rows(all);
+  }
+  Tensor local = etp_ ? etp_reduce(d_rows, ctx) : d_rows;
+  if (ep_) {
+    Tensor arrival = Tensor::empty({ctx.sort.num_tokens, 1}, d_rows.dtype(), dev);
+    ops::moe_permute_backward(local, ctx.sort, arrival);
+    local = all_to_all_rows(arrival, ctx.recv_rows, ctx.send_rows);
+  }
+  Tensor dprobs = Tensor::empty({ctx.tokens, ctx.topk}, d_rows.dtype(), dev);
+  ops::moe_permute_probs_backward(local, ctx.routing, dprobs);
+  return dprobs;
 }
 
 Tensor TokenDispatcher::dispatch_backward(const Tensor& d_expert_in, Ctx& ctx) const {

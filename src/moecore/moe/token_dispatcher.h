@@ -7,8 +7,13 @@
 //   dispatch(x, indices, kept, pad)   x [T, H] -> expert_in [rows, H], grouped by local expert
 //                                     (Ctx::local_rows gives the L experts' rows)
 //   combine(expert_out, probs)        expert_out [rows, H] -> out [T, H]: each token's kept
-//                                     assignments weighted by probs [T, k] and summed
-//   combine_backward(dout)            -> d_expert_out [rows, H] and dprobs [T, k]
+//                                     assignments weighted by probs [T, k] and summed (probs
+//                                     undefined: the experts applied them, a plain sum)
+//   combine_backward(dout)            -> d_expert_out [rows, H] and dprobs [T, k] (undefined
+//                                     when combine had no probs)
+//   dispatch_probs(probs)             probs [T, k] -> [rows, 1]: each expert_in row's probability
+//                                     (for experts that apply it, e.g. the weighted SwiGLU)
+//   dispatch_probs_backward(d_rows)   [rows, 1] -> dprobs [T, k] (ETP partials summed)
 //   dispatch_backward(d_expert_in)    -> dx [T, H]
 // Dispatch's backward is a combine and combine's a dispatch: the plan made in dispatch() is kept
 // in the Ctx for the backward (nothing is recomputed, no routing is repeated).
@@ -82,8 +87,8 @@ class TokenDispatcher {
     ops::MoeRouting routing;         // the permutation on this rank (local or gathered tokens)
     ops::MoeRouting sort;            // alltoall: received rows -> local-expert order
     std::vector<int64_t> send_rows, recv_rows;  // alltoall: rows per EP rank
-    Tensor probs;                    // allgather: gathered probs [EP*T, k]
-    Tensor unpermute_in;             // what the unpermute read in combine (its backward needs it)
+    Tensor probs;                    // the combine's probs (allgather: gathered, [EP*T, k]); may be undefined
+    Tensor unpermute_in;             // with probs: the rows the unpermute read (for dprobs)
     ops::ExpertRows local_rows;      // rows per local expert of expert_in (host counts may be absent)
     int64_t tokens = 0, topk = 0;
     ops::MoeRouting etp_sort;           // ETP: gathered rows (ETP rank-major) -> local-expert order
@@ -96,6 +101,9 @@ class TokenDispatcher {
                   bool device_rows = false) const;
   Tensor combine(const Tensor& expert_out, const Tensor& probs, Ctx& ctx) const;
   void combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_expert_out, Tensor& dprobs) const;
+  // After dispatch(), on the same Ctx; probs f32 (f64 on the CPU).
+  Tensor dispatch_probs(const Tensor& probs, Ctx& ctx) const;
+  Tensor dispatch_probs_backward(const Tensor& d_rows, Ctx& ctx) const;
   Tensor dispatch_backward(const Tensor& d_expert_in, Ctx& ctx) const;
 
   int64_t local_experts() const { return local_experts_; }

@@ -230,4 +230,37 @@ void moe_unpermute_backward(const Tensor& y, const Tensor& probs, const MoeRouti
   }
 }
 
+void moe_permute_probs_forward(const Tensor& probs, const MoeRouting& r, Tensor& out) {
+  constexpr const char* op = "moe_permute_probs_forward";
+  check_routing(op, r, probs);
+  check_probs(op, "probs", probs, r);
+  check_contiguous(op, "out", out);
+  check_same_device(op, probs, out);
+  check_shape(op, "out", out, {r.num_rows, 1});
+  MC_CHECK(out.dtype() == probs.dtype(), op, ": 'out' is ", dtype_name(out.dtype()), " but 'probs' is ",
+           dtype_name(probs.dtype()));
+  if (probs.device().is_cpu()) {
+    cpu::moe_permute_probs_forward(probs, r, out);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::moe_permute_probs_forward(probs, r, out));
+  }
+}
+
+void moe_permute_probs_backward(const Tensor& dout, const MoeRouting& r, Tensor& dprobs) {
+  constexpr const char* op = "moe_permute_probs_backward";
+  check_routing(op, r, dout);
+  check_contiguous(op, "dout", dout);
+  check_dtype(op, "dout", dout, {DType::F32, DType::F64});
+  check_shape(op, "dout", dout, {r.num_rows, 1});
+  check_probs(op, "dprobs", dprobs, r);
+  check_same_device(op, dout, dprobs);
+  MC_CHECK(dprobs.dtype() == dout.dtype(), op, ": 'dprobs' is ", dtype_name(dprobs.dtype()), " but 'dout' is ",
+           dtype_name(dout.dtype()));
+  if (dout.device().is_cpu()) {
+    cpu::moe_permute_probs_backward(dout, r, dprobs);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::moe_permute_probs_backward(dout, r, dprobs));
+  }
+}
+
 }  // namespace moecore::ops

@@ -30,6 +30,9 @@
 //                       (fp32 accumulation, f64 for f64; a token with every assignment dropped gets 0)
 //   unpermute_backward  dy [num_rows, H] : dy[row_map[t, j]] = probs[t, j] * dout[t]; padding rows 0
 //                       dprobs [T, k]    : <dout[t], y[row_map[t, j]]>, 0 for dropped assignments
+//   permute_probs_forward   out [num_rows, 1] = probs[t, j] at row row_map[t, j]; padding rows 0
+//                           (each expert row's own probability, for experts that apply it)
+//   permute_probs_backward  dprobs [T, k] = dout[row_map[t, j]], 0 for dropped assignments
 // Sums run over j in ascending order on both backends: deterministic, no atomics.
 //
 // CUDA: make_moe_routing runs kernels (per-expert counts, then positions in token order by a
@@ -85,6 +88,8 @@ void moe_permute_backward(const Tensor& dout, const MoeRouting& r, Tensor& dx);
 void moe_unpermute_forward(const Tensor& y, const Tensor& probs, const MoeRouting& r, Tensor& out);
 void moe_unpermute_backward(const Tensor& y, const Tensor& probs, const MoeRouting& r, const Tensor& dout,
                             Tensor& dy, Tensor& dprobs);
+void moe_permute_probs_forward(const Tensor& probs, const MoeRouting& r, Tensor& out);
+void moe_permute_probs_backward(const Tensor& dout, const MoeRouting& r, Tensor& dprobs);
 // Per-expert statistics kept on the plan's device, read once when wanted: acc [E + 2] i64 gets
 // acc[e] += kept_per_expert[e]; acc[E] += 1 when the plan's deferred check would find an expert
 // id outside [0, E), acc[E + 1] += 1 when it would find an expert over its padded capacity
@@ -108,6 +113,8 @@ void moe_permute_backward(const Tensor& dout, const MoeRouting& r, Tensor& dx);
 void moe_unpermute_forward(const Tensor& y, const Tensor& probs, const MoeRouting& r, Tensor& out);
 void moe_unpermute_backward(const Tensor& y, const Tensor& probs, const MoeRouting& r, const Tensor& dout,
                             Tensor& dy, Tensor& dprobs);
+void moe_permute_probs_forward(const Tensor& probs, const MoeRouting& r, Tensor& out);
+void moe_permute_probs_backward(const Tensor& dout, const MoeRouting& r, Tensor& dprobs);
 }  // namespace cpu
 namespace cuda {
 void capacity_mask(const Tensor& indices, const Tensor& probs, int64_t num_experts, int64_t capacity,
@@ -119,6 +126,8 @@ void moe_permute_backward(const Tensor& dout, const MoeRouting& r, Tensor& dx);
 void moe_unpermute_forward(const Tensor& y, const Tensor& probs, const MoeRouting& r, Tensor& out);
 void moe_unpermute_backward(const Tensor& y, const Tensor& probs, const MoeRouting& r, const Tensor& dout,
                             Tensor& dy, Tensor& dprobs);
+void moe_permute_probs_forward(const Tensor& probs, const MoeRouting& r, Tensor& out);
+void moe_permute_probs_backward(const Tensor& dout, const MoeRouting& r, Tensor& dprobs);
 void accumulate_routing_counts(const MoeRouting& r, Tensor& acc);
 }  // namespace cuda
 

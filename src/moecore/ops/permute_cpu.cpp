@@ -199,4 +199,26 @@ void moe_unpermute_backward(const Tensor& y, const Tensor& probs, const MoeRouti
   });
 }
 
+void moe_permute_probs_forward(const Tensor& probs, const MoeRouting& r, Tensor& out) {
+  if (r.capacity > 0) zero(out);  // padding rows
+  dispatch_probs(probs.dtype(), "moe_permute_probs_forward", [&](auto ptag) {
+    using P = decltype(ptag);
+    const int32_t* rm = r.row_map.data<int32_t>();
+    const P* pp = probs.data<P>();
+    P* po = out.data<P>();
+    for (int64_t i = 0; i < r.num_tokens * r.topk; ++i)
+      if (rm[i] >= 0) po[rm[i]] = pp[i];
+  });
+}
+
+void moe_permute_probs_backward(const Tensor& dout, const MoeRouting& r, Tensor& dprobs) {
+  dispatch_probs(dout.dtype(), "moe_permute_probs_backward", [&](auto ptag) {
+    using P = decltype(ptag);
+    const int32_t* rm = r.row_map.data<int32_t>();
+    const P* pd = dout.data<P>();
+    P* pp = dprobs.data<P>();
+    for (int64_t i = 0; i < r.num_tokens * r.topk; ++i) pp[i] = rm[i] >= 0 ? pd[rm[i]] : P(0);
+  });
+}
+
 }  // namespace moecore::ops::cpu

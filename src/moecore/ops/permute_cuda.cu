@@ -662,6 +662,42 @@ void moe_unpermute_backward(const Tensor& y, const Tensor& probs, const MoeRouti
 }
 
 namespace {
+// One thread per assignment i = t * k + j (row_map is [T, k] row-major).
+__global__ void permute_probs_forward_kernel(const float* probs, const int32_t* row_map, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t row = row_map[i];
+    if (row >= 0) out[row] = probs[i];
+  }
+}
+
+__global__ void permute_probs_backward_kernel(const float* dout, const int32_t* row_map, float* dprobs, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t row = row_map[i];
+    dprobs[i] = row >= 0 ? dout[row] : 0.0f;
+  }
+}
+}  // namespace
+
+void moe_permute_probs_forward(const Tensor& probs, const MoeRouting& r, Tensor& out) {
+  cudaStream_t s = prepare(probs);
+  if (r.capacity > 0 && out.nbytes() > 0) MC_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), s));
+  const int64_t n = r.num_tokens * r.topk;
+  if (n == 0) return;
+  permute_probs_forward_kernel<<<grid_for(n), 256, 0, s>>>(probs.data<float>(), r.row_map.data<int32_t>(),
+                                                           out.data<float>(), n);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+void moe_permute_probs_backward(const Tensor& dout, const MoeRouting& r, Tensor& dprobs) {
+  cudaStream_t s = prepare(dout);
+  const int64_t n = r.num_tokens * r.topk;
+  if (n == 0) return;
+  permute_probs_backward_kernel<<<grid_for(n), 256, 0, s>>>(dout.data<float>(), r.row_map.data<int32_t>(),
+                                                            dprobs.data<float>(), n);
+  MC_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
 // One block: acc[e] += counts[e]; acc[E] += 1 if status[E] names a bad id; acc[E + 1] += 1 if a
 // padded expert went over capacity (status: the plan's deferred-check word, or null).
 __global__ void accumulate_routing_counts_kernel(const int32_t* counts, const int32_t* status, int E,

@@ -142,7 +142,8 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("moe-router-fusion", &a.moe_router_fusion,
              "accepted: the router's top-k, probabilities and balancing statistics are always fused");
   f.add_bool("moe-permute-fusion", &a.moe_permute_fusion,
-             "accepted: permutation and unpermutation (with the probability multiply) are always fused");
+             "accepted: permutation and unpermutation are always fused (the probabilities are applied in the "
+             "SwiGLU activation, as Megatron does, or in the unpermutation for GELU experts)");
   f.add_bool("cross-entropy-loss-fusion", &a.cross_entropy_loss_fusion,
              "accepted: the loss is always fused with the output layer (chunked, no logits kept)");
   f.add_string("cross-entropy-fusion-impl", &a.cross_entropy_fusion_impl, "accepted: te or native (moecore's own kernels)");
