@@ -5,6 +5,8 @@
 //   out[t]      = sum_j kept(t,j) p(t,j) (e(t,j)+1) x[t]
 //   dx[t]       = sum_j kept(t,j) p(t,j) (e(t,j)+1) dout[t]
 //   dprobs[t,j] = kept(t,j) (e(t,j)+1) <dout[t], x[t]>
+// Each case runs twice: the combine weighting by the probabilities, and the experts applying
+// them (dispatch_probs / dispatch_probs_backward, a combine without probs).
 // Cases: random routing, every token of every rank on expert 0 (the other ranks receive
 // nothing), capacity dropping, padding to capacity; both dispatchers; with and without expert
 // tensor parallelism (ETP 2: ETP rank r's "experts" scale by (e+1)(r+1)/3 and combine sums them). dispatch_checks:: takes
@@ -54,7 +56,7 @@ float x_value(int rank, int64_t t, int64_t h, uint64_t key) {
 Tensor run_experts(const Tensor& in, const std::vector<int64_t>& groups, int64_t first_expert, int64_t etp = 1,
                    int64_t etp_rank = 0) {
   const float share = static_cast<float>(etp_rank + 1) / static_cast<float>(etp * (etp + 1) / 2);
-  Tensor host = in.to(Device::cpu()).contiguous();
+  Tensor host = in.to(Device::cpu()).clone();  // a new tensor: on the CPU `to` would alias `in`
   float* p = host.data<float>();
   int64_t row = 0;
   for (size_t l = 0; l < groups.size(); ++l)
@@ -63,6 +65,30 @@ Tensor run_experts(const Tensor& in, const std::vector<int64_t>& groups, int64_t
         p[row * in.size(1) + h] *= static_cast<float>(first_expert + l + 1) * share;
   return host.to(in.device());
 }
+
+// Row i of `in` times w[i] ([rows, 1] f32), on the host.
+Tensor scale_rows(const Tensor& in, const Tensor& w) {
+  Tensor host = in.to(Device::cpu()).clone();  // a new tensor: on the CPU `to` would alias `in`
+  const std::vector<float> wv = w.to_vector<float>();
+  float* p = host.data<float>();
+  for (int64_t i = 0; i < in.size(0); ++i)
+    for (int64_t h = 0; h < in.size(1); ++h) p[i * in.size(1) + h] *= wv[static_cast<size_t>(i)];
+  return host.to(in.device());
+}
+
+// [rows, 1]: the dot product of each row of a with the same row of b.
+Tensor row_dots(const Tensor& a, const Tensor& b) {
+  const std::vector<float> av = a.to_vector<float>(), bv = b.to_vector<float>();
+  const int64_t rows = a.size(0), h = a.size(1);
+  std::vector<float> d(static_cast<size_t>(rows), 0.0f);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < h; ++j) d[static_cast<size_t>(i)] += av[i * h + j] * bv[i * h + j];
+  return Tensor::from_vector(d, {rows, 1}).to(a.device());
+}
+
+void expect_closed_form(int rank, int64_t tokens, int64_t k, int64_t hidden, const Routing& r, bool drop,
+                        const std::vector<float>& xs, const std::vector<float>& douts, const Tensor& out,
+                        const Tensor& dx, const Tensor& dprobs);
 
 // c: the world (token values depend on its rank); ep / etp / tp_ep: the groups (ep = &c without ETP).
 void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, bool drop, int64_t pad,
@@ -101,7 +127,32 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
   Tensor d_expert_out, dprobs;
   d.combine_backward(dout, ctx, d_expert_out, dprobs);
   const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_rows.host, d.first_expert(), etp_size, etp_rank), ctx);
+  expect_closed_form(rank, tokens, k, hidden, r, drop, xs, douts, out, dx, dprobs);
+  if (::testing::Test::HasFailure()) return;
 
+  // The experts apply the probabilities (the weighted SwiGLU's way): dispatch_probs gives each
+  // expert row its probability, the experts scale by it, the combine only sums; the row weights'
+  // gradient <d_expert_out row, unweighted output row> goes back through dispatch_probs_backward
+  // (ETP partials summed). The closed forms are the same.
+  SCOPED_TRACE("probabilities applied by the experts");
+  TokenDispatcher::Ctx wctx;
+  const Tensor w_in = d.dispatch(x, idx, kept, pad, wctx);
+  const Tensor w_rows = d.dispatch_probs(probs, wctx);
+  ASSERT_EQ(w_rows.size(0), w_in.size(0));
+  const Tensor unweighted = run_experts(w_in, wctx.local_rows.host, d.first_expert(), etp_size, etp_rank);
+  const Tensor w_out = d.combine(scale_rows(unweighted, w_rows), Tensor(), wctx);
+  Tensor w_d_expert_out, no_dprobs;
+  d.combine_backward(dout, wctx, w_d_expert_out, no_dprobs);
+  EXPECT_FALSE(no_dprobs.defined()) << "a combine without probs has no probability gradient";
+  const Tensor w_dx = d.dispatch_backward(
+      scale_rows(run_experts(w_d_expert_out, wctx.local_rows.host, d.first_expert(), etp_size, etp_rank), w_rows), wctx);
+  const Tensor w_dprobs = d.dispatch_probs_backward(row_dots(w_d_expert_out, unweighted), wctx);
+  expect_closed_form(rank, tokens, k, hidden, r, drop, xs, douts, w_out, w_dx, w_dprobs);
+}
+
+void expect_closed_form(int rank, int64_t tokens, int64_t k, int64_t hidden, const Routing& r, bool drop,
+                        const std::vector<float>& xs, const std::vector<float>& douts, const Tensor& out,
+                        const Tensor& dx, const Tensor& dprobs) {
   const std::vector<float> o = out.to_vector<float>(), g = dx.to_vector<float>(), dp = dprobs.to_vector<float>();
   for (int64_t t = 0; t < tokens; ++t) {
     double dot = 0;

@@ -36,6 +36,7 @@ struct RefOut {
   std::vector<double> probs;
   std::vector<int> indices;
   std::vector<double> scores;  // [T, E]: each expert's selection score (bias added, before group masking)
+  std::vector<double> group_scores;  // [T, G] with groups: each group's score
 };
 
 // Reference routing for one row. sel_override: sinkhorn scores of the row (or empty).
@@ -62,6 +63,7 @@ void ref_row(const std::vector<double>& l, const std::vector<double>& bias, cons
       std::sort(grp.rbegin(), grp.rend());
       gs[g] = std::accumulate(grp.begin(), grp.begin() + m, 0.0);
     }
+    out.group_scores.insert(out.group_scores.end(), gs.begin(), gs.end());
     std::vector<int> keep = ref_topk(gs, static_cast<int>(c.group_topk));
     for (int e = 0; e < E; ++e)
       if (std::find(keep.begin(), keep.end(), e / per) == keep.end()) s[e] = -INFINITY;
@@ -164,9 +166,12 @@ std::vector<int> ints(const Tensor& t) { return t.to_vector<int32_t>(); }
 // The op's choice equals the reference's, except that experts whose reference scores are
 // within `tol` (relative) may trade places. An f32 op rounds its scores: two sigmoids of
 // logits near 4 that differ by 3e-6 round to the same float, and the tie then goes to the
-// lower id, while the double reference still orders them. Exact (tol 0) for f64.
-::testing::AssertionResult same_choice(const std::vector<int>& got, const RefOut& ref, int64_t E, int64_t k,
+// lower id, while the double reference still orders them. With groups, two groups whose
+// scores are that close may trade places too (their experts then differ). Exact (tol 0) for f64.
+::testing::AssertionResult same_choice(const std::vector<int>& got, const RefOut& ref, const RouterConfig& c,
                                        double tol) {
+  const int64_t E = c.num_experts, k = c.topk, G = c.num_groups, per = G > 0 ? E / G : E;
+  const auto near = [&](double a, double b) { return std::fabs(a - b) <= tol * std::max(1.0, std::fabs(b)); };
   if (got.size() != ref.indices.size()) return ::testing::AssertionFailure() << "index count differs";
   for (size_t t = 0; t * k < got.size(); ++t) {
     const double* s = ref.scores.data() + t * E;
@@ -175,11 +180,12 @@ std::vector<int> ints(const Tensor& t) { return t.to_vector<int32_t>(); }
       const int g = got[t * k + i], want = ref.indices[t * k + i];
       if (g < 0 || g >= E || !seen.insert(g).second)
         return ::testing::AssertionFailure() << "token " << t << ": bad or repeated expert " << g;
-      if (g == want) continue;
-      if (!(std::fabs(s[g] - s[want]) <= tol * std::max(1.0, std::fabs(s[want]))))
-        return ::testing::AssertionFailure() << "token " << t << " slot " << i << ": expert " << g << " (score "
-                                             << s[g] << ") where the reference has " << want << " (score "
-                                             << s[want] << ")";
+      if (g == want || near(s[g], s[want])) continue;
+      if (G > 0 && g / per != want / per && near(ref.group_scores[t * G + g / per], ref.group_scores[t * G + want / per]))
+        continue;
+      return ::testing::AssertionFailure() << "token " << t << " slot " << i << ": expert " << g << " (score "
+                                           << s[g] << ") where the reference has " << want << " (score " << s[want]
+                                           << ")";
     }
   }
   return ::testing::AssertionSuccess();
@@ -231,7 +237,7 @@ TEST(Router, EveryOptionMatchesReference) {
       }
       const RefOut ref = ref_route(logits, Tensor(), sk, n.cfg);
       const double tie_tol = dt == DType::F32 ? 1e-6 : 0.0;
-      EXPECT_TRUE(same_choice(ints(idx), ref, 16, n.cfg.topk, tie_tol)) << n.name << " " << dtype_name(dt);
+      EXPECT_TRUE(same_choice(ints(idx), ref, n.cfg, tie_tol)) << n.name << " " << dtype_name(dt);
       EXPECT_TRUE(allclose(probs, Tensor::from_vector(ref.probs, probs.shape()), default_tolerance(dt)))
           << n.name << " " << dtype_name(dt);
     }

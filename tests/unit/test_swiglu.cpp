@@ -107,6 +107,17 @@ TEST(Swiglu, UnitWeightsEqualTheUnweightedOp) {
   ops::swiglu_backward(x, dy, dx);
   ops::weighted_swiglu_backward(x, ones, dy, dxw, dw);
   EXPECT_EQ(to_doubles(dx), to_doubles(dxw));
+  // dw[r] = sum_i dy[r, i] * swiglu(x)[r, i], from the unrounded activation (fp32 sums of bf16
+  // inputs: a relative 1e-5 leaves room for the order of the sum only).
+  const std::vector<double> xv = to_doubles(x), dyv = to_doubles(dy), dwv = to_doubles(dw);
+  for (int r = 0; r < 7; ++r) {
+    double want = 0;
+    for (int i = 0; i < 8; ++i) {
+      const double g = xv[r * 16 + i], u = xv[r * 16 + 8 + i];
+      want += g / (1 + std::exp(-g)) * u * dyv[r * 8 + i];
+    }
+    EXPECT_NEAR(dwv[r], want, 1e-5 * (1 + std::fabs(want))) << "row " << r;
+  }
 }
 
 TEST(Swiglu, WeightedRejectsBadWeights) {
@@ -128,4 +139,20 @@ TEST(Swiglu, WeightedRejectsBadWeights) {
   Tensor dx = Tensor::zeros({4, 8}, DType::BF16), dy = Tensor::zeros({4, 4}, DType::BF16);
   Tensor dw_short = Tensor::zeros({2}, DType::F32);
   EXPECT_THROW(ops::weighted_swiglu_backward(x, Tensor::zeros({4}, DType::F32), dy, dx, dw_short), Error);
+  Tensor no_dw;
+  try {
+    ops::weighted_swiglu_backward(x, Tensor::zeros({4}, DType::F32), dy, dx, no_dw);
+    FAIL() << "an undefined dw accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "weighted_swiglu_backward: 'dw' is undefined (it receives the weights' gradient)");
+  }
+}
+
+// F = 0: every row's weight gradient is an empty sum.
+TEST(Swiglu, WeightedEmptyRowsGiveZeroWeightGradient) {
+  Tensor x = Tensor::zeros({3, 0}, DType::F32), dy = Tensor::zeros({3, 0}, DType::F32);
+  Tensor dx = Tensor::zeros({3, 0}, DType::F32), w = Tensor::from_vector(std::vector<float>{1, 2, 3}, {3, 1});
+  Tensor dw = poisoned({3, 1}, DType::F32);
+  ops::weighted_swiglu_backward(x, w, dy, dx, dw);
+  EXPECT_EQ(dw.to_vector<float>(), (std::vector<float>{0, 0, 0}));
 }

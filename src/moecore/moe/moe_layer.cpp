@@ -284,14 +284,13 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   } else {
     ops::gelu_forward(ctx.fc1_out, ctx.act);
   }
-  ctx.expert_out = Tensor::empty({rows, hidden_}, x.dtype(), dev);
-  ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, ctx.expert_out);
+  Tensor expert_out = Tensor::empty({rows, hidden_}, x.dtype(), dev);
+  ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, expert_out);
   if (moe_.recompute_act) ctx.act = Tensor();  // --recompute-modules moe_act: rebuilt in the backward
   phase.emplace("moe-combine", 2, dev);
-  Tensor out = dispatcher_.combine(ctx.expert_out, swiglu_ ? Tensor() : ctx.combine_probs, ctx.dispatch);
-  // Kept only for the combine's probability gradient (through the dispatcher's Ctx): with the
-  // weighted SwiGLU nothing reads it again, and the buffer goes now instead of after the backward.
-  ctx.expert_out = Tensor();
+  // The expert output outlives the forward only where the combine's probability gradient needs
+  // it (the dispatcher's Ctx keeps it then: GELU experts).
+  Tensor out = dispatcher_.combine(expert_out, swiglu_ ? Tensor() : ctx.combine_probs, ctx.dispatch);
 
   if (moe_.shared_expert_size > 0) {
     phase.emplace("moe-shared-expert", 2, dev);

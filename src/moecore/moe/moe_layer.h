@@ -10,10 +10,13 @@
 //   dispatch: optional capacity dropping/padding, then a permutation grouping tokens by
 //             expert (ops/permute.h); with expert parallelism the tokens travel to the ranks
 //             that own their experts (moe/token_dispatcher.h). The plan is kept for the backward.
-//   experts:  fc1 [E, 2F or F, H] -> SwiGLU/GELU -> fc2 [E, H, F] through grouped GEMMs. With
+//   experts:  fc1 [E, 2F or F, H] -> SwiGLU/GELU -> fc2 [E, H, F] through grouped GEMMs. SwiGLU
+//             experts apply each row's routing probability in the activation (a weighted SwiGLU,
+//             as Megatron does; the probabilities travel with the tokens). With
 //             --recompute-modules moe_act the activation output is dropped after fc2 and
 //             recomputed from fc1's output in the backward (rows x F elements per layer saved).
-//   combine:  unpermute with the routing probabilities folded in.
+//   combine:  the rows summed back to their tokens; for GELU experts weighted by the routing
+//             probabilities there (an unpermute with the probabilities folded in).
 //   shared:   a dense MLP on every token, optionally scaled by sigmoid(x w_gate).
 #pragma once
 
@@ -64,7 +67,7 @@ class MoeLayer {
     Tensor combine_probs;           // probs in the combine dtype
     Tensor row_probs;               // SwiGLU experts: each expert row's probability [rows, 1]
     TokenDispatcher::Ctx dispatch;
-    Tensor permuted, fc1_out, act, expert_out;  // "expert_fc1" = fc1_out, "moe_act" = act
+    Tensor permuted, fc1_out, act;  // "expert_fc1" = fc1_out, "moe_act" = act
     Mlp::Ctx shared;
     Linear::Ctx gate;
     Tensor gate_logit, gate_prob, shared_out;

@@ -22,9 +22,11 @@ void check(const char* op, const Tensor& x, const Tensor& half, const char* half
   check_shape(op, half_name, half, expected);
 }
 
+// Rows: every dimension but the last (also when that one is 0).
 int64_t rows_of(const Tensor& x) {
-  const int64_t f = x.size(-1) / 2;
-  return f == 0 ? 0 : x.numel() / (2 * f);
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.ndim(); ++d) rows *= x.size(d);
+  return rows;
 }
 
 // w (and dw): one weight per row of x, f32 (f64 for f64 x).
@@ -82,7 +84,8 @@ void weighted_swiglu_forward(const Tensor& x, const Tensor& w, Tensor& y) {
 }
 
 void weighted_swiglu_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw) {
-  MC_CHECK(w.defined() && dw.defined(), "weighted_swiglu_backward: 'w' and 'dw' must both be defined");
+  MC_CHECK(w.defined(), "weighted_swiglu_backward: 'w' is undefined");
+  MC_CHECK(dw.defined(), "weighted_swiglu_backward: 'dw' is undefined (it receives the weights' gradient)");
   run_backward("weighted_swiglu_backward", x, w, dy, dx, dw);
 }
 

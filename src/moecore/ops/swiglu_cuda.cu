@@ -1,7 +1,8 @@
 // CUDA SwiGLU. Fast path: when F, the row pitch and the pointers allow it, each thread handles
 // one 16-byte pack of the gate half, the matching pack of the up half and of y / dy (8 bf16 or
 // 4 f32 elements), so every global access is a 16-byte vector and the row/column split costs one
-// division per pack. Otherwise a scalar grid-stride loop. Same arithmetic on both paths.
+// division per pack. Otherwise a scalar grid-stride loop. Same arithmetic per element on both
+// paths (the weighted backward's row sum dw runs in another order on each).
 // Weighted: the forward multiplies by w[r] (null: unweighted); the weighted backward gives each
 // row to one warp (lanes stride the row's packs, or elements off the fast path) so that dw[r] is
 // a warp sum: the same lane partition and shuffle order every launch, so deterministic.
