@@ -310,6 +310,32 @@ TEST_P(GpuSoftmax, WeightedSwigluForwardAndBackwardMatchCpu) {
   }
 }
 
+// Weight 1 on the GPU: the unweighted kernels' outputs bit for bit (the same products times 1);
+// F = 0: every row's weight gradient is 0 (an empty sum).
+TEST_P(GpuSoftmax, WeightedSwigluWithUnitWeightsIsTheUnweightedOp) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  for (int64_t f : {96, 37}) {
+    SCOPED_TRACE("F=" + std::to_string(f));
+    Tensor x = random_tensor({65, 2 * f}, t, kCuda, -4, 4), dy = random_tensor({65, f}, t, kCuda);
+    Tensor ones = Tensor::from_vector(std::vector<float>(65, 1.0f), {65, 1}).to(kCuda);
+    Tensor y = Tensor::empty({65, f}, t, kCuda), yw = Tensor::empty({65, f}, t, kCuda);
+    Tensor dx = Tensor::empty({65, 2 * f}, t, kCuda), dxw = Tensor::empty({65, 2 * f}, t, kCuda);
+    Tensor dw = Tensor::empty({65, 1}, DType::F32, kCuda);
+    ops::swiglu_forward(x, y);
+    ops::weighted_swiglu_forward(x, ones, yw);
+    ops::swiglu_backward(x, dy, dx);
+    ops::weighted_swiglu_backward(x, ones, dy, dxw, dw);
+    EXPECT_EQ(to_doubles(y), to_doubles(yw));
+    EXPECT_EQ(to_doubles(dx), to_doubles(dxw));
+  }
+  Tensor x0 = Tensor::zeros({5, 0}, t, kCuda), dy0 = Tensor::zeros({5, 0}, t, kCuda), dx0 = Tensor::zeros({5, 0}, t, kCuda);
+  Tensor w = Tensor::from_vector(std::vector<float>(5, 0.5f), {5, 1}).to(kCuda);
+  Tensor dw0 = poisoned({5, 1}, DType::F32, kCuda);
+  ops::weighted_swiglu_backward(x0, w, dy0, dx0, dw0);
+  EXPECT_EQ(dw0.to_vector<float>(), std::vector<float>(5, 0.0f));
+}
+
 // ---- Philox ---------------------------------------------------------------------------
 TEST(GpuPhilox, UniformsAreBitIdenticalToCpu) {
   MC_REQUIRE_CUDA();
