@@ -11,7 +11,7 @@
 #include "moecore/core/host_transfer.h"
 #include "moecore/data/mock_data.h"
 #include "moecore/model/gpt.h"
-#include "moecore/ops/gemm.h"
+#include "gpu_busy.h"
 #include "op_harness.h"
 
 using namespace moecore;
@@ -35,13 +35,10 @@ ModelConfig small_dense() {
   return c;
 }
 
-// Keeps the GPU busy for tens of milliseconds (bf16 GEMMs of 8192^3), so that whatever the host
-// does next is done before the queue drains unless it waits.
-void occupy_gpu(Device dev) {
-  Tensor a = Tensor::zeros({8192, 8192}, DType::BF16, dev);
-  Tensor c = Tensor::empty({8192, 8192}, DType::BF16, dev);
-  for (int i = 0; i < 12; ++i) ops::gemm(a, a, c, false, false);
-}
+// Keeps the GPU busy for 300 ms of GPU time, so that whatever the host does next is done before
+// the queue drains unless it waits. (12 bf16 GEMMs of 8192^3 were used before: they drain in
+// ~20 ms on an H200, and a read behind them once arrived before the host asked for it.)
+void occupy_gpu(Device dev) { moecore::testing::hold_gpu(dev, 300.0); }
 
 // The MoE variant of small_dense: 16 experts top-4 of hidden 256 (the Hopper grouped GEMM takes
 // these shapes, so the layer runs on device-side expert offsets).
