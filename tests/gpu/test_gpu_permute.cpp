@@ -48,6 +48,10 @@ const std::vector<Case> kCases = {
     {300, 3, 4, 8200, 0, false},     // long rows: several 16-byte packs per thread
     {3000, 3, 5000, 8, 1.0, true},   // E above the chunked routing's limit: the per-expert scan
     {5000, 1, 3, 40, 0.9, false},    // many chunks, few experts, drops
+    // One-assignment plans over single-element rows (the sort plans moving the probabilities): f32
+    // takes the thread-per-row copy of permute_probs.
+    {4000, 1, 16, 1, 0, false},
+    {3000, 1, 5, 1, 0.8, true},
 };
 
 // kept mask (CPU) for a case, or an undefined tensor without dropping; the capacity for padding.

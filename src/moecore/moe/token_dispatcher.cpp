@@ -191,28 +191,6 @@ Tensor TokenDispatcher::dispatch(const Tensor& x, const Tensor& indices, const T
   return etp_ ? etp_gather(expert_in, ctx, true) : expert_in;
 }
 
-namespace {
-// The sort plans give each row one assignment; on a [rows, 1] f32/f64 tensor (the probabilities
-// and their gradient) the flat probs kernels do their permutation, instead of one block per row.
-bool one_column(const Tensor& t, const ops::MoeRouting& plan) {
-  return plan.topk == 1 && t.ndim() == 2 && t.size(1) == 1 && (t.dtype() == DType::F32 || t.dtype() == DType::F64);
-}
-void sort_rows(const Tensor& in, const ops::MoeRouting& plan, Tensor& out) {
-  if (one_column(in, plan)) {
-    ops::moe_permute_probs_forward(in, plan, out);
-  } else {
-    ops::moe_permute_forward(in, plan, out);
-  }
-}
-void unsort_rows(const Tensor& in, const ops::MoeRouting& plan, Tensor& out) {
-  if (one_column(in, plan)) {
-    ops::moe_permute_probs_backward(in, plan, out);
-  } else {
-    ops::moe_permute_backward(in, plan, out);
-  }
-}
-}  // namespace
-
 Tensor TokenDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) const {
   const Device dev = rows.device();
   const int64_t n = etp_->size(), hidden = rows.size(1);
@@ -255,7 +233,7 @@ Tensor TokenDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) cons
     etp_->group_end();
   }
   Tensor sorted = Tensor::empty({ctx.etp_sort.num_rows, hidden}, rows.dtype(), dev);
-  sort_rows(gathered, ctx.etp_sort, sorted);
+  ops::moe_permute_forward(gathered, ctx.etp_sort, sorted);
   return sorted;
 }
 
@@ -263,7 +241,7 @@ Tensor TokenDispatcher::etp_reduce(const Tensor& sorted, Ctx& ctx) const {
   const Device dev = sorted.device();
   const int64_t n = etp_->size(), hidden = sorted.size(1), me = etp_->rank();
   Tensor rank_major = Tensor::empty({ctx.etp_sort.num_tokens, hidden}, sorted.dtype(), dev);
-  unsort_rows(sorted, ctx.etp_sort, rank_major);
+  ops::moe_permute_backward(sorted, ctx.etp_sort, rank_major);
   // reduce-scatter with per-rank row counts: rank r's segment goes to r; this rank's partials
   // from every ETP rank are summed in rank order.
   const int64_t mine = ctx.etp_rows[static_cast<size_t>(me)];
@@ -361,18 +339,13 @@ void TokenDispatcher::combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_e
 // all-to-all, sort and ETP gather as dispatch() (each a [rows, 1] tensor).
 Tensor TokenDispatcher::dispatch_probs(const Tensor& probs, Ctx& ctx) const {
   const Device dev = probs.device();
-  if (allgather_path()) {
-    const Tensor gathered = gather_rows(probs);
-    Tensor rows = Tensor::empty({ctx.routing.num_rows, 1}, probs.dtype(), dev);
-    ops::moe_permute_probs_forward(gathered, ctx.routing, rows);
-    return rows;
-  }
   Tensor rows = Tensor::empty({ctx.routing.num_rows, 1}, probs.dtype(), dev);
-  ops::moe_permute_probs_forward(probs, ctx.routing, rows);
+  ops::moe_permute_probs_forward(allgather_path() ? gather_rows(probs) : probs, ctx.routing, rows);
+  if (allgather_path()) return rows;
   if (ep_) {
     const Tensor received = all_to_all_rows(rows, ctx.send_rows, ctx.recv_rows);
     rows = Tensor::empty({ctx.sort.num_rows, 1}, probs.dtype(), dev);
-    sort_rows(received, ctx.sort, rows);
+    ops::moe_permute_forward(received, ctx.sort, rows);
   }
   return etp_ ? etp_gather(rows, ctx, false) : rows;
 }
@@ -390,7 +363,7 @@ Tensor TokenDispatcher::dispatch_probs_backward(const Tensor& d_rows, Ctx& ctx) 
   Tensor local = etp_ ? etp_reduce(d_rows, ctx) : d_rows;
   if (ep_) {
     Tensor arrival = Tensor::empty({ctx.sort.num_tokens, 1}, d_rows.dtype(), dev);
-    unsort_rows(local, ctx.sort, arrival);
+    ops::moe_permute_backward(local, ctx.sort, arrival);
     local = all_to_all_rows(arrival, ctx.recv_rows, ctx.send_rows);
   }
   Tensor dprobs = Tensor::empty({ctx.tokens, ctx.topk}, d_rows.dtype(), dev);

@@ -571,7 +571,17 @@ void make_moe_routing(const Tensor& indices, const Tensor& kept, MoeRouting& r, 
   }
 }
 
+// Rows of one f32 element under a one-assignment plan (the alltoall and ETP sort plans moving the
+// [rows, 1] probabilities and their gradient): the copy is permute_probs', a thread per row, where
+// the row kernels would spend a block on each element.
+namespace {
+bool single_f32_elements(const Tensor& t, const MoeRouting& r) {
+  return r.topk == 1 && t.size(1) == 1 && t.dtype() == DType::F32;
+}
+}  // namespace
+
 void moe_permute_forward(const Tensor& x, const MoeRouting& r, Tensor& out) {
+  if (single_f32_elements(x, r)) return cuda::moe_permute_probs_forward(x, r, out);
   cudaStream_t s = prepare(x);
   if (r.capacity > 0 && out.nbytes() > 0) MC_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), s));
   const int64_t T = r.num_tokens, H = x.size(1);
@@ -593,6 +603,7 @@ void moe_permute_forward(const Tensor& x, const MoeRouting& r, Tensor& out) {
 }
 
 void moe_permute_backward(const Tensor& dout, const MoeRouting& r, Tensor& dx) {
+  if (single_f32_elements(dout, r)) return cuda::moe_permute_probs_backward(dout, r, dx);  // dx [T, 1] = [T, k]
   cudaStream_t s = prepare(dout);
   const int64_t T = r.num_tokens, H = dout.size(1);
   if (T == 0 || H == 0) return;

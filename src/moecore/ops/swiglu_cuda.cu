@@ -72,6 +72,15 @@ __global__ void swiglu_forward_kernel(const T* x, const float* w, T* y, int64_t 
   }
 }
 
+// One element of the weighted backward: the gate and up gradients, and the term of dw's row sum.
+struct WeightedGrad {
+  float dg, du, dw_term;
+};
+__device__ __forceinline__ WeightedGrad weighted_grad(float g, float u, float d, float w) {
+  const float silu = math::activation(Activation::Silu, g), dd = d * w;
+  return {dd * u * math::activation_grad(Activation::Silu, g), dd * silu, silu * u * d};
+}
+
 // Weighted backward, one warp per row. kVec: 16-byte packs (lane l takes packs l, l + 32, ...);
 // else single elements.
 template <typename T, bool kVec>
@@ -95,24 +104,20 @@ __global__ void swiglu_backward_weighted_kernel(const T* x, const float* w, cons
         P og, ou;
 #pragma unroll
         for (int j = 0; j < P::N; ++j) {
-          const float gv = load(g.v[j]), uv = load(u.v[j]), d0 = load(dv.v[j]);
-          const float silu = math::activation(Activation::Silu, gv);
-          dot += silu * uv * d0;
-          const float dd = d0 * wr;
-          og.v[j] = store<T>(dd * uv * math::activation_grad(Activation::Silu, gv));
-          ou.v[j] = store<T>(dd * silu);
+          const WeightedGrad e = weighted_grad(load(g.v[j]), load(u.v[j]), load(dv.v[j]), wr);
+          dot += e.dw_term;
+          og.v[j] = store<T>(e.dg);
+          ou.v[j] = store<T>(e.du);
         }
         *reinterpret_cast<P*>(dg + c) = og;
         *reinterpret_cast<P*>(du + c) = ou;
       }
     } else {
       for (int64_t c = lane; c < f; c += 32) {
-        const float gv = load(xg[c]), uv = load(xu[c]), d0 = load(d[c]);
-        const float silu = math::activation(Activation::Silu, gv);
-        dot += silu * uv * d0;
-        const float dd = d0 * wr;
-        dg[c] = store<T>(dd * uv * math::activation_grad(Activation::Silu, gv));
-        du[c] = store<T>(dd * silu);
+        const WeightedGrad e = weighted_grad(load(xg[c]), load(xu[c]), load(d[c]), wr);
+        dot += e.dw_term;
+        dg[c] = store<T>(e.dg);
+        du[c] = store<T>(e.du);
       }
     }
     dot = warp_sum(dot);
