@@ -1,7 +1,7 @@
 // Attention benchmark: causal GQA attention forward and backward on CUDA, the tiled CUDA-core
 // kernels, the cuBLAS GEMM path and the fused tensor-core flash kernels
 // (MOECORE_ATTENTION=tiled|gemm|flash, set here per run; "flash" takes the Hopper wgmma kernels
-// where they run (D = 128 on H100/H200), "flash-mma" the mma.sync kernels
+// where they run (D = 128 on compute capability 9.0), "flash-mma" the mma.sync kernels
 // (MOECORE_ATTENTION_FLASH_HOPPER=0); "-1ds" adds MOECORE_ATTENTION_FLASH_SPLIT=0, P and dS rounded
 // to one bf16 in the backward), with
 // a dense bf16 GEMM (ops::gemm, 8192^3) measured in the same run as the ceiling.

@@ -1,5 +1,6 @@
 // GEMM benchmark: TFLOP/s of ops::gemm for the square 8192^3 bf16 ceiling and MoE-like shapes
-// (expert FC1/FC2 forward and the two backward GEMMs at ANCHORS.md's model sizes).
+// (expert FC1/FC2 forward and the backward GEMMs at the Mixtral-8x7B, Qwen3-30B-A3B and
+// mixtral-small expert sizes).
 //
 // On a GPU: bf16 in, fp32 accumulate, bf16 out, through cuBLASLt; inputs are random (never
 // zeros), and each shape rotates over enough input sets to exceed the L2 cache. Timing: CUDA

@@ -1,7 +1,8 @@
 // MoE layer benchmark: MoeLayer (src/moecore/moe/moe_layer.h) forward + backward, router ->
 // permutation -> grouped experts (SwiGLU) -> combine, at the two configurations:
-//   mixtral  h4096 f14336 E8   k2  8192 tokens   target <= 28 ms on an H200 (PyTorch grouped: 39.7 ms)
-//   qwen3    h2048 f768   E128 k8  16384 tokens  target <= 8 ms              (PyTorch: 19.2 ms)
+//   mixtral  h4096 f14336 E8   k2  8192 tokens   target <= 0.7x PyTorch's grouped MoE layer
+//   qwen3    h2048 f768   E128 k8  16384 tokens  target <= 0.42x PyTorch's
+// (the targets and figures: docs/performance.md)
 // bf16 compute weights with fp32 masters and gradients, fp32 router, aux loss on (coefficient
 // 1e-2, softmax top-k), training mode, no shared experts, sequences of 4096 tokens.
 // The router is a real one over random weights and inputs, so the expert loads are those of an

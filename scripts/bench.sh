@@ -10,7 +10,8 @@ for b in "$build"/bench/bench_*; do
   "$b" ${BENCH_ARGS:-} "$@" || status=1
 done
 # End to end on one GPU: the two benchmark presets, the average of steps 11-15, beside the
-# PyTorch eager figures of ../shared/ANCHORS.md (H200; measured elsewhere, not in this run).
+# PyTorch eager figures on an H200 (the baseline of docs/performance.md; measured elsewhere, not in
+# this run).
 if [ -x "$build/moecore" ] && nvidia-smi -L >/dev/null 2>&1; then
   echo "== end-to-end training, one GPU"
   rows=()

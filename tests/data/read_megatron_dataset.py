@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """An independent reader of Megatron indexed datasets (PREFIX.bin + PREFIX.idx), stdlib only.
 
-Written from the format description (shared FORMATS.md), not from moecore's C++ reader, so
+Written from the format description (docs/formats.md), not from moecore's C++ reader, so
 that tests can check the files moecore writes. Checks every field and exits non-zero with a
 message on the first inconsistency.
 

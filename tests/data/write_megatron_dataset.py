@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """An independent writer of Megatron indexed datasets (PREFIX.bin + PREFIX.idx), stdlib only.
 
-Written from the format description (docs: shared FORMATS.md), not from moecore's C++ writer,
+Written from the format description (docs/formats.md), not from moecore's C++ writer,
 so that tests can check that moecore reads Megatron's files and writes the same bytes.
 
 usage: write_megatron_dataset.py PREFIX DTYPE DOCUMENTS

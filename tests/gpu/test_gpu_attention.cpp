@@ -26,7 +26,7 @@ struct AttnCase {
 // Tolerances. Both devices compute in fp32 from the same stored inputs; they differ in the
 // order of the sums (over D for scores, over up to S keys for outputs and dK/dV, over the 4
 // query heads of a group for dK/dV) and in expf/logf (a few ulp): relative errors of about
-// sqrt(n) * 6e-8 on sums of n terms. Measured on an H200 (f32, S = 1024, D = 128): max
+// sqrt(n) * 6e-8 on sums of n terms. Measured (f32, S = 1024, D = 128): max
 // |diff| 5e-7 for out (|out| <= 1: a convex combination of v), 2e-6 for lse (|lse| ~ 8) and
 // 2.5e-6 for the gradients (|dv| up to ~6); the f32 tolerances leave about 10x.
 // bf16: the stored outputs are rounded from fp32 values that differ as above, so a value

@@ -27,7 +27,7 @@ namespace {
 
 // The CPU sums in another order (~sqrt(k) eps of the sum of |products|); bf16 outputs round once.
 // f32: these cases check up to 18M outputs at once, and the largest ordering difference among
-// so many reaches 1.1e-4 at k = 2200 (seen once on an H100 against the earlier 2e-6 sqrt(k) =
+// so many reaches 1.1e-4 at k = 2200 (seen once, against the earlier 2e-6 sqrt(k) =
 // 9.4e-5); 6e-6 sqrt(k) leaves room for that tail while a wrong or missing tile (errors of
 // order 0.1-1) still fails.
 Tolerance tolerance(DType out, int64_t k) {

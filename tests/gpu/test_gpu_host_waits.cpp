@@ -36,8 +36,8 @@ ModelConfig small_dense() {
 }
 
 // Keeps the GPU busy for 300 ms of GPU time, so that whatever the host does next is done before
-// the queue drains unless it waits. (12 bf16 GEMMs of 8192^3 were used before: they drain in
-// ~20 ms on an H200, and a read behind them once arrived before the host asked for it.)
+// the queue drains unless it waits. (12 bf16 GEMMs of 8192^3 were used before: a fast card
+// drained them early, and a read behind them once arrived before the host asked for it.)
 void occupy_gpu(Device dev) { moecore::testing::hold_gpu(dev, 300.0); }
 
 // The MoE variant of small_dense: 16 experts top-4 of hidden 256 (the Hopper grouped GEMM takes

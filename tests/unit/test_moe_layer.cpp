@@ -1,7 +1,8 @@
 // MoeLayer on its own, in f64 on the CPU: force-balanced routing (loss exactly 1, no router
 // gradient), the balancing-loss coefficients, the aux-loss-free expert-bias update, capacity with
 // and without padding, shared experts (gated and not) and experts that receive no tokens.
-// Facts held here are those of ../shared/MOE-REFERENCE.md ("Behaviours Megatron's own tests hold").
+// Facts held here are behaviours Megatron's own MoE tests hold (e.g. force-balanced routing gives
+// a balancing loss of exactly 1; expert-bias counts sum to T x k; capacity bounds hold).
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,5 +1,5 @@
 // The training loop's pieces on their own: CRC-32C and TensorBoard event records
-// (../shared/FORMATS.md), the learning-rate schedule, model FLOPs, checkpoints and safetensors,
+// (docs/formats.md), the learning-rate schedule, model FLOPs, checkpoints and safetensors,
 // and `moecore train` argument parsing (YAML config + overriding flags, validation messages).
 #include <gtest/gtest.h>
 

@@ -15,9 +15,9 @@ nlohmann::json system_info();
 // rank cores / local_ranks host threads (OpenMP and OpenBLAS) instead of every core each, which
 // oversubscribes the host and slows the host-side work of every rank; a rank that drives a GPU
 // gets at most kGpuRankHostThreads (its host work is light, and idle OpenMP threads spinning
-// next to NCCL's and CUDA's host threads can cost step time: on 4x H200, EP=4 ran 96 ms/step with
-// 16 threads per rank and 82 ms with 4, measured on two different machines; not yet compared in
-// one run). Returns the thread count in effect.
+// next to NCCL's and CUDA's host threads can cost step time: EP=4 on four GPUs ran ~17% slower
+// with 16 threads per rank than with 4, measured on two different machines, not yet compared in
+// one run (docs/performance-log.md, "Third and fourth calls"). Returns the thread count in effect.
 inline constexpr int kGpuRankHostThreads = 4;
 int configure_host_threads(int local_ranks, bool gpu = false);
 

@@ -32,7 +32,7 @@
 
 namespace moecore {
 
-// Pre-tokenizer patterns (FORMATS.md).
+// Pre-tokenizer patterns (docs/formats.md).
 extern const char* const kGpt2Pattern;
 extern const char* const kLlama3Pattern;
 extern const char* const kQwen2Pattern;

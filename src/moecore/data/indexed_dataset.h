@@ -1,5 +1,5 @@
 // Megatron-LM indexed dataset (prefix.bin + prefix.idx), read and written byte for byte as
-// megatron/core/datasets/indexed_dataset.py does (see docs in shared FORMATS.md).
+// megatron/core/datasets/indexed_dataset.py does (layout: docs/formats.md).
 //
 // .idx, little-endian, no padding:
 //   off 0   9 bytes  magic "MMIDIDX\x00\x00"

@@ -1,4 +1,4 @@
-// safetensors reader/writer (HF checkpoints; see /work/shared/FORMATS.md).
+// safetensors reader/writer (HF checkpoints; format: docs/formats.md).
 //
 //   file   = u64 LE N | N bytes of UTF-8 JSON header (space padded to 8) | data
 //   header = {"__metadata__": {str: str}?, "<name>": {"dtype", "shape", "data_offsets": [b, e]}}

@@ -106,8 +106,8 @@ class GPTModel {
   void set_head_chunk_rows(int64_t rows) { head_chunk_rows_ = rows; }
   // Logits per chunk: 256 MiB in bf16 (4096 rows at a 32k vocabulary). Each chunk's wgrad reads
   // and writes the whole fp32 output-layer gradient, so fewer, larger chunks are faster: 1024
-  // rows -> 4096 took the output layer from 7.3 to 6.1 ms (mixtral-small) and 9.2 to 7.3 ms
-  // (finegrained-small) on an H100 with the peak memory unchanged (docs/performance.md).
+  // rows -> 4096 took 17% (mixtral-small) and 20% (finegrained-small) off the output layer's time
+  // with the peak memory unchanged (measured: docs/performance-log.md, "Step timers, ...").
   static constexpr int64_t kFusedHeadChunkElements = int64_t{1} << 27;
   // Rows of the hidden states passed between pipeline stages for these (CP-local) tokens.
   int64_t hidden_rows(const Tensor& tokens) const { return dense_.local_tokens(tokens.numel()); }

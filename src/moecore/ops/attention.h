@@ -33,13 +33,13 @@
 //         (b, q head, 64-query tile). No Sq x Sk buffer. The forward's P is rounded to bf16
 //         before P V; the backward's P and dS enter their products as hi + lo bf16 pairs
 //         (MOECORE_ATTENTION_FLASH_SPLIT=0: one bf16 each, faster, less accurate); scores,
-//         statistics and accumulation are fp32. H200, B4 Hq16 S2048 D128: fwd 0.41 ms
-//         (169 TFLOP/s), bwd 1.39 ms (124 TFLOP/s); gemm 1.30 / 3.38 ms. See
+//         statistics and accumulation are fp32. At B4 Hq16 S2048 D128 about 3.2x (fwd) and
+//         2.4x (bwd) faster than gemm (measured: docs/performance.md). See
 //         attention_flash_cuda.cu. On compute capability 9.0 with D = 128 (and an sm_90a
 //         build) the same path runs Hopper kernels instead (TMA + wgmma, P and dS passed
 //         between products in registers; forward per query tile, dK/dV per key tile, dQ per
-//         query tile, larger tiles, the same rounding):
-//         H100, same shape: fwd 0.18 ms (392 TFLOP/s), bwd 0.86 ms (200 TFLOP/s). See
+//         query tile, larger tiles, the same rounding), about 2.3x (fwd) and 1.6x (bwd)
+//         faster than the mma.sync kernels at that shape (docs/performance.md). See
 //         attention_flash_hopper.cu; MOECORE_ATTENTION_FLASH_HOPPER=0 keeps the mma.sync ones.
 //   gemm  (default where flash is not supported: f32 or bf16, D in {32, 64, 128}, Sk <=
 //         kAttentionGemmMaxSeq) cuBLAS
@@ -56,7 +56,7 @@
 //         cores (fp32 FMA): one block per (b, q head,
 //         64-query tile) with online softmax over the 64-key tiles it sees (up to s + o),
 //         held in shared memory; backward computes Dr, then dQ per query tile and dK/dV per (key tile, kv head).
-//         No Sq x Sk buffer; slower (~20 TFLOP/s). See attention_cuda.cu.
+//         No Sq x Sk buffer; slower (CUDA cores, not tensor cores). See attention_cuda.cu.
 // The environment variable MOECORE_ATTENTION=auto|tiled|gemm|flash (read at every call)
 // forces a path; auto (or unset) takes flash where supported, else gemm where supported, else
 // tiled; gemm or flash where unsupported is an error.

@@ -468,7 +468,7 @@ AttentionPath attention_path(const AttentionDims& d, DType dtype, double scale) 
   const std::string choice = env ? env : "";
   if (choice.empty() || choice == "auto") {
     // flash where supported (bf16, D 64/128): measured 3.2x (fwd) / 2.4x (bwd) faster than
-    // gemm at mixtral-small on an H200 (attention.h); then gemm, then tiled.
+    // gemm at mixtral-small (docs/performance-log.md); then gemm, then tiled.
     if (attention_flash_supported(d, dtype, scale)) return AttentionPath::Flash;
     return attention_gemm_supported(d, dtype) ? AttentionPath::Gemm : AttentionPath::Tiled;
   }

@@ -33,7 +33,7 @@
 // (for dS K and dS^T Q) enter as hi + lo bf16 pairs (hi = bf16(x), lo = bf16(x - hi), two
 // MMAs into one fp32 accumulator: ~2^-17 relative). A single rounding of P put a few dV
 // entries of the first keys (large P, sums near zero) up to ~2x over the bf16 test tolerance
-// on an H200 (dK and dQ with a single-rounded dS passed there);
+// (dK and dQ with a single-rounded dS passed);
 // MOECORE_ATTENTION_FLASH_SPLIT=0 rounds P and dS once (~8% faster backward, less accurate).
 #include <cstdint>
 #include <cstdlib>

@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(float* scores
 // bf16(x - hi) at column ldS + t of the bf16 row (the second half of the fp32 row), so that
 // the backward GEMMs (hi then lo, accumulated in fp32) see x to ~2^-17 relative: rounding P
 // and dS to one bf16 (flash-attention's choice) put errors of up to 25% on gradient entries
-// that cancel to near zero (dK at S = 2048, measured on an H200).
+// that cancel to near zero (dK at S = 2048, measured).
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads) grad_rows_kernel(float* scores, float* dp, const float* lse,
                                                                 const float* dr, RowGeom g) {

@@ -41,7 +41,7 @@
 // The choice: set_grouped_gemm_impl(), else the environment
 // MOECORE_GROUPED_GEMM=auto|loop|grouped|hopper|mixed, else the default, Auto (see kDefaultImpl in
 // grouped_gemm.cpp for the measurements behind it; bench/bench_grouped_gemm.cpp,
-// docs/performance.md "Grouped GEMM").
+// docs/performance-log.md "Grouped GEMM").
 #pragma once
 
 #include <cstdint>

@@ -12,7 +12,7 @@
 // inputs with an f32 output, which the wgrad into fp32 gradients needs. That case is tried once;
 // if cuBLAS refuses it (CUBLAS_STATUS_NOT_SUPPORTED / INVALID_VALUE) it is remembered and the
 // caller falls back to its per-expert loop (cuBLASLt supports bf16 -> f32); cuBLAS 13.1 refuses
-// it (seen on an H200, 2026-11-26). A bf16 temporary plus an add would round
+// it. A bf16 temporary plus an add would round
 // the fp32 gradients, so it is not used. A zero reduction
 // dimension (forward with K = 0, dgrad with N = 0) also falls back (the output must be zeroed).
 //
@@ -23,9 +23,9 @@
 // has completed (cudaEventQuery, never blocking), otherwise a new slot is made, so a copy still
 // in flight never sees its source rewritten and no host synchronisation is added.
 //
-// Speed: on an H200 this call ran at 35-50% of a dense cuBLAS GEMM of the same FLOPs at the
-// Mixtral and Qwen3 expert shapes, slower than the per-expert loop, which therefore stays the
-// default (grouped_gemm.h; docs/performance.md).
+// Speed: this call ran at 35-50% of a dense cuBLAS GEMM of the same FLOPs at the Mixtral and
+// Qwen3 expert shapes, slower than the per-expert loop, so it is never the default
+// (grouped_gemm.h; measured: docs/performance-log.md, "Grouped GEMM").
 #include <algorithm>
 #include <climits>
 #include <map>

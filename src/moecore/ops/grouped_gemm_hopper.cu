@@ -65,7 +65,7 @@ constexpr int kRasterGroup = 8;             // m-blocks per raster group (decode
 // thread), 3 stages of 48 KB and a 64 KB staging buffer for the epilogue. (Measured: without the
 // staged forward/dgrad epilogue its plain stores took 20-55% of the kernel's time at the presets'
 // shapes; the wgrad on 128 x 128 tiles with 4 stages of 32 KB ran at 50-70% of the dense GEMM;
-// docs/performance.md.)
+// docs/performance-log.md.)
 template <int BN, int STAGES, int CTAS>
 struct Config {
   static constexpr int kBN = BN, kStages = STAGES, kCtasPerSm = CTAS;
