@@ -1,5 +1,4 @@
-// The training loop's pieces on their own: CRC-32C and TensorBoard event records
-// (../shared/FORMATS.md), the learning-rate schedule, model FLOPs, checkpoints and safetensors,
+// The training loop's pieces on their own: CRC-32C and TensorBoard event records, the learning-rate schedule, model FLOPs, checkpoints and safetensors,
 // and `moecore train` argument parsing (YAML config + overriding flags, validation messages).
 #include <gtest/gtest.h>
 
@@ -22,6 +21,8 @@
 #include "moecore/train/lr_schedule.h"
 #include "moecore/train/tensorboard.h"
 #include "moecore/train/trainer.h"
+
+#include "train_command.h"  // parse_train_args, parse_data_path (apps/)
 #include "op_harness.h"
 
 using namespace moecore;
