@@ -1,8 +1,12 @@
-// moecore: one binary, subcommands.
+// moecore: one binary, subcommands. This file holds main and the subcommand table; each
+// subcommand's flags and entry point are in apps/<name>_command.cpp:
 //
-//   moecore env         devices, library versions, threads
-//   moecore train ...   train a MoE model (train/arguments.h lists the flags)
-//   moecore generate    sample from a checkpoint
+//   moecore env           devices, library versions, threads, environment switches (env_command.cpp)
+//   moecore train ...     train a MoE model (train_command.cpp lists the flags)
+//   moecore generate      sample from a checkpoint (generate_command.cpp)
+//   moecore preprocess    JSONL to Megatron .bin/.idx (preprocess_command.cpp)
+//   moecore dataset-info  describe a .bin/.idx dataset (dataset_info_command.cpp)
+//   moecore convert       HF <-> moecore checkpoints (convert_command.cpp)
 //
 // Every error ends here: one line "moecore: error: ..." on stderr and exit code 1 (2 for usage
 // errors), never an abort.
@@ -11,17 +15,12 @@
 #include <string>
 #include <vector>
 
+#include "commands.h"
 #include "moecore/cli/flags.h"
 #include "moecore/comm/bootstrap.h"
-#include "moecore/core/mpi_check.h"
 #include "moecore/core/error.h"
-#include "moecore/core/system_info.h"
-#include "moecore/data/dataset_info.h"
-#include "moecore/data/preprocess.h"
-#include "moecore/interop/hf_convert.h"
-#include "moecore/train/arguments.h"
-#include "moecore/train/generate.h"
-#include "moecore/train/trainer.h"
+#include "moecore/core/mpi_check.h"
+#include "train_command.h"
 
 namespace {
 
@@ -35,57 +34,14 @@ struct Subcommand {
   std::string arrives_with;                          // for subcommands not available yet
 };
 
-int run_env(const std::vector<std::string>& args) {
-  bool json = false;
-  FlagSet flags("moecore env", "Print the devices, library versions and thread counts moecore sees.");
-  flags.add_bool("json", &json, "print one JSON object instead of text");
-  flags.parse(args);
-  if (flags.help_requested()) {
-    std::cout << flags.help();
-    return 0;
-  }
-  const nlohmann::json info = moecore::system_info();
-  if (json) {
-    std::cout << info.dump() << "\n";
-    return 0;
-  }
-  auto get = [&](const char* key) { return info.contains(key) ? info[key].get<std::string>() : std::string("-"); };
-  std::printf("moecore        %s (CUDA backend: %s)\n", get("moecore_version").c_str(),
-              info["cuda_built"].get<bool>() ? "built" : "not built");
-  std::printf("CUDA runtime   %s, driver %s\n", get("cuda_runtime").c_str(), get("cuda_driver").c_str());
-  std::printf("cuBLASLt       %s\n", get("cublaslt").c_str());
-  std::printf("NCCL           %s\n", get("nccl").c_str());
-  std::printf("MPI library    %s\n", get("mpi_library").c_str());
-  std::printf("BLAS           %s, %d threads\n", get("blas").c_str(), info["blas_threads"].get<int>());
-  std::printf("OpenMP         %d threads\n", info["omp_threads"].get<int>());
-  if (info["cuda_devices"].empty()) std::printf("CUDA devices   none: %s\n", get("cuda_unavailable").c_str());
-  for (const auto& d : info["cuda_devices"])
-    std::printf("cuda:%d         %s, sm_%s, %.1f GiB, %d SMs, L2 %.0f MiB\n", d["index"].get<int>(),
-                d["name"].get<std::string>().c_str(), d["compute_capability"].get<std::string>().c_str(),
-                d["memory_bytes"].get<double>() / (1 << 30), d["multiprocessors"].get<int>(),
-                d["l2_bytes"].get<double>() / (1 << 20));
-  return 0;
-}
-
-int run_train(const std::vector<std::string>& args) {
-  bool help = false;
-  std::string help_text;
-  const moecore::TrainArgs parsed = moecore::parse_train_args(args, &help, &help_text);
-  if (help) {
-    std::cout << help_text;
-    return 0;
-  }
-  return moecore::run_training(parsed);
-}
-
 const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> list = {
-      {"env", "devices, library versions and threads", run_env, ""},
-      {"train", "train a MoE model", run_train, ""},
+      {"env", "devices, library versions and threads", moecore::run_env, ""},
+      {"train", "train a MoE model", moecore::run_train, ""},
       {"generate", "sample tokens from a checkpoint", moecore::run_generate, ""},
       {"preprocess", "JSONL to Megatron .bin/.idx", moecore::run_preprocess, ""},
       {"dataset-info", "describe a .bin/.idx dataset", moecore::run_dataset_info, ""},
-      {"convert", "HF <-> moecore checkpoints (Mixtral, Qwen3-MoE)", moecore::interop::run_convert, ""},
+      {"convert", "HF <-> moecore checkpoints (Mixtral, Qwen3-MoE)", moecore::run_convert, ""},
       {"plan", "memory and throughput planner", nullptr, "the planner work"},
   };
   return list;

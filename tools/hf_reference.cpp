@@ -28,6 +28,7 @@
 #include "moecore/model/gpt.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/checkpoint.h"
+#include "train_command.h"
 
 using namespace moecore;
 

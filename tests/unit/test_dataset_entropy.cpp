@@ -8,6 +8,8 @@
 #include "moecore/data/dataset_info.h"
 #include "moecore/data/indexed_dataset.h"
 
+#include "commands.h"  // run_dataset_info (apps/)
+
 using namespace moecore;
 
 TEST(DatasetInfo, UnigramEntropyOfAKnownDistribution) {

@@ -77,3 +77,51 @@ TEST(Flags, ListsTakeValuesUpToTheNextFlag) {
   EXPECT_EQ(paths, (std::vector<std::string>{"x", "y"}));
   EXPECT_THROW(f.parse({"--data-path", "--n", "1"}), UsageError);
 }
+
+// Word flags: the word maps to its value when set (command line or config), with Megatron's
+// spellings and alternatives; values() reports the word as given; a word outside the list is one
+// Error naming the flag and the choices (not a UsageError: the message has no usage hint).
+TEST(Flags, EnumsMapWordsOnceWithOneErrorForm) {
+  enum class Style { Linear, Cosine, Wsd };
+  Style style = Style::Linear;
+  std::string impl;
+  FlagSet f("moecore train", "test");
+  f.add_enum<Style>("lr-decay-style", &style,
+                    {{"linear", Style::Linear}, {"cosine", Style::Cosine}, {"WSD", Style::Wsd}, {"wsd", Style::Wsd}},
+                    "schedule");
+  f.add_choice("impl", &impl, {"te", "native"}, "", [](const std::string& v) {
+    return v == "fp8" ? std::string(" (no fp8 here)") : std::string();
+  });
+  EXPECT_NE(f.help().find("--lr-decay-style <string>"), std::string::npos) << f.help();
+  EXPECT_NE(f.help().find("(default: linear)"), std::string::npos) << f.help();
+  auto value_of = [&](const std::string& name) {
+    for (const auto& [n, v] : f.values())
+      if (n == name) return v;
+    return std::string("?");
+  };
+  EXPECT_EQ(value_of("lr-decay-style"), "linear");
+  EXPECT_EQ(value_of("impl"), "");
+  f.parse({"--lr-decay-style", "wsd", "--impl=native"});
+  EXPECT_EQ(style, Style::Wsd);
+  EXPECT_EQ(impl, "native");
+  EXPECT_EQ(value_of("lr-decay-style"), "wsd");  // as given, so a checkpoint records it unchanged
+  f.set("lr_decay_style", "cosine", "config file 'x.yaml'");
+  EXPECT_EQ(style, Style::Cosine);
+  EXPECT_EQ(value_of("lr-decay-style"), "cosine");
+  auto error_of = [&](const std::vector<std::string>& args) {
+    try {
+      f.parse(args);
+    } catch (const UsageError& e) {
+      return std::string("usage error: ") + e.what();
+    } catch (const moecore::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error_of({"--lr-decay-style", "step"}), "--lr-decay-style 'step': expected linear, cosine or WSD");
+  EXPECT_EQ(style, Style::Cosine);
+  EXPECT_EQ(error_of({"--impl", "fp8"}), "--impl 'fp8': expected te or native (no fp8 here)");
+  EXPECT_EQ(error_of({"--impl", "x"}), "--impl 'x': expected te or native");
+  f.set("impl", "", "checkpoint");  // the recorded "not given" of a flag with an empty default
+  EXPECT_EQ(impl, "");
+}

@@ -26,6 +26,9 @@
 #include "moecore/train/generate.h"
 #include "moecore/train/trainer.h"
 
+#include "commands.h"       // run_convert, run_generate (apps/)
+#include "train_command.h"  // train_args_from_saved (apps/)
+
 namespace fs = std::filesystem;
 using namespace moecore;
 using namespace moecore::interop;

@@ -19,6 +19,8 @@
 #include "moecore/data/preprocess.h"
 #include "moecore/data/tokenizer.h"
 
+#include "commands.h"  // run_preprocess (apps/)
+
 namespace moecore {
 namespace {
 

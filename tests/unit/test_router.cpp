@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/model/config.h"
 #include "moecore/ops/moe_loss.h"
 #include "moecore/ops/router.h"
 #include "op_harness.h"
@@ -404,10 +405,15 @@ TEST(Router, UnselectedLogitsGetZeroGradientUnlessFormulaUsesAll) {
   }
 }
 
+// The router flags are checked by the model config (validate_moe_config, model/config.h), by name.
 TEST(Router, BadConfigsNameTheFlag) {
   auto expect_flag = [](RouterConfig c, const std::string& flag) {
     try {
-      ops::validate_router_config(c);
+      MoeConfig moe;
+      moe.num_experts = c.num_experts;
+      moe.router = c;
+      if (c.sinkhorn) moe.load_balancing = LoadBalancing::Sinkhorn;
+      validate_moe_config(moe, 64);
       ADD_FAILURE() << "expected an Error naming " << flag;
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
@@ -444,7 +450,7 @@ TEST(Router, BadConfigsNameTheFlag) {
   c.group_topk = 2;
   expect_flag(c, "sinkhorn");
   try {
-    ops::validate_router_config(make(8, 9));
+    validate_router_flags(make(8, 9));
     FAIL();
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "router config: --moe-router-topk 9 must be in [1, --num-experts 8]");

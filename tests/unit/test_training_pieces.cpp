@@ -22,6 +22,8 @@
 #include "moecore/train/lr_schedule.h"
 #include "moecore/train/tensorboard.h"
 #include "moecore/train/trainer.h"
+
+#include "train_command.h"  // parse_train_args, parse_data_path (apps/)
 #include "op_harness.h"
 
 using namespace moecore;

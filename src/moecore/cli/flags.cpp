@@ -174,6 +174,49 @@ void FlagSet::add_list(const std::string& name, std::vector<std::string>* target
                     }});
 }
 
+void FlagSet::add_word(const std::string& name, const std::vector<std::string>& words,
+                       std::function<int()> index_of_target, std::function<void(size_t)> set_index,
+                       const std::vector<size_t>& first_of_value, const std::string& help,
+                       std::function<std::string(const std::string&)> hint) {
+  // The word last given, so that values() reports an alternative spelling ("wsd") as given.
+  auto given = std::make_shared<std::string>();
+  const int initial = index_of_target();
+  const std::string default_text = initial < 0 ? "" : words[static_cast<size_t>(initial)];
+  flags_.push_back({name, "string", help, default_text,
+                    [=](const std::string& v) {
+                      for (size_t i = 0; i < words.size(); ++i)
+                        if (words[i] == v) {
+                          set_index(i);
+                          *given = v;
+                          return;
+                        }
+                      std::vector<std::string> listed;
+                      for (size_t i = 0; i < words.size(); ++i)
+                        if (first_of_value[i] == i && !words[i].empty()) listed.push_back(words[i]);
+                      std::string expected;
+                      for (size_t i = 0; i < listed.size(); ++i)
+                        expected += (i == 0 ? "" : i + 1 == listed.size() ? " or " : ", ") + listed[i];
+                      throw Error("--" + name + " '" + v + "': expected " + expected + (hint ? hint(v) : ""), __FILE__,
+                                  __LINE__);
+                    },
+                    [=] {
+                      const int i = index_of_target();
+                      if (i < 0) return std::string();
+                      for (size_t j = 0; j < words.size(); ++j)
+                        if (words[j] == *given && first_of_value[j] == first_of_value[static_cast<size_t>(i)]) return *given;
+                      return words[first_of_value[static_cast<size_t>(i)]];
+                    }});
+}
+
+void FlagSet::add_choice(const std::string& name, std::string* target, const std::vector<std::string>& choices,
+                         const std::string& help, std::function<std::string(const std::string&)> hint) {
+  std::vector<std::pair<std::string, std::string>> pairs;
+  // An empty default means "not given": "" stays accepted (a checkpoint records it so), unlisted.
+  if (target->empty()) pairs.emplace_back("", "");
+  for (const std::string& c : choices) pairs.emplace_back(c, c);
+  add_enum(name, target, pairs, help, std::move(hint));
+}
+
 const FlagSet::Flag* FlagSet::find(const std::string& name) const {
   for (const Flag& f : flags_)
     if (f.name == name) return &f;

@@ -8,11 +8,11 @@
 #pragma once
 
 #include <string>
-#include <vector>
 
 namespace moecore {
 
-// args: the arguments after "dataset-info". Returns the exit code.
-int run_dataset_info(const std::vector<std::string>& args);
+// Describes the dataset at `prefix` (with the unigram entropy when `unigram_entropy`) on stdout.
+// Returns 0; errors throw. The flags of `moecore dataset-info` are in apps/dataset_info_command.cpp.
+int dataset_info(std::string prefix, bool unigram_entropy);
 
 }  // namespace moecore

@@ -48,7 +48,4 @@ struct PreprocessResult {
 // Runs the conversion; progress and summary go to `log` (nullptr: silent). Errors throw.
 PreprocessResult preprocess(const PreprocessOptions& options, std::ostream* log);
 
-// The subcommand: parses Megatron's flags and runs preprocess() with progress on stderr.
-int run_preprocess(const std::vector<std::string>& args);
-
 }  // namespace moecore

@@ -13,7 +13,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "moecore/cli/flags.h"
 #include "moecore/core/error.h"
 #include "moecore/interop/safetensors.h"
 #include "moecore/train/arguments.h"
@@ -204,10 +203,7 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
   // (HF's (i+1) % decoder_sparse_step differs from Megatron's i % N).
   if (std::find(moe.begin(), moe.end(), false) == moe.end()) freq = "1";
 
-  TrainArgs a;
-  cli::FlagSet flags("moecore convert", "");
-  register_train_flags(flags, a);
-  const std::vector<std::pair<std::string, std::string>> set = {
+  return {
       {"num-layers", std::to_string(layers)},
       {"hidden-size", std::to_string(hidden)},
       {"ffn-hidden-size", std::to_string(ffn)},
@@ -240,16 +236,14 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
       {"global-batch-size", "1"},
       {"train-iters", "1"},
   };
-  for (const auto& [k, v] : set) flags.set(k, v, origin);
-  return flags.values();
 }
 
-void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir) {
+void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir, const TrainFlagCodec& codec) {
   const std::string origin = "HF checkpoint '" + hf_dir + "'";
   const json cfg = read_json_file(fs::path(hf_dir) / "config.json");
   const Arch arch = arch_of(cfg, origin);
-  const auto flags = hf_config_to_train_flags(cfg.dump(), origin);
-  const TrainArgs args = train_args_from_saved(flags, "cpu", origin);
+  const auto flags = codec.all_values(hf_config_to_train_flags(cfg.dump(), origin), origin);
+  const TrainArgs args = codec.rebuild(flags, "cpu", origin);
   const std::vector<Mapped> mapping = build_mapping(args.model, arch);
   const SafetensorsReader reader(hf_dir);
 
@@ -377,11 +371,12 @@ std::vector<StWriteTensor> export_hf_f32(const ModelConfig& c, const std::string
   return out;
 }
 
-void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes) {
+void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes,
+                           const TrainFlagCodec& codec) {
   const std::string origin = "checkpoint '" + ckpt_dir + "'";
   const TrainingState meta = read_checkpoint_meta(ckpt_dir);
   MC_CHECK(!meta.args.empty(), origin, " does not record the flags it was trained with");
-  const TrainArgs args = train_args_from_saved(meta.args, "cpu", origin);
+  const TrainArgs args = codec.rebuild(meta.args, "cpu", origin);
   const ModelConfig& c = args.model;
   const json source = json::parse(read_checkpoint_source(ckpt_dir));
   MC_CHECK(c.moe.num_experts > 0, origin, ": a dense model (no --num-experts) has no HF MoE equivalent");
@@ -423,25 +418,14 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
   MC_CHECK(!f.fail(), "writing '", (fs::path(hf_dir) / "config.json").string(), "' failed");
 }
 
-int run_convert(const std::vector<std::string>& argv) {
-  std::string from, to, input, output, shard = "5GB";
-  cli::FlagSet flags("moecore convert", "Convert checkpoints between HuggingFace (Mixtral, Qwen2-MoE, Qwen3-MoE) and moecore.");
-  flags.add_string("from", &from, "source format: hf or moecore");
-  flags.add_string("to", &to, "target format: moecore or hf");
-  flags.add_string("input", &input, "source: an HF model directory or a moecore checkpoint directory");
-  flags.add_string("output", &output, "target directory");
-  flags.add_string("max-shard-size", &shard, "largest safetensors shard written for --to hf (e.g. 500MB, 5GB)");
-  flags.parse(argv);
-  if (flags.help_requested()) {
-    std::printf("%s", flags.help().c_str());
-    return 0;
-  }
+int convert(const ConvertOptions& o, const TrainFlagCodec& codec) {
+  const std::string &from = o.from, &to = o.to, &input = o.input, &output = o.output;
   MC_CHECK(!input.empty() && !output.empty(), "moecore convert needs --input and --output");
-  const uint64_t max_shard = parse_size(shard);
+  const uint64_t max_shard = parse_size(o.max_shard_size);
   if (from == "hf" && to == "moecore") {
-    convert_hf_to_moecore(input, output);
+    convert_hf_to_moecore(input, output, codec);
   } else if (from == "moecore" && to == "hf") {
-    convert_moecore_to_hf(input, output, max_shard);
+    convert_moecore_to_hf(input, output, max_shard, codec);
   } else {
     MC_FAIL("moecore convert: --from '", from, "' --to '", to, "': expected --from hf --to moecore or --from moecore --to hf");
   }

@@ -48,14 +48,22 @@
 
 #include "moecore/interop/safetensors.h"
 #include "moecore/model/config.h"
+#include "moecore/train/arguments.h"
 
 namespace moecore::interop {
 
-// The `moecore convert` command (argv after "convert"). Returns the exit status.
-int run_convert(const std::vector<std::string>& args);
+// What `moecore convert` was asked (its flags are in apps/convert_command.cpp).
+struct ConvertOptions {
+  std::string from, to, input, output;
+  std::string max_shard_size = "5GB";  // largest safetensors shard for --to hf ("500MB", "5GB")
+};
+// Runs one conversion (hf -> moecore or moecore -> hf) and prints a line saying so. Returns 0;
+// errors throw. `codec` turns recorded train flags into a model config (train/arguments.h).
+int convert(const ConvertOptions& options, const TrainFlagCodec& codec);
 
-void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir);
-void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes);
+void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir, const TrainFlagCodec& codec);
+void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes,
+                           const TrainFlagCodec& codec);
 
 // Our named tensors (parameters, or their gradients) -> F32 HF tensors of `architecture`
 // ("MixtralForCausalLM", ...) by the mapping above, in mapping order; get(ours) returns a
@@ -63,7 +71,8 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
 std::vector<StWriteTensor> export_hf_f32(const ModelConfig& cfg, const std::string& architecture,
                                          const std::function<Tensor(const std::string&)>& get);
 
-// config.json text -> train flag values (every train flag, as a checkpoint records them).
+// config.json text -> the train flag values it determines (the model's sizes, routing, ...);
+// TrainFlagCodec::all_values adds every other flag's default, as a checkpoint records them.
 std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const std::string& config_json,
                                                                           const std::string& origin);
 

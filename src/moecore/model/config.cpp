@@ -1,6 +1,7 @@
 #include "moecore/model/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 #include "moecore/core/error.h"
@@ -87,12 +88,41 @@ void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
     return;
   }
   c.moe_layer = parse_moe_layer_freq(moe_layer_freq.empty() ? "1" : moe_layer_freq, c.num_layers);
+  validate_moe_config(m, c.ffn_hidden_size);
+}
+
+void validate_router_flags(const ops::RouterConfig& c) {
+  constexpr const char* w = "router config: ";
+  MC_CHECK(c.num_experts > 0, w, "--num-experts must be positive, got ", c.num_experts);
+  MC_CHECK(c.topk >= 1 && c.topk <= c.num_experts, w, "--moe-router-topk ", c.topk, " must be in [1, --num-experts ",
+           c.num_experts, "]");
+  MC_CHECK(c.num_groups >= 0, w, "--moe-router-num-groups must be >= 0 (0 = off), got ", c.num_groups);
+  if (c.num_groups == 0) {
+    MC_CHECK(c.group_topk == 0, w, "--moe-router-group-topk ", c.group_topk, " needs --moe-router-num-groups");
+  } else {
+    MC_CHECK(c.num_experts % c.num_groups == 0, w, "--moe-router-num-groups ", c.num_groups,
+             " must divide --num-experts ", c.num_experts);
+    MC_CHECK(c.group_topk >= 1 && c.group_topk <= c.num_groups, w, "--moe-router-group-topk ", c.group_topk,
+             " must be in [1, --moe-router-num-groups ", c.num_groups, "]");
+    MC_CHECK(c.topk % c.group_topk == 0, w, "--moe-router-topk ", c.topk, " must be divisible by --moe-router-group-topk ",
+             c.group_topk);
+    MC_CHECK(c.topk / c.group_topk <= c.num_experts / c.num_groups, w, "--moe-router-topk ", c.topk,
+             " needs more than the ", c.num_experts / c.num_groups, " experts of a group per kept group (--moe-router-group-topk ",
+             c.group_topk, ")");
+  }
+  MC_CHECK(std::isfinite(c.scaling_factor) && c.scaling_factor >= 0, w,
+           "--moe-router-topk-scaling-factor must be positive (0 = unset), got ", c.scaling_factor);
+  MC_CHECK(!(c.pre_softmax && c.score == ops::RouterScore::Sigmoid), w,
+           "--moe-router-pre-softmax applies only to --moe-router-score-function softmax");
+}
+
+void validate_moe_config(MoeConfig& m, int64_t dense_ffn_hidden_size) {
   MC_CHECK(m.ffn_hidden_size >= 0, "--moe-ffn-hidden-size ", m.ffn_hidden_size, " must be >= 0");
   MC_CHECK(m.capacity_factor >= 0, "--moe-expert-capacity-factor ", m.capacity_factor, " must be >= 0 (0: dropless)");
   MC_CHECK(m.shared_expert_size >= 0, "--moe-shared-expert-intermediate-size ", m.shared_expert_size, " must be >= 0");
-  if (m.ffn_hidden_size == 0) m.ffn_hidden_size = c.ffn_hidden_size;
+  if (m.ffn_hidden_size == 0) m.ffn_hidden_size = dense_ffn_hidden_size;
   m.router.num_experts = m.num_experts;
-  ops::validate_router_config(m.router);
+  validate_router_flags(m.router);
   MC_CHECK(m.aux_loss_coeff >= 0, "--moe-aux-loss-coeff ", m.aux_loss_coeff, " must be >= 0");
   MC_CHECK(m.z_loss_coeff >= 0, "--moe-z-loss-coeff ", m.z_loss_coeff, " must be >= 0");
   MC_CHECK(m.input_jitter_eps >= 0 && m.input_jitter_eps < 1, "--moe-input-jitter-eps ", m.input_jitter_eps,
@@ -106,6 +136,9 @@ void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
              "--moe-router-load-balancing-type sinkhorn selects with its own scores: it cannot be combined with "
              "--moe-router-score-function sigmoid, --moe-router-pre-softmax or --moe-router-num-groups");
     MC_CHECK(!m.enable_expert_bias, "--moe-router-enable-expert-bias cannot be combined with sinkhorn balancing");
+    // Megatron's sinkhorn routing ignores the scaling factor; we refuse it rather than ignore it silently.
+    MC_CHECK(m.router.scaling_factor == 0, "router config: --moe-router-load-balancing-type sinkhorn does not support "
+             "--moe-router-topk-scaling-factor");
     m.router.sinkhorn = true;
   }
   if (m.capacity_factor > 0) {

@@ -1,5 +1,5 @@
 // Model configuration: a GPT-style decoder whose MLPs may be MoE layers, with Megatron-LM's
-// names and semantics (../shared/MOE-REFERENCE.md). Built from flags by train/arguments.
+// names and semantics. Built from flags by `moecore train` (apps/train_command.cpp).
 #pragma once
 
 #include <cstdint>
@@ -67,6 +67,14 @@ struct ModelConfig {
 // Fills derived defaults and checks every combination, raising one Error per problem that names
 // the flag(s), what was wrong and what is expected.
 void finalize_model_config(ModelConfig& cfg, const std::string& moe_layer_freq);
+
+// The MoE flags: fills derived values (the expert FFN width, the router's expert count, sinkhorn
+// selection) and checks every combination of them -- the one place they are checked; the router
+// ops check only what their kernels need. Each Error names the flag(s) (called by
+// finalize_model_config; `dense_ffn_hidden_size` is the default expert width).
+void validate_moe_config(MoeConfig& moe, int64_t dense_ffn_hidden_size);
+// The router's part of that: top-k, groups, scaling, pre-softmax ("router config: --flag ...").
+void validate_router_flags(const ops::RouterConfig& router);
 
 // Parses --moe-layer-freq: an int N (every N-th layer is MoE, starting with layer 0) or a
 // list "[0,1,1,1]" with one entry per layer.

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <optional>
 
+#include "moecore/core/env_switches.h"
 #include "moecore/core/step_timers.h"
 #include "moecore/ops/common.h"
 #include "moecore/ops/cross_entropy.h"
@@ -19,7 +20,7 @@ namespace {
 // MOECORE_FUSED_HEAD_ROWS: rows per chunk of the fused output layer (tests, tuning); 0 or unset:
 // the default from kFusedHeadChunkElements.
 int64_t fused_head_rows_from_environment() {
-  const char* env = std::getenv("MOECORE_FUSED_HEAD_ROWS");
+  const char* env = env_switch("MOECORE_FUSED_HEAD_ROWS");
   if (!env || !*env) return 0;
   char* end = nullptr;
   const long long v = std::strtoll(env, &end, 10);
@@ -108,7 +109,7 @@ std::vector<int64_t> GPTModel::moe_layer_numbers() const {
 }
 
 bool fused_head_enabled() {
-  const char* env = std::getenv("MOECORE_FUSED_HEAD");
+  const char* env = env_switch("MOECORE_FUSED_HEAD");
   return !(env && std::strcmp(env, "0") == 0);
 }
 

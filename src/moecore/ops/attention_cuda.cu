@@ -29,6 +29,7 @@
 #include <type_traits>
 
 #include "moecore/ops/attention.h"
+#include "moecore/core/env_switches.h"
 #include "moecore/ops/cuda_common.cuh"
 
 namespace moecore::ops::cuda {
@@ -464,11 +465,11 @@ void attention_backward_tiled(const Tensor& q, const Tensor& k, const Tensor& v,
 }
 
 AttentionPath attention_path(const AttentionDims& d, DType dtype, double scale) {
-  const char* env = std::getenv("MOECORE_ATTENTION");
+  const char* env = env_switch("MOECORE_ATTENTION");
   const std::string choice = env ? env : "";
   if (choice.empty() || choice == "auto") {
-    // flash where supported (bf16, D 64/128): measured 3.2x (fwd) / 2.4x (bwd) faster than
-    // gemm at mixtral-small (docs/performance-log.md); then gemm, then tiled.
+    // flash where supported (bf16, D 64/128): it keeps no score matrix and is the fastest path
+    // (docs/performance.md); then gemm, then tiled.
     if (attention_flash_supported(d, dtype, scale)) return AttentionPath::Flash;
     return attention_gemm_supported(d, dtype) ? AttentionPath::Gemm : AttentionPath::Tiled;
   }

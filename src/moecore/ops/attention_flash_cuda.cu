@@ -33,14 +33,16 @@
 // (for dS K and dS^T Q) enter as hi + lo bf16 pairs (hi = bf16(x), lo = bf16(x - hi), two
 // MMAs into one fp32 accumulator: ~2^-17 relative). A single rounding of P put a few dV
 // entries of the first keys (large P, sums near zero) up to ~2x over the bf16 test tolerance
-// (dK and dQ with a single-rounded dS passed);
-// MOECORE_ATTENTION_FLASH_SPLIT=0 rounds P and dS once (~8% faster backward, less accurate).
+// (dK and dQ with a single-rounded dS passed there);
+// MOECORE_ATTENTION_FLASH_SPLIT=0 rounds P and dS once (one MMA instead of two: faster, less
+// accurate; docs/performance.md).
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
 
 #include "moecore/ops/attention.h"
+#include "moecore/core/env_switches.h"
 #include "moecore/ops/attention_flash_hopper.h"
 #include "moecore/ops/cuda_common.cuh"
 
@@ -635,7 +637,7 @@ bool attention_flash_supported(const AttentionDims& d, DType dtype, double scale
 }
 
 bool attention_flash_split_ds() {
-  const char* env = std::getenv("MOECORE_ATTENTION_FLASH_SPLIT");
+  const char* env = env_switch("MOECORE_ATTENTION_FLASH_SPLIT");
   return !(env && std::string(env) == "0");
 }
 

@@ -37,6 +37,7 @@
 #include <string>
 
 #include "moecore/core/cuda_check.h"
+#include "moecore/core/env_switches.h"
 #include "moecore/ops/attention_flash_hopper.h"
 #include "moecore/ops/hopper_common.cuh"
 
@@ -52,8 +53,9 @@ constexpr int kThreads = kConsumers + 128;  // + the producer warpgroup (one war
 // Registers per thread after setmaxnreg. A CTA of 384 threads starts with kStartRegs per thread
 // (65536 / 384, rounded down to a multiple of 8: 168), and setmaxnreg.inc only moves registers the
 // producer's setmaxnreg.dec gave back: the consumers' gain must not exceed the producer's loss,
-// or the consumers wait forever. 240 / 24 balance exactly (256 x 72 = 128 x 144); a build with 32
-// for the producer hung (its tests timed out).
+// or the consumers wait forever. 240 / 24 balance exactly (256 x 72 = 128 x 144); with 32 for the
+// producer the consumers would ask for more than it frees (the assert below refuses that build,
+// whose kernels hung).
 constexpr int kConsumerRegs = 240, kProducerRegs = 24;
 constexpr int kStartRegs = (65536 / kThreads) & ~7;
 static_assert(kConsumers * (kConsumerRegs - kStartRegs) <= (kThreads - kConsumers) * (kStartRegs - kProducerRegs),
@@ -77,8 +79,8 @@ constexpr int kStageBytes = kKBytes + kVBytes;
 constexpr size_t kSmem = 1024 + kQBytes + kStages * kStageBytes + (1 + 3 * kStages) * sizeof(uint64_t);
 }  // namespace fwd
 
-// dK, dV: 128 keys (64 per warpgroup) against 64-query tiles (at mixtral-small's shape ~3% faster
-// than 32-query tiles with 6 stages; measured: docs/performance-log.md, "Hopper flash attention").
+// dK, dV: 128 keys (64 per warpgroup) against 64-query tiles (faster than 32-query tiles with 6
+// stages at mixtral-small's shape).
 namespace dkv {
 constexpr int kBn = 128, kBm = 64, kStages = 4;
 constexpr int kKBytes = kBn * kD * 2;    // K and V: 2 chunks [128 keys][64 d] each
@@ -582,7 +584,7 @@ bool available(const AttentionDims& d, const Tensor& q, const Tensor& k, const T
 #ifndef MOECORE_HAVE_SM90A
   return false;
 #else
-  const char* env = std::getenv("MOECORE_ATTENTION_FLASH_HOPPER");
+  const char* env = env_switch("MOECORE_ATTENTION_FLASH_HOPPER");
   if (env && std::string(env) == "0") return false;
   if (d.head_dim != kD || q.dtype() != DType::BF16 || !q.device().is_cuda()) return false;
   if (!device_info(q.device().index).hopper) return false;

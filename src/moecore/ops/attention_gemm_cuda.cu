@@ -51,6 +51,7 @@
 #include <type_traits>
 
 #include "moecore/core/allocator.h"
+#include "moecore/core/env_switches.h"
 #include "moecore/ops/attention.h"
 #include "moecore/ops/cuda_common.cuh"
 
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kRowThreads) softmax_rows_kernel(float* scores
 // bf16(x - hi) at column ldS + t of the bf16 row (the second half of the fp32 row), so that
 // the backward GEMMs (hi then lo, accumulated in fp32) see x to ~2^-17 relative: rounding P
 // and dS to one bf16 (flash-attention's choice) put errors of up to 25% on gradient entries
-// that cancel to near zero (dK at S = 2048, measured).
+// that cancel to near zero (dK at S = 2048).
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads) grad_rows_kernel(float* scores, float* dp, const float* lse,
                                                                 const float* dr, RowGeom g) {
@@ -274,7 +275,7 @@ struct Plan {
 
 int64_t score_budget_bytes() {
   int64_t mb = 2048;
-  if (const char* e = std::getenv("MOECORE_ATTENTION_SCORE_MB")) {
+  if (const char* e = env_switch("MOECORE_ATTENTION_SCORE_MB")) {
     const long long v = std::atoll(e);
     if (v > 0) mb = v;
   }

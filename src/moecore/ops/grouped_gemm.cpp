@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "moecore/core/env_switches.h"
 #include "moecore/ops/common.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/gemm.h"
@@ -46,21 +47,16 @@ void check_dtypes(const char* op, const char* na, const Tensor& a, const char* n
 }
 
 // The implementation used when neither set_grouped_gemm_impl nor MOECORE_GROUPED_GEMM says.
-// Mixed (the kernel for forward and dgrad, the loop for the wgrad) was the default first: against
-// the loop it trained finegrained-small 1.59x and mixtral-small 1.09x faster and ran the MoE layer
-// at the Qwen3-30B-A3B shape faster, the Mixtral-8x7B shape slower (there cuBLAS's per-expert GEMMs
-// are faster). With the TMA reduce-add wgrad, Hopper beat Mixed by 14% on finegrained-small but was
-// ~9% slower at the Mixtral-8x7B layer shape. Where the kernel cannot run (another GPU, f32,
-// unaligned shapes) Mixed is the loop.
-//
-// Auto (the default since then): at the Mixtral-8x7B expert shape (one expert's matrix 4096 x
-// 14336 = 58.7M elements) cuBLAS's per-expert GEMMs beat the kernel on all six GEMMs (by ~13%) and
-// the host's wait for the counts hides behind them; at mixtral-small's (2048 x 11264 = 23M and
-// 2048 x 5632) the loop wins the GEMMs alone by ~8% but loses in training (the host waits for
-// each layer's counts, then enqueues per-expert calls while the GPU idles): all-kernel with device
-// offsets there, and below (Qwen3, finegrained-small) the kernel wins outright. Measured:
-// docs/performance-log.md, "Hopper grouped GEMM kernel" and "The MoE layer without host
-// synchronisation, ...".
+// Mixed (the kernel for forward and input gradient, the loop for weight gradients) was the
+// default first; where the kernel cannot run (another GPU, f32, unaligned shapes) Mixed is the
+// loop. Auto is the default since the measurements in docs/performance-log.md ("Hopper grouped GEMM
+// kernel", "The MoE layer without host synchronisation, ..."): at the Mixtral-8x7B expert shape
+// (one expert's matrix 4096 x 14336 = 58.7M elements) cuBLAS's per-expert GEMMs beat the kernel
+// on all six GEMMs and the host's wait for the counts hides behind them; at mixtral-small's
+// (2048 x 11264 = 23M and 2048 x 5632) the loop wins the GEMMs alone but loses in training (the
+// host waits for each layer's counts, then enqueues per-expert calls while the GPU idles):
+// all-kernel with device offsets there, and below (Qwen3, finegrained-small) the kernel wins
+// outright.
 constexpr int64_t kAutoLoopFromElements = 40'000'000;
 constexpr GroupedGemmImpl kDefaultImpl = GroupedGemmImpl::Auto;
 
@@ -104,7 +100,7 @@ GroupedGemmImpl grouped_gemm_impl() {
   int v = g_impl.load();
   if (v >= 0) return static_cast<GroupedGemmImpl>(v);
   GroupedGemmImpl impl = kDefaultImpl;
-  if (const char* env = std::getenv("MOECORE_GROUPED_GEMM"); env && *env) {
+  if (const char* env = env_switch("MOECORE_GROUPED_GEMM"); env && *env) {
     const std::string s = env;
     MC_CHECK(s == "loop" || s == "grouped" || s == "hopper" || s == "mixed" || s == "auto", "MOECORE_GROUPED_GEMM='",
              s, "'; expected 'auto', 'loop', 'grouped', 'hopper' or 'mixed'");

@@ -7,41 +7,23 @@
 
 namespace moecore::ops {
 
-void validate_router_config(const RouterConfig& c) {
-  constexpr const char* w = "router config: ";
-  MC_CHECK(c.num_experts > 0, w, "--num-experts must be positive, got ", c.num_experts);
-  MC_CHECK(c.topk >= 1 && c.topk <= c.num_experts, w, "--moe-router-topk ", c.topk, " must be in [1, --num-experts ",
-           c.num_experts, "]");
-  MC_CHECK(c.num_groups >= 0, w, "--moe-router-num-groups must be >= 0 (0 = off), got ", c.num_groups);
-  if (c.num_groups == 0) {
-    MC_CHECK(c.group_topk == 0, w, "--moe-router-group-topk ", c.group_topk, " needs --moe-router-num-groups");
-  } else {
-    MC_CHECK(c.num_experts % c.num_groups == 0, w, "--moe-router-num-groups ", c.num_groups,
-             " must divide --num-experts ", c.num_experts);
-    MC_CHECK(c.group_topk >= 1 && c.group_topk <= c.num_groups, w, "--moe-router-group-topk ", c.group_topk,
-             " must be in [1, --moe-router-num-groups ", c.num_groups, "]");
-    MC_CHECK(c.topk % c.group_topk == 0, w, "--moe-router-topk ", c.topk, " must be divisible by --moe-router-group-topk ",
-             c.group_topk);
-    MC_CHECK(c.topk / c.group_topk <= c.num_experts / c.num_groups, w, "--moe-router-topk ", c.topk,
-             " needs more than the ", c.num_experts / c.num_groups, " experts of a group per kept group (--moe-router-group-topk ",
-             c.group_topk, ")");
-  }
-  MC_CHECK(std::isfinite(c.scaling_factor) && c.scaling_factor >= 0, w,
-           "--moe-router-topk-scaling-factor must be positive (0 = unset), got ", c.scaling_factor);
-  MC_CHECK(!(c.pre_softmax && c.score == RouterScore::Sigmoid), w,
-           "--moe-router-pre-softmax applies only to --moe-router-score-function softmax");
-  if (c.sinkhorn) {
-    // Megatron's sinkhorn routing ignores these; we refuse them rather than ignore them silently.
-    MC_CHECK(c.score == RouterScore::Softmax && !c.pre_softmax, w,
-             "--moe-router-load-balancing-type sinkhorn takes neither --moe-router-score-function sigmoid nor "
-             "--moe-router-pre-softmax");
-    MC_CHECK(c.num_groups == 0, w, "--moe-router-load-balancing-type sinkhorn does not support --moe-router-num-groups");
-    MC_CHECK(c.scaling_factor == 0, w,
-             "--moe-router-load-balancing-type sinkhorn does not support --moe-router-topk-scaling-factor");
-  }
-}
-
 namespace {
+
+// What the kernels need of a config (the user-facing checks, naming the flags, are
+// validate_moe_config's in model/config.cpp; they run before any op).
+void check_config(const char* op, const RouterConfig& c) {
+  MC_CHECK(c.num_experts > 0 && c.topk >= 1 && c.topk <= c.num_experts, op, ": config topk ", c.topk,
+           " must be in [1, num_experts ", c.num_experts, "]");
+  MC_CHECK(c.num_groups >= 0 && (c.num_groups > 0 || c.group_topk == 0), op, ": config num_groups ", c.num_groups,
+           " must be >= 0 (group_topk ", c.group_topk, " needs groups)");
+  if (c.num_groups > 0)
+    MC_CHECK(c.num_experts % c.num_groups == 0 && c.group_topk >= 1 && c.group_topk <= c.num_groups &&
+                 c.topk % c.group_topk == 0 && c.topk / c.group_topk <= c.num_experts / c.num_groups,
+             op, ": config num_groups ", c.num_groups, " / group_topk ", c.group_topk, " do not split num_experts ",
+             c.num_experts, " and topk ", c.topk, " into whole groups");
+  MC_CHECK(std::isfinite(c.scaling_factor) && c.scaling_factor >= 0, op, ": config scaling_factor ", c.scaling_factor,
+           " must be finite and >= 0");
+}
 
 void check_logits(const char* op, const Tensor& logits, const RouterConfig& cfg) {
   check_contiguous(op, "logits", logits);
@@ -69,7 +51,7 @@ void check_like(const char* op, const char* name, const Tensor& t, const Tensor&
 void router_topk_forward(const Tensor& logits, const Tensor& expert_bias, const RouterConfig& cfg, Tensor& probs,
                          Tensor& indices) {
   constexpr const char* op = "router_topk_forward";
-  validate_router_config(cfg);
+  check_config(op, cfg);
   check_logits(op, logits, cfg);
   const int64_t T = logits.size(0), E = cfg.num_experts, k = cfg.topk;
   check_like(op, "probs", probs, logits, {T, k}, logits.dtype());
@@ -113,7 +95,7 @@ void router_topk_aux_forward(const Tensor& logits, const Tensor& expert_bias, co
     return;
   }
   // The same argument checks as router_topk_forward (run on the CPU path above).
-  validate_router_config(cfg);
+  check_config(op, cfg);
   check_like(op, "probs", probs, logits, {T, k}, logits.dtype());
   check_like(op, "indices", indices, logits, {T, k}, DType::I32);
   if (expert_bias.defined()) {
@@ -128,7 +110,7 @@ void router_topk_aux_forward(const Tensor& logits, const Tensor& expert_bias, co
 void router_topk_backward(const Tensor& logits, const Tensor& indices, const Tensor& dprobs, const RouterConfig& cfg,
                           Tensor& dlogits) {
   constexpr const char* op = "router_topk_backward";
-  validate_router_config(cfg);
+  check_config(op, cfg);
   check_logits(op, logits, cfg);
   const int64_t T = logits.size(0), E = cfg.num_experts, k = cfg.topk;
   check_like(op, "indices", indices, logits, {T, k}, DType::I32);

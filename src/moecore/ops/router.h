@@ -49,8 +49,8 @@ struct RouterConfig {
   bool sinkhorn = false;        // selection by sinkhorn-normalised scores (training)
 };
 
-// Checks a config and raises an Error naming the Megatron flag that is wrong.
-void validate_router_config(const RouterConfig& cfg);
+// The ops check only what their kernels need of a config (an Error in the op's terms); the
+// combinations of router flags, named by flag, are checked by validate_moe_config (model/config.h).
 
 void router_topk_forward(const Tensor& logits, const Tensor& expert_bias, const RouterConfig& cfg, Tensor& probs,
                          Tensor& indices);

@@ -1,12 +1,15 @@
 // `moecore train` arguments: Megatron-LM flag names, a YAML config (--config FILE, keys = flag
 // names, with '-' or '_'), command-line flags overriding the file. Every flag here is
-// implemented; see README "moecore train" for the list.
+// implemented; see README "moecore train" for the list. The flags themselves (registration,
+// parsing, the checks of their combinations) live with the subcommand in
+// apps/train_command.cpp; the library sees this struct, filled and checked.
 #pragma once
 
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "moecore/cli/flags.h"
 #include "moecore/core/device.h"
 #include "moecore/model/config.h"
 #include "moecore/parallel/parallel_config.h"
@@ -19,15 +22,11 @@ enum class LrDecayStyle { Constant, Linear, Cosine, WSD };
 struct TrainArgs {
   ModelConfig model;
   std::string moe_layer_freq = "1";
-  // router/balancing flag texts, mapped onto model.moe in finalize
-  std::string router_score_function = "softmax", router_dtype = "fp32", load_balancing_type = "aux_loss",
-              token_drop_policy = "probs";
 
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 0;  // 0: = micro batch size (no accumulation)
   int64_t train_iters = 0;
   double lr = 1e-4, min_lr = 0.0;
-  std::string lr_decay_style_text = "linear";
   LrDecayStyle lr_decay_style = LrDecayStyle::Linear;
   int64_t lr_warmup_iters = 0, lr_decay_iters = 0;  // 0 decay iters: = train iters
   int64_t lr_wsd_decay_iters = 0;                    // WSD: final iterations that decay (0: 10% of decay iters)
@@ -113,28 +112,26 @@ struct TrainArgs {
   // the model from it).
   std::vector<std::pair<std::string, std::string>> flag_values;
 
-  // flag texts mapped onto the model config in finalize_train_args
-  std::string normalization_ = "RMSNorm";
+  // flags mapped onto the model config in finalize_train_args (their defaults differ from the model's)
   bool swiglu_flag_ = false, disable_bias_flag_ = false, group_query_attention_flag_ = false;
 };
 
-// Registers every train flag on `flags`, bound to `args`.
-void register_train_flags(cli::FlagSet& flags, TrainArgs& args);
-// Parses argv (with --config FILE applied first), fills derived values and validates every
-// combination; raises cli::UsageError / Error naming the flag.
-TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text);
-// "--data-path p" or "--data-path w1 p1 w2 p2": (weight, prefix) pairs.
-std::vector<std::pair<double, std::string>> parse_data_path(const std::vector<std::string>& items);
-// Derived values and checks, after parsing.
-void finalize_train_args(TrainArgs& args);
+// The train flags as text (a checkpoint's meta.json "args") <-> TrainArgs. The flag registry
+// lives with the train subcommand (apps/train_command.cpp); library code that rebuilds a model
+// from recorded flags (interop/hf_convert) receives it through this seam.
+struct TrainFlagCodec {
+  using Values = std::vector<std::pair<std::string, std::string>>;
+  // Every train flag's value as a checkpoint records it: `set` over the defaults.
+  std::function<Values(const Values& set, const std::string& origin)> all_values;
+  // The arguments a checkpoint was trained with (its saved flag values), on `device`.
+  std::function<TrainArgs(const Values& saved, const std::string& device, const std::string& origin)> rebuild;
+};
+
 // Before resuming: flags that define the model or the routing must equal the checkpoint's
 // (an Error names the first that differs); learning-rate schedule flags too unless
 // --override-opt-param-scheduler; other changed flags are listed on stdout.
 // check_schedule false: a model-only checkpoint (moecore convert), whose training starts afresh.
 void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& saved, const TrainArgs& now,
                         bool check_schedule = true);
-// Rebuilds the arguments a checkpoint was trained with (its saved flag values), on `device`.
-TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::string>>& saved,
-                                const std::string& device, const std::string& origin);
 
 }  // namespace moecore

@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <sstream>
 
-#include "moecore/cli/flags.h"
 #include "moecore/core/philox.h"
 #include "moecore/data/tokenizer.h"
 #include "moecore/model/gpt.h"
@@ -54,22 +53,7 @@ int32_t sample(const std::vector<float>& logits, double temperature, int64_t top
 
 }  // namespace
 
-int run_generate(const std::vector<std::string>& argv) {
-  GenerateArgs g;
-  cli::FlagSet flags("moecore generate", "Sample tokens from a checkpoint written by moecore train --save.");
-  flags.add_string("load", &g.load, "checkpoint directory (a --save directory or one iter_* inside it)");
-  flags.add_string("prompt", &g.prompt, "prompt text, encoded with the tokenizer the checkpoint was trained with");
-  flags.add_string("prompt-ids", &g.prompt_ids, "prompt as space-separated token ids");
-  flags.add_int("max-new-tokens", &g.max_new_tokens, "tokens to generate");
-  flags.add_double("temperature", &g.temperature, "sampling temperature (0: greedy)");
-  flags.add_int("top-k", &g.top_k, "sample among the k most likely tokens (0: all)");
-  flags.add_int("seed", &g.seed, "sampling seed");
-  flags.add_string("device", &g.device, "cpu, cuda or cuda:N (default: cuda when present)");
-  flags.parse(argv);
-  if (flags.help_requested()) {
-    std::printf("%s", flags.help().c_str());
-    return 0;
-  }
+int generate(const GenerateArgs& g, const TrainFlagCodec& codec) {
   MC_CHECK(!g.load.empty(), "moecore generate needs --load <checkpoint directory>");
   MC_CHECK(g.prompt.empty() != g.prompt_ids.empty(), "moecore generate needs exactly one of --prompt and --prompt-ids");
   MC_CHECK(g.max_new_tokens >= 0 && g.temperature >= 0 && g.top_k >= 0,
@@ -77,7 +61,7 @@ int run_generate(const std::vector<std::string>& argv) {
 
   const TrainingState meta = read_checkpoint_meta(g.load);
   MC_CHECK(!meta.args.empty(), "checkpoint '", g.load, "' does not record the flags it was trained with");
-  const TrainArgs args = train_args_from_saved(meta.args, g.device, "checkpoint '" + g.load + "'");
+  const TrainArgs args = codec.rebuild(meta.args, g.device, "checkpoint '" + g.load + "'");
   const ModelConfig& cfg = args.model;
   ParamStore store(args.device, DType::F32, args.bf16 ? DType::BF16 : DType::F32, static_cast<uint64_t>(args.seed));
   GPTModel model(cfg, store);

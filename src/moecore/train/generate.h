@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "moecore/train/arguments.h"
+
 namespace moecore {
 
 struct GenerateArgs {
@@ -20,6 +22,9 @@ struct GenerateArgs {
   int64_t seed = 1;
 };
 
-int run_generate(const std::vector<std::string>& argv);
+// Rebuilds the model from the checkpoint at g.load (its recorded flags, through `codec`), samples
+// g.max_new_tokens tokens and prints the ids (and the text with a tokenizer). Returns 0; errors throw.
+// The flags of `moecore generate` are in apps/generate_command.cpp.
+int generate(const GenerateArgs& g, const TrainFlagCodec& codec);
 
 }  // namespace moecore

@@ -1,0 +1,30 @@
+// `moecore generate`: its flags; the sampling itself is moecore::generate (train/generate.h).
+#include <cstdio>
+
+#include "commands.h"
+#include "moecore/cli/flags.h"
+#include "moecore/train/generate.h"
+#include "train_command.h"
+
+namespace moecore {
+
+int run_generate(const std::vector<std::string>& argv) {
+  GenerateArgs g;
+  cli::FlagSet flags("moecore generate", "Sample tokens from a checkpoint written by moecore train --save.");
+  flags.add_string("load", &g.load, "checkpoint directory (a --save directory or one iter_* inside it)");
+  flags.add_string("prompt", &g.prompt, "prompt text, encoded with the tokenizer the checkpoint was trained with");
+  flags.add_string("prompt-ids", &g.prompt_ids, "prompt as space-separated token ids");
+  flags.add_int("max-new-tokens", &g.max_new_tokens, "tokens to generate");
+  flags.add_double("temperature", &g.temperature, "sampling temperature (0: greedy)");
+  flags.add_int("top-k", &g.top_k, "sample among the k most likely tokens (0: all)");
+  flags.add_int("seed", &g.seed, "sampling seed");
+  flags.add_string("device", &g.device, "cpu, cuda or cuda:N (default: cuda when present)");
+  flags.parse(argv);
+  if (flags.help_requested()) {
+    std::printf("%s", flags.help().c_str());
+    return 0;
+  }
+  return generate(g, train_flag_codec());
+}
+
+}  // namespace moecore

@@ -1,0 +1,638 @@
+// `moecore train`: its flags (Megatron-LM names, bound to TrainArgs), the parsing (a --config
+// YAML file first, then the command line), and the checks that turn the flags into a run the
+// library can trust: derived defaults, every combination of flags, the launched ranks, the device.
+// Flags that name a word (--moe-router-score-function, --lr-decay-style, ...) are parsed once by
+// FlagSet::add_enum / add_choice; the MoE flags' combinations among themselves are checked by
+// validate_moe_config (model/config.cpp); this file checks them against the parallel layout and
+// the device.
+#include "train_command.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+#include "moecore/comm/bootstrap.h"
+#include "moecore/core/system_info.h"
+#include "moecore/data/tokenizer.h"
+#include "moecore/train/pipeline.h"
+#include "moecore/train/trainer.h"
+
+namespace moecore {
+
+namespace {
+
+// --exp-avg-dtype / --exp-avg-sq-dtype: why Megatron's other choices are refused.
+std::string state_dtype_hint(const std::string& value) {
+  return value == "fp16" || value == "fp8" ? " (moecore does not keep AdamW states in fp16 or fp8)" : "";
+}
+
+// The transformer: sizes, norms, positions, biases.
+void register_model_flags(cli::FlagSet& f, TrainArgs& a) {
+  ModelConfig& m = a.model;
+  f.add_int("num-layers", &m.num_layers, "transformer layers");
+  f.add_int("hidden-size", &m.hidden_size, "model width");
+  f.add_int("ffn-hidden-size", &m.ffn_hidden_size, "dense MLP width (0: 4 x hidden)");
+  f.add_int("num-attention-heads", &m.num_attention_heads, "attention heads");
+  f.add_bool("group-query-attention", &a.group_query_attention_flag_, "use --num-query-groups key/value heads");
+  f.add_int("num-query-groups", &m.num_query_groups, "key/value heads with --group-query-attention");
+  f.add_int("kv-channels", &m.kv_channels, "head dim (0: hidden / heads)");
+  f.add_int("seq-length", &m.seq_length, "tokens per sample");
+  f.add_int("max-position-embeddings", &m.max_position_embeddings, "longest position (0: seq length)");
+  f.add_int("vocab-size", &m.vocab_size, "vocabulary size (with --mock-data)");
+  f.add_enum<bool>("normalization", &m.rmsnorm, {{"RMSNorm", true}, {"LayerNorm", false}}, "RMSNorm or LayerNorm");
+  f.add_double("norm-epsilon", &m.norm_epsilon, "normalisation epsilon");
+  f.add_choice("position-embedding-type", &m.position_embedding_type, {"rope", "learned_absolute", "none"},
+               "rope, learned_absolute or none");
+  f.add_bool("no-position-embedding", &a.no_position_embedding,
+             "no learned position embedding: learned_absolute becomes none (rope is unchanged)");
+  f.add_double("rotary-base", &m.rotary_base, "RoPE base");
+  f.add_double("attention-dropout", &a.attention_dropout, "dropout of attention probabilities: 0 only (no dropout)");
+  f.add_double("hidden-dropout", &a.hidden_dropout, "dropout of hidden states: 0 only (no dropout)");
+  f.add_bool("swiglu", &a.swiglu_flag_, "SwiGLU MLPs and experts (default GELU)");
+  f.add_bool("disable-bias-linear", &a.disable_bias_flag_, "no biases in linear layers");
+  f.add_bool("add-qkv-bias", &m.add_qkv_bias, "biases on the query/key/value projections only, even with --disable-bias-linear (Qwen2)");
+  f.add_bool("untie-embeddings-and-output-weights", &m.untie_embeddings, "separate output head");
+  f.add_double("init-method-std", &m.init_method_std, "std of the normal weight initialisation");
+  f.add_bool("qk-layernorm", &m.qk_layernorm, "normalise queries and keys per head");
+}
+
+// MoE layers: experts, the router, balancing, capacity, shared experts, recomputation.
+void register_moe_flags(cli::FlagSet& f, TrainArgs& a) {
+  MoeConfig& e = a.model.moe;
+  f.add_int("num-experts", &e.num_experts, "experts per MoE layer (0: dense model)");
+  f.add_string("moe-layer-freq", &a.moe_layer_freq, "MoE layer pattern: int N (every N-th layer) or a list like [0,1,1,1]");
+  f.add_int("moe-ffn-hidden-size", &e.ffn_hidden_size, "expert FFN width (0: --ffn-hidden-size)");
+  f.add_int("moe-router-topk", &e.router.topk, "experts per token");
+  f.add_enum<ops::RouterScore>("moe-router-score-function", &e.router.score,
+                              {{"softmax", ops::RouterScore::Softmax}, {"sigmoid", ops::RouterScore::Sigmoid}},
+                              "softmax or sigmoid");
+  f.add_bool("moe-router-pre-softmax", &e.router.pre_softmax, "softmax before top-k (probabilities not renormalised)");
+  f.add_int("moe-router-num-groups", &e.router.num_groups, "expert groups for group-limited routing");
+  f.add_int("moe-router-group-topk", &e.router.group_topk, "groups each token may use");
+  f.add_double("moe-router-topk-scaling-factor", &e.router.scaling_factor, "multiply routing probabilities (0: off)");
+  f.add_enum<bool>("moe-router-dtype", &e.router_fp64, {{"fp32", false}, {"fp64", true}},
+                   "router precision: fp32 or fp64 (fp64 on the CPU only)");
+  f.add_double("moe-input-jitter-eps", &e.input_jitter_eps, "multiply router inputs by U(1-eps, 1+eps) in training");
+  f.add_bool("moe-router-force-load-balancing", &e.force_load_balancing, "benchmark mode: perfectly balanced routing");
+  f.add_enum<LoadBalancing>("moe-router-load-balancing-type", &e.load_balancing,
+                            {{"aux_loss", LoadBalancing::AuxLoss},
+                             {"seq_aux_loss", LoadBalancing::SeqAuxLoss},
+                             {"global_aux_loss", LoadBalancing::GlobalAuxLoss},
+                             {"sinkhorn", LoadBalancing::Sinkhorn},
+                             {"none", LoadBalancing::None}},
+                            "aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none");
+  f.add_double("moe-aux-loss-coeff", &e.aux_loss_coeff, "load-balancing loss coefficient");
+  f.add_double("moe-z-loss-coeff", &e.z_loss_coeff, "router z-loss coefficient");
+  f.add_bool("moe-router-enable-expert-bias", &e.enable_expert_bias, "aux-loss-free balancing with a per-expert bias");
+  f.add_double("moe-router-bias-update-rate", &e.bias_update_rate, "expert-bias update rate");
+  f.add_double("moe-expert-capacity-factor", &e.capacity_factor, "capacity factor (0: dropless)");
+  f.add_enum<ops::DropPolicy>("moe-token-drop-policy", &e.drop_policy,
+                             {{"probs", ops::DropPolicy::Probs}, {"position", ops::DropPolicy::Position}},
+                             "probs or position");
+  f.add_bool("moe-pad-expert-input-to-capacity", &e.pad_to_capacity, "pad every expert to its capacity");
+  f.add_int("moe-shared-expert-intermediate-size", &e.shared_expert_size, "shared expert width (0: none)");
+  f.add_bool("moe-shared-expert-gate", &e.shared_expert_gate, "sigmoid gate on the shared expert (Qwen2-MoE)");
+  f.add_bool("moe-per-layer-logging", &e.per_layer_logging, "log tokens per expert and losses per layer");
+  f.add_choice("recompute-granularity", &a.recompute_granularity, {"selective", "full"},
+               "selective: recompute the --recompute-modules in the backward instead of keeping their outputs");
+  f.add_list("recompute-modules", &a.recompute_modules,
+             "with --recompute-granularity selective: moe_act (the experts' activation function)");
+}
+
+// Batches, the learning-rate schedule, AdamW, precision, logging, checkpoints, the device.
+void register_training_flags(cli::FlagSet& f, TrainArgs& a) {
+  f.add_int("micro-batch-size", &a.micro_batch_size, "samples per micro-batch");
+  f.add_int("global-batch-size", &a.global_batch_size, "samples per step (0: micro batch size)");
+  f.add_int("train-iters", &a.train_iters, "optimizer steps");
+  f.add_double("lr", &a.lr, "peak learning rate");
+  f.add_double("min-lr", &a.min_lr, "learning rate at the end of decay");
+  f.add_enum<LrDecayStyle>("lr-decay-style", &a.lr_decay_style,
+                           {{"constant", LrDecayStyle::Constant},
+                            {"linear", LrDecayStyle::Linear},
+                            {"cosine", LrDecayStyle::Cosine},
+                            {"WSD", LrDecayStyle::WSD},
+                            {"wsd", LrDecayStyle::WSD}},
+                           "constant, linear, cosine or WSD");
+  f.add_int("lr-warmup-iters", &a.lr_warmup_iters, "linear warm-up steps");
+  f.add_int("lr-decay-iters", &a.lr_decay_iters, "decay steps (0: train iters)");
+  f.add_int("lr-wsd-decay-iters", &a.lr_wsd_decay_iters, "WSD: steps of the final decay (0: 10% of decay iters)");
+  f.add_choice("lr-wsd-decay-style", &a.lr_wsd_decay_style, {"linear", "cosine", "exponential", "minus_sqrt"},
+               "WSD: shape of the final decay: linear, cosine, exponential or minus_sqrt");
+  f.add_double("weight-decay", &a.weight_decay, "AdamW weight decay (not on norms and biases)");
+  f.add_double("adam-beta1", &a.adam_beta1, "AdamW beta1");
+  f.add_double("adam-beta2", &a.adam_beta2, "AdamW beta2");
+  f.add_double("adam-eps", &a.adam_eps, "AdamW epsilon");
+  f.add_double("clip-grad", &a.clip_grad, "global gradient-norm clip (0: off)");
+  f.add_bool("use-precision-aware-optimizer", &a.precision_aware_optimizer,
+             "allow AdamW states in lower precision (--exp-avg-dtype, --exp-avg-sq-dtype)");
+  f.add_choice("exp-avg-dtype", &a.exp_avg_dtype, {"fp32", "bf16"},
+               "AdamW first moment dtype: fp32 or bf16 (needs --use-precision-aware-optimizer)", state_dtype_hint);
+  f.add_choice("exp-avg-sq-dtype", &a.exp_avg_sq_dtype, {"fp32", "bf16"},
+               "AdamW second moment dtype: fp32 or bf16 (needs --use-precision-aware-optimizer)", state_dtype_hint);
+  f.add_bool("bf16", &a.bf16, "bf16 compute with fp32 master weights (on the CPU too: slow, for tests)");
+  f.add_bool("no-store-param-remainders", &a.no_store_param_remainders,
+             "with --bf16: keep whole fp32 master weights instead of the low 16 bits next to the bf16 weights "
+             "(same values, 2 more bytes per parameter)");
+  f.add_int("seed", &a.seed, "random seed (initialisation, data, jitter)");
+  f.add_int("log-interval", &a.log_interval, "steps between log lines");
+  f.add_int("timing-log-level", &a.timing_log_level,
+            "GPU-event timers in the log: 0 none, 1 the step's phases, 2 also attention / MoE parts / output layer");
+  f.add_int("eval-interval", &a.eval_interval, "steps between validation runs (0: none)");
+  f.add_int("eval-iters", &a.eval_iters, "validation batches per run");
+  f.add_string("save", &a.save, "checkpoint directory");
+  f.add_int("save-interval", &a.save_interval, "steps between checkpoints (0: only at the end)");
+  f.add_string("load", &a.load, "checkpoint directory to resume from (none there: start from scratch, as Megatron)");
+  f.add_bool("override-opt-param-scheduler", &a.override_opt_param_scheduler,
+             "resume with this run's learning-rate settings instead of refusing when they differ");
+  f.add_string("tensorboard-dir", &a.tensorboard_dir, "write TensorBoard event files here");
+  f.add_string("metrics-file", &a.metrics_file, "JSONL metrics file (default: <save>/metrics.jsonl when --save is set)");
+  f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda:<local rank> when present)");
+}
+
+// Parallelism (Megatron's flags, Parallel Folding) and the token dispatcher.
+void register_parallel_flags(cli::FlagSet& f, TrainArgs& a) {
+  f.add_int("tensor-model-parallel-size", &a.tp,
+            "tensor parallelism: ranks that split attention heads, MLP features and the vocabulary");
+  f.add_bool("sequence-parallel", &a.sequence_parallel,
+             "with tensor parallelism: norms, residuals and MoE layers on 1/TP of each sequence (needed with MoE)");
+  f.add_int("pipeline-model-parallel-size", &a.pp, "pipeline stages (1F1B schedule; divides the ranks and --num-layers)");
+  f.add_int("num-layers-per-virtual-pipeline-stage", &a.layers_per_virtual_stage,
+            "layers per virtual pipeline stage (each rank holds several model chunks; 0: none)");
+  f.add_int("num-virtual-stages-per-pipeline-rank", &a.virtual_stages_per_rank,
+            "model chunks per pipeline rank (alternative to the flag above; 0: none)");
+  f.add_int("decoder-first-pipeline-num-layers", &a.first_stage_layers,
+            "layers of the first pipeline stage (uneven stages: the other stages share the rest evenly; 0: even)");
+  f.add_int("decoder-last-pipeline-num-layers", &a.last_stage_layers,
+            "layers of the last pipeline stage (uneven stages: the other stages share the rest evenly; 0: even)");
+  f.add_int("context-parallel-size", &a.cp,
+            "context parallelism: ranks that split each sequence (2 x CP chunks, load-balanced for causal attention)");
+  f.add_int("expert-model-parallel-size", &a.ep, "expert parallelism: ranks that split the experts (divides the world)");
+  f.add_int("expert-tensor-parallel-size", &a.etp, "expert tensor parallelism: ranks that split each expert's FFN");
+  f.add_bool("use-distributed-optimizer", &a.use_distributed_optimizer,
+             "shard AdamW states over the data-parallel ranks (ZeRO-1; experts over expert-data-parallel)");
+  f.add_bool("overlap-grad-reduce", &a.overlap_grad_reduce,
+             "reduce each layer's gradients during the last micro-batch's backward (all-reduce, or with the distributed "
+             "optimizer a reduce to each shard's owner)");
+  f.add_bool("overlap-param-gather", &a.overlap_param_gather,
+             "with the distributed optimizer: all-gather the updated parameters layer by layer on the communication "
+             "stream; the next forward waits for each layer's just before using it (needs --overlap-grad-reduce)");
+  f.add_choice("moe-token-dispatcher-type", &a.token_dispatcher, {"allgather", "alltoall", "flex"},
+               "expert-parallel token dispatch: allgather (default) or alltoall");
+}
+
+// Megatron flags for fusions moecore always runs (accepted) and features it lacks (refused by name).
+void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
+  // Megatron's performance flags. The fusions they ask for are how moecore always runs, so they
+  // are accepted (a Megatron script runs unchanged); the features moecore lacks are refused.
+  f.add_bool("moe-grouped-gemm", &a.moe_grouped_gemm, "accepted: the experts always run as grouped GEMMs");
+  f.add_bool("moe-router-fusion", &a.moe_router_fusion,
+             "accepted: the router's top-k, probabilities and balancing statistics are always fused");
+  f.add_bool("moe-permute-fusion", &a.moe_permute_fusion,
+             "accepted: permutation and unpermutation are always fused (the probabilities are applied in the "
+             "SwiGLU activation, as Megatron does, or in the unpermutation for GELU experts)");
+  f.add_bool("cross-entropy-loss-fusion", &a.cross_entropy_loss_fusion,
+             "accepted: the loss is always fused with the output layer (chunked, no logits kept)");
+  f.add_choice("cross-entropy-fusion-impl", &a.cross_entropy_fusion_impl, {"te", "native"},
+               "accepted: te or native (moecore's own kernels)");
+  f.add_bool("tp-comm-overlap", &a.tp_comm_overlap, "not available: TP collectives run on the compute stream (refused)");
+  f.add_string("moe-flex-dispatcher-backend", &a.flex_dispatcher_backend, "not available: the flex dispatcher (refused)");
+  f.add_bool("manual-gc", &a.manual_gc, "Python's garbage collector: moecore has none (refused: drop the flag)");
+  f.add_bool("no-masked-softmax-fusion", &a.no_masked_softmax_fusion,
+             "accepted: moecore's attention has no masked-softmax kernel to turn off");
+  f.add_string("cuda-graph-impl", &a.cuda_graph_impl, "not available: CUDA graphs (refused)");
+  f.add_list("cuda-graph-scope", &a.cuda_graph_scope, "not available: CUDA graphs (refused)");
+  f.add_bool("external-cuda-graph", &a.external_cuda_graph, "not available: CUDA graphs (refused)");
+  f.add_bool("te-rng-track", &a.te_rng_track, "not available: Transformer Engine's RNG tracker (refused)");
+  f.add_bool("overlap-p2p-comm", &a.overlap_p2p_comm, "not available: pipeline sends overlapped with compute (refused)");
+  f.add_string("pipeline-model-parallel-layout", &a.pipeline_layout,
+               "not available: custom pipeline layouts; --decoder-first/last-pipeline-num-layers are (refused)");
+  f.add_int("mtp-num-layers", &a.mtp_num_layers, "not available: multi-token prediction (refused unless 0)");
+  f.add_int("num-distributed-optimizer-instances", &a.distributed_optimizer_instances,
+            "not available: hybrid-sharded data parallelism (refused unless 1)");
+  f.add_bool("fine-grained-activation-offloading", &a.fine_grained_activation_offloading,
+             "not available: activation offloading (refused)");
+  f.add_list("offload-modules", &a.offload_modules, "not available: activation offloading (refused)");
+  f.add_bool("optimizer-cpu-offload", &a.optimizer_cpu_offload, "not available: optimizer offloading (refused)");
+  f.add_bool("fake-init-process-group", &a.fake_init_process_group,
+             "not available: emulated ranks for memory planning (refused)");
+  f.add_int("manual-gc-interval", &a.manual_gc_interval, "Python's garbage collector: moecore has none (refused)");
+  f.add_string("ckpt-format", &a.ckpt_format, "not available: one checkpoint format (refused)");
+  f.add_bool("auto-detect-ckpt-format", &a.auto_detect_ckpt_format, "not available: one checkpoint format (refused)");
+  f.add_bool("overlap-moe-expert-parallel-comm", &a.overlap_moe_ep_comm,
+             "not available: EP all-to-alls overlapped with another micro-batch (refused)");
+  f.add_bool("delay-wgrad-compute", &a.delay_wgrad_compute,
+             "not available: goes with --overlap-moe-expert-parallel-comm (refused)");
+  f.add_bool("moe-shared-expert-overlap", &a.moe_shared_expert_overlap,
+             "not available: the shared expert runs after the dispatch (refused)");
+  f.add_bool("moe-enable-deepep", &a.moe_enable_deepep, "not available: DeepEP kernels (the flex dispatcher) (refused)");
+  f.add_bool("moe-layer-recompute", &a.moe_layer_recompute,
+             "not available: whole-MoE-layer recomputation; --recompute-modules moe_act is (refused)");
+  f.add_bool("moe-use-upcycling", &a.moe_use_upcycling, "not available: dense-to-MoE upcycling (refused)");
+  f.add_int("moe-upcycling-granularity", &a.moe_upcycling_granularity,
+            "not available: goes with --moe-use-upcycling (refused unless 1)");
+  f.add_string("fp8-format", &a.fp8_format, "not available: FP8 training (refused)");
+  f.add_string("fp8-recipe", &a.fp8_recipe, "not available: FP8 training (refused)");
+  f.add_bool("fp8-param-gather", &a.fp8_param_gather, "not available: FP8 training (refused)");
+  f.add_bool("moe-router-padding-for-fp8", &a.moe_router_padding_for_fp8, "not available: FP8 training (refused)");
+}
+
+// Data: mock data or Megatron .bin/.idx datasets with a tokenizer.
+void register_data_flags(cli::FlagSet& f, TrainArgs& a) {
+  f.add_bool("mock-data", &a.mock_data, "synthetic learnable data (arithmetic progressions)");
+  f.add_list("data-path", &a.data_path, "Megatron dataset prefixes (.bin/.idx), optionally weighted: [w1] p1 [w2 p2 ...]");
+  f.add_string("split", &a.split, "train,valid,test weights over documents");
+  f.add_string("data-cache-path", &a.data_cache_path, "where sample indices are cached (default: beside the data)");
+  f.add_string("tokenizer-type", &a.tokenizer_type, kTokenizerTypes);
+  f.add_string("tokenizer-model", &a.tokenizer_model, "tokenizer.json or .model file");
+  f.add_int("make-vocab-size-divisible-by", &a.make_vocab_size_divisible_by, "pad the tokenizer's vocabulary to a multiple of this");
+}
+
+// The model flags onto the model config; the data source and the vocabulary; the model checks.
+void apply_model_flags(TrainArgs& a) {
+  ModelConfig& m = a.model;
+  m.swiglu = a.swiglu_flag_;
+  m.add_bias_linear = !a.disable_bias_flag_;
+  // Megatron's --no-position-embedding removes the learned absolute table; RoPE is not one.
+  if (a.no_position_embedding && m.position_embedding_type == "learned_absolute") m.position_embedding_type = "none";
+  if (!a.group_query_attention_flag_) {
+    MC_CHECK(m.num_query_groups == 0 || m.num_query_groups == m.num_attention_heads,
+             "--num-query-groups needs --group-query-attention");
+    m.num_query_groups = 0;
+  }
+  MC_CHECK(a.mock_data != !a.data_path.empty(), "moecore train needs exactly one data source: --mock-data or "
+                                                "--data-path PREFIX (Megatron .bin/.idx)");
+  if (!a.data_path.empty()) {
+    a.data_blend = parse_data_path(a.data_path);
+    MC_CHECK(!a.tokenizer_type.empty(), "--data-path needs --tokenizer-type (it sets the vocabulary size)");
+    const int64_t tok_vocab = make_tokenizer(a.tokenizer_type, a.tokenizer_model)->vocab_size();
+    MC_CHECK(a.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by must be >= 1");
+    const int64_t d = a.make_vocab_size_divisible_by, padded = (tok_vocab + d - 1) / d * d;
+    MC_CHECK(m.vocab_size == 0 || m.vocab_size >= tok_vocab, "--vocab-size ", m.vocab_size,
+             " is smaller than the tokenizer's vocabulary (", tok_vocab, ")");
+    if (m.vocab_size == 0) m.vocab_size = padded;
+  }
+  finalize_model_config(m, a.moe_layer_freq);
+}
+
+// Batches, the learning-rate schedule, AdamW, logging and checkpoint intervals.
+void check_schedule_flags(TrainArgs& a) {
+  MC_CHECK(a.micro_batch_size >= 1, "--micro-batch-size ", a.micro_batch_size, " must be >= 1");
+  MC_CHECK(a.global_batch_size >= 0, "--global-batch-size ", a.global_batch_size, " must be >= 1 (0: micro batch size)");
+  if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size;
+  MC_CHECK(a.global_batch_size % a.micro_batch_size == 0, "--global-batch-size ", a.global_batch_size,
+           " is not divisible by --micro-batch-size ", a.micro_batch_size);
+  MC_CHECK(a.train_iters >= 1, "--train-iters ", a.train_iters, " must be >= 1");
+  MC_CHECK(a.lr >= 0 && a.min_lr >= 0 && a.min_lr <= a.lr, "--lr ", a.lr, " and --min-lr ", a.min_lr,
+           " must satisfy 0 <= min-lr <= lr");
+  if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
+  MC_CHECK(a.lr_warmup_iters >= 0 && a.lr_warmup_iters <= a.lr_decay_iters, "--lr-warmup-iters ",
+           a.lr_warmup_iters, " must be in [0, --lr-decay-iters ", a.lr_decay_iters, "]");
+  MC_CHECK(a.lr_decay_iters >= 1 && a.lr_wsd_decay_iters >= 0, "--lr-decay-iters and --lr-wsd-decay-iters must be >= 0");
+  if (a.lr_wsd_decay_iters == 0) a.lr_wsd_decay_iters = std::max<int64_t>(1, a.lr_decay_iters / 10);
+  MC_CHECK(a.lr_wsd_decay_iters <= a.lr_decay_iters, "--lr-wsd-decay-iters ", a.lr_wsd_decay_iters,
+           " exceeds --lr-decay-iters ", a.lr_decay_iters);
+  MC_CHECK(a.weight_decay >= 0, "--weight-decay ", a.weight_decay, " must be >= 0");
+  MC_CHECK(a.adam_beta1 >= 0 && a.adam_beta1 < 1 && a.adam_beta2 >= 0 && a.adam_beta2 < 1,
+           "--adam-beta1 and --adam-beta2 must be in [0, 1)");
+  MC_CHECK(a.adam_eps > 0, "--adam-eps ", a.adam_eps, " must be > 0");
+  MC_CHECK(a.clip_grad >= 0, "--clip-grad ", a.clip_grad, " must be >= 0");
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{"--exp-avg-dtype", a.exp_avg_dtype},
+                                    {"--exp-avg-sq-dtype", a.exp_avg_sq_dtype}}) {
+    MC_CHECK(value == "fp32" || a.precision_aware_optimizer, flag, " ", value,
+             " needs --use-precision-aware-optimizer (as in Megatron)");
+  }
+  MC_CHECK(a.bf16 || !a.no_store_param_remainders, "--no-store-param-remainders needs --bf16 (fp32 compute keeps ",
+           "whole fp32 weights: there are no remainders to store)");
+  MC_CHECK(a.log_interval >= 1, "--log-interval ", a.log_interval, " must be >= 1");
+  MC_CHECK(a.timing_log_level >= 0 && a.timing_log_level <= 2, "--timing-log-level ", a.timing_log_level,
+           " must be 0 (no timers), 1 (the step's phases) or 2 (also the model's parts)");
+  MC_CHECK(a.eval_interval >= 0 && a.eval_iters >= 1, "--eval-interval must be >= 0 and --eval-iters >= 1");
+  MC_CHECK(a.save_interval >= 0, "--save-interval ", a.save_interval, " must be >= 0");
+  MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");
+}
+
+// The launched ranks and the parallel layout (Megatron's rules) against the model.
+void check_parallel_layout(TrainArgs& a, const comm::LaunchEnv& env) {
+  ModelConfig& m = a.model;
+  MoeConfig& e = a.model.moe;
+  a.world = env.world;
+  a.rank = env.rank;
+  a.local_rank = env.local_rank;
+  for (const auto& [flag, size] : {std::pair<const char*, int64_t>{"--tensor-model-parallel-size", a.tp},
+                                   {"--pipeline-model-parallel-size", a.pp}, {"--context-parallel-size", a.cp},
+                                   {"--expert-model-parallel-size", a.ep}, {"--expert-tensor-parallel-size", a.etp}})
+    MC_CHECK(size >= 1, flag, " ", size, " must be >= 1");
+  MC_CHECK(a.ep == 1 || e.num_experts > 0, "--expert-model-parallel-size ", a.ep, " needs an MoE model (--num-experts)");
+  MC_CHECK(a.etp == 1 || e.num_experts > 0, "--expert-tensor-parallel-size ", a.etp, " needs an MoE model (--num-experts)");
+  MC_CHECK(a.world % (a.tp * a.cp * a.pp) == 0, "--tensor-model-parallel-size ", a.tp, " x --context-parallel-size ",
+           a.cp, " x --pipeline-model-parallel-size ", a.pp, " does not divide the ", a.world,
+           " launched ranks; expected a divisor of the world size");
+  MC_CHECK(a.world % (a.etp * a.ep * a.pp) == 0, "--expert-model-parallel-size ", a.ep,
+           " x --expert-tensor-parallel-size ", a.etp, " x --pipeline-model-parallel-size ", a.pp, " does not divide the ",
+           a.world, " launched ranks; expected a divisor of the world size");
+  // The layout as process groups (Megatron's rules: order, pp placement, sizes vs the model).
+  parallel::validate(a.parallel_config(), parallel::ModelDims{});
+  MC_CHECK(m.num_attention_heads % a.tp == 0 && m.kv_heads() % a.tp == 0, "--tensor-model-parallel-size ", a.tp,
+           " must divide --num-attention-heads ", m.num_attention_heads, " and the ", m.kv_heads(),
+           " query groups (--num-query-groups)");
+  MC_CHECK(m.vocab_size % a.tp == 0, "--tensor-model-parallel-size ", a.tp, " does not divide the vocabulary of ",
+           m.vocab_size, " (--vocab-size, or the tokenizer's padded by --make-vocab-size-divisible-by)");
+  bool dense_layers = false;  // the dense FFN size matters only where a layer is dense
+  for (int64_t i = 0; i < m.num_layers; ++i) dense_layers = dense_layers || !m.is_moe(i);
+  MC_CHECK((!dense_layers || m.ffn_hidden_size % a.tp == 0) && e.shared_expert_size % a.tp == 0,
+           "--tensor-model-parallel-size ", a.tp, " must divide --ffn-hidden-size ", m.ffn_hidden_size,
+           " (dense layers) and --moe-shared-expert-intermediate-size ", e.shared_expert_size);
+  MC_CHECK(a.cp == 1 || m.seq_length % (2 * a.cp) == 0, "--seq-length ", m.seq_length,
+           " must be divisible by 2 x --context-parallel-size = ", 2 * a.cp, " (two chunks per rank)");
+  if (a.tp == 1) a.sequence_parallel = false;  // Megatron: nothing to split over one rank
+  MC_CHECK(!a.sequence_parallel || (m.seq_length / a.cp) % a.tp == 0, "--sequence-parallel: --seq-length ",
+           m.seq_length, " / --context-parallel-size ", a.cp, " must be divisible by --tensor-model-parallel-size ", a.tp);
+  MC_CHECK(e.num_experts == 0 || a.tp == 1 || a.sequence_parallel, "MoE layers with --tensor-model-parallel-size ",
+           a.tp, " need --sequence-parallel (as in Megatron-Core)");
+  const bool uneven = a.first_stage_layers != 0 || a.last_stage_layers != 0;
+  MC_CHECK(uneven || a.model.num_layers % a.pp == 0, "--num-layers ", a.model.num_layers,
+           " is not divisible by --pipeline-model-parallel-size ", a.pp,
+           "; expected equal stages, or uneven ones through --decoder-first-pipeline-num-layers / "
+           "--decoder-last-pipeline-num-layers");
+  // Megatron's rule: with uneven stages the virtual pipeline is given per rank.
+  MC_CHECK(!uneven || a.layers_per_virtual_stage == 0, "--num-layers-per-virtual-pipeline-stage with "
+           "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: use "
+           "--num-virtual-stages-per-pipeline-rank to give the virtual pipeline size with uneven stages");
+  MC_CHECK(a.layers_per_virtual_stage >= 0 && a.virtual_stages_per_rank >= 0,
+           "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank must be >= 0");
+  MC_CHECK(a.layers_per_virtual_stage == 0 || a.virtual_stages_per_rank == 0,
+           "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank are alternatives; pass one");
+  if (a.layers_per_virtual_stage > 0 || a.virtual_stages_per_rank > 0) {
+    MC_CHECK(a.pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1");
+    const int64_t per_rank = a.model.num_layers / a.pp;
+    MC_CHECK(uneven || a.layers_per_virtual_stage == 0 || per_rank % a.layers_per_virtual_stage == 0,
+             "--num-layers-per-virtual-pipeline-stage ", a.layers_per_virtual_stage, " does not divide the ", per_rank,
+             " layers of each pipeline rank (--num-layers / --pipeline-model-parallel-size)");
+    MC_CHECK(uneven || a.virtual_stages_per_rank == 0 || per_rank % a.virtual_stages_per_rank == 0,
+             "--num-virtual-stages-per-pipeline-rank ", a.virtual_stages_per_rank, " does not divide the ", per_rank,
+             " layers of each pipeline rank (--num-layers / --pipeline-model-parallel-size)");
+  }
+  stage_layers(a.model.num_layers, a.pp, a.virtual_stages(), a.first_stage_layers, a.last_stage_layers, 0);  // checks
+}
+
+// Activation recomputation: --recompute-granularity selective with --recompute-modules moe_act.
+void check_recompute_flags(TrainArgs& a) {
+  MoeConfig& e = a.model.moe;
+  MC_CHECK(a.recompute_granularity != "full", "--recompute-granularity full (whole-layer recomputation) is not "
+           "available in this version; use --recompute-granularity selective --recompute-modules moe_act");
+  MC_CHECK(a.recompute_modules.empty() || a.recompute_granularity == "selective",
+           "--recompute-modules needs --recompute-granularity selective");
+  MC_CHECK(a.recompute_granularity.empty() || !a.recompute_modules.empty(),
+           "--recompute-granularity selective: name the modules with --recompute-modules (moe_act in this version; "
+           "Megatron's default core_attn is not needed with flash attention, which keeps no score matrix)");
+  for (const std::string& module : a.recompute_modules) {
+    MC_CHECK(module != "core_attn" && module != "layernorm" && module != "mlp" && module != "moe" &&
+                 module != "mla_up_proj" && module != "shared_experts",
+             "--recompute-modules ", module, " is not available in this version (moe_act is)");
+    MC_CHECK(module == "moe_act", "--recompute-modules '", module,
+             "': expected moe_act (Megatron's other modules: core_attn, layernorm, mlp, moe, mla_up_proj)");
+    MC_CHECK(e.num_experts > 0, "--recompute-modules moe_act needs an MoE model (--num-experts)");
+    e.recompute_act = true;
+  }
+}
+
+// Layout-dependent MoE limits; Megatron flags moecore accepts or refuses by name; the dispatcher.
+void check_feature_flags(TrainArgs& a) {
+  MoeConfig& e = a.model.moe;
+  MC_CHECK(a.pp == 1 || !e.per_layer_logging, "--moe-per-layer-logging with --pipeline-model-parallel-size ", a.pp,
+           " is not available in this version");
+  MC_CHECK(a.etp == 1 || e.ffn_hidden_size % a.etp == 0, "--moe-ffn-hidden-size ", e.ffn_hidden_size,
+           " is not divisible by --expert-tensor-parallel-size ", a.etp);
+  MC_CHECK(e.num_experts % a.ep == 0, "--num-experts ", e.num_experts, " is not divisible by --expert-model-parallel-size ",
+           a.ep, "; expected the same number of experts on every rank");
+  MC_CHECK(!a.overlap_param_gather || a.use_distributed_optimizer,
+           "--overlap-param-gather needs --use-distributed-optimizer (without it every rank updates its whole model: "
+           "there is nothing to gather)");
+  MC_CHECK(!a.overlap_param_gather || a.overlap_grad_reduce,
+           "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)");
+  MC_CHECK(!a.tp_comm_overlap, "--tp-comm-overlap is not available in this version: tensor-parallel collectives run "
+           "on the compute stream; drop the flag");
+  MC_CHECK(a.flex_dispatcher_backend.empty(), "--moe-flex-dispatcher-backend ", a.flex_dispatcher_backend,
+           ": the flex dispatcher (DeepEP / HybridEP kernels) is not available in this version; use "
+           "--moe-token-dispatcher-type alltoall or allgather");
+  MC_CHECK(!a.manual_gc, "--manual-gc controls Python's garbage collector; moecore has none: drop the flag");
+  for (const auto& [value, flag] : {std::pair{a.attention_dropout, "--attention-dropout"},
+                                    std::pair{a.hidden_dropout, "--hidden-dropout"}})
+    MC_CHECK(value == 0.0, flag, " ", value, ": dropout is not available in this version (the model has no dropout "
+             "layers); pass 0 or drop the flag");
+  MC_CHECK(a.ckpt_format.empty(), "--ckpt-format ", a.ckpt_format, ": moecore has one checkpoint format (full tensors "
+           "in safetensors, read and written by every parallel layout); drop the flag");
+  MC_CHECK(!a.auto_detect_ckpt_format, "--auto-detect-ckpt-format: moecore has one checkpoint format (HF checkpoints "
+           "come in through moecore convert); drop the flag");
+  MC_CHECK(a.cuda_graph_impl.empty() && a.cuda_graph_scope.empty() && !a.external_cuda_graph,
+           a.cuda_graph_impl.empty() ? (a.external_cuda_graph ? "--external-cuda-graph" : "--cuda-graph-scope")
+                                     : "--cuda-graph-impl",
+           ": CUDA graphs are not available in this version (a step makes one host wait, for the gradient norm; "
+           "docs/performance.md); drop the flag");
+  MC_CHECK(!a.te_rng_track, "--te-rng-track: Transformer Engine's RNG tracker does not exist in moecore (it goes with "
+           "CUDA graphs, not available in this version); drop the flag");
+  MC_CHECK(!a.overlap_p2p_comm, "--overlap-p2p-comm is not available in this version: pipeline sends and receives "
+           "are not overlapped with computation; drop the flag");
+  MC_CHECK(a.pipeline_layout.empty(), "--pipeline-model-parallel-layout is not available in this version; give uneven "
+           "stages with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers");
+  MC_CHECK(a.mtp_num_layers == 0, "--mtp-num-layers ", a.mtp_num_layers,
+           ": multi-token prediction is not available in this version; drop the flag");
+  MC_CHECK(a.distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances ",
+           a.distributed_optimizer_instances, ": hybrid-sharded data parallelism is not available in this version "
+           "(the distributed optimizer shards over the whole data-parallel group); drop the flag");
+  MC_CHECK(!a.fine_grained_activation_offloading && a.offload_modules.empty(),
+           a.fine_grained_activation_offloading ? "--fine-grained-activation-offloading" : "--offload-modules",
+           ": activation offloading is not available in this version; --recompute-granularity selective "
+           "--recompute-modules moe_act saves the expert activation's memory");
+  MC_CHECK(!a.optimizer_cpu_offload, "--optimizer-cpu-offload is not available in this version: AdamW's states stay on "
+           "the device (--use-precision-aware-optimizer keeps them in bf16); drop the flag");
+  MC_CHECK(!a.fake_init_process_group, "--fake-init-process-group is not available in this version: launch the ranks "
+           "(mpirun, torchrun); drop the flag");
+  MC_CHECK(a.manual_gc_interval == 0, "--manual-gc-interval controls Python's garbage collector; moecore has none: "
+           "drop the flag");
+  MC_CHECK(!a.overlap_moe_ep_comm, "--overlap-moe-expert-parallel-comm is not available in this version: the "
+           "expert-parallel all-to-alls are not overlapped with another micro-batch's computation; drop the flag");
+  MC_CHECK(!a.delay_wgrad_compute, "--delay-wgrad-compute is not available in this version (it goes with "
+           "--overlap-moe-expert-parallel-comm): drop the flag");
+  MC_CHECK(!a.moe_shared_expert_overlap, "--moe-shared-expert-overlap is not available in this version: the shared "
+           "expert runs on the compute stream after the token dispatch; drop the flag");
+  MC_CHECK(!a.moe_enable_deepep, "--moe-enable-deepep: the flex dispatcher (DeepEP kernels) is not available in this "
+           "version; use --moe-token-dispatcher-type alltoall or allgather");
+  MC_CHECK(!a.moe_layer_recompute, "--moe-layer-recompute (whole-MoE-layer recomputation) is not available in this "
+           "version; --recompute-granularity selective --recompute-modules moe_act recomputes the expert activation");
+  MC_CHECK(!a.moe_use_upcycling, "--moe-use-upcycling (dense-to-MoE upcycling) is not available in this version; "
+           "drop the flag");
+  MC_CHECK(a.moe_upcycling_granularity == 1, "--moe-upcycling-granularity ", a.moe_upcycling_granularity,
+           ": upcycling is not available in this version (the flag goes with --moe-use-upcycling)");
+  for (const auto& [given, flag] : {std::pair{!a.fp8_format.empty(), "--fp8-format"},
+                                    std::pair{!a.fp8_recipe.empty(), "--fp8-recipe"},
+                                    std::pair{a.fp8_param_gather, "--fp8-param-gather"},
+                                    std::pair{a.moe_router_padding_for_fp8, "--moe-router-padding-for-fp8"}})
+    MC_CHECK(!given, flag, ": FP8 training is not available in this version; train in bf16 (--bf16) and drop the flag");
+  MC_CHECK(a.token_dispatcher != "flex", "--moe-token-dispatcher-type flex (DeepEP kernels) is not available in "
+           "this version; use alltoall or allgather");
+  a.dispatcher = a.token_dispatcher == "alltoall" ? DispatcherType::AllToAll : DispatcherType::AllGather;
+}
+
+// The device of this rank, host threads, device limits; the resolved values a checkpoint records.
+void resolve_device(TrainArgs& a, const comm::LaunchEnv& env) {
+  ModelConfig& m = a.model;
+  MoeConfig& e = a.model.moe;
+  MC_CHECK(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size()) == 0, "--global-batch-size ",
+           a.global_batch_size, " is not divisible by --micro-batch-size ", a.micro_batch_size, " x data-parallel size ",
+           a.data_parallel_size(), " (the launched ranks / pipeline stages)");
+  const int64_t gpus = cuda_device_count();
+  // Without an index ("cuda"), each local rank takes its own GPU, as with no --device.
+  a.device = a.device_text.empty() ? (gpus > 0 ? Device::cuda(static_cast<int>(a.local_rank % gpus)) : Device::cpu())
+             : a.device_text == "cuda" && gpus > 0 ? Device::cuda(static_cast<int>(a.local_rank % gpus))
+                                                  : parse_device(a.device_text);
+  // torchrun starts no MPI: its ranks talk through NCCL only, one GPU per local rank.
+  comm::check_torchrun_devices(env, static_cast<int>(gpus), a.device, !a.device_text.empty());
+  configure_host_threads(env.local_world, a.device.is_cuda());
+  // --bf16 on the CPU: bf16 weights and activations with fp32 masters and accumulation, as on a GPU
+  // (slow; for testing the mixed-precision paths without one).
+  MC_CHECK(!(e.router_fp64 && a.device.is_cuda()), "--moe-router-dtype fp64 is CPU-only; the GPU router runs in fp32");
+  MC_CHECK(!(a.device.is_cuda() && e.num_experts > ops::kRouterCudaMaxExperts), "--num-experts ", e.num_experts,
+           " exceeds the CUDA router's limit of ", ops::kRouterCudaMaxExperts);
+  // Record resolved values so that a checkpoint says what the run actually used.
+  for (auto& [name, value] : a.flag_values) {
+    if (name == "lr-decay-iters") value = std::to_string(a.lr_decay_iters);
+    if (name == "lr-wsd-decay-iters") value = std::to_string(a.lr_wsd_decay_iters);
+    if (name == "vocab-size") value = std::to_string(m.vocab_size);
+    if (name == "global-batch-size") value = std::to_string(a.global_batch_size);
+  }
+}
+
+}  // namespace
+
+void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
+  f.add_string("config", &a.config_file, "YAML file of flag values (keys = flag names); flags on the command line override it");
+  register_model_flags(f, a);
+  register_moe_flags(f, a);
+  register_training_flags(f, a);
+  register_parallel_flags(f, a);
+  register_megatron_compat_flags(f, a);
+  register_data_flags(f, a);
+}
+
+std::vector<std::pair<double, std::string>> parse_data_path(const std::vector<std::string>& items) {
+  // Megatron: "w1 p1 w2 p2 ..." (weights and prefixes alternate), or prefixes alone (equal weights).
+  std::vector<std::pair<double, std::string>> blend;
+  auto weight = [](const std::string& s, double* w) {
+    char* end = nullptr;
+    *w = std::strtod(s.c_str(), &end);
+    return !s.empty() && *end == '\0';
+  };
+  bool weighted = items.size() % 2 == 0;
+  for (size_t i = 0; weighted && i < items.size(); i += 2) {
+    double w = 0;
+    weighted = weight(items[i], &w);
+  }
+  if (!weighted) {
+    for (const std::string& p : items) {
+      double w = 0;
+      MC_CHECK(!weight(p, &w), "--data-path: '", p, "' looks like a weight but the list does not alternate weights and "
+                                "prefixes");
+      blend.emplace_back(1.0, p);
+    }
+    return blend;
+  }
+  for (size_t i = 0; i < items.size(); i += 2) {
+    double w = 0;
+    weight(items[i], &w);
+    MC_CHECK(w > 0, "--data-path: weight '", items[i], "' of prefix '", items[i + 1], "' must be > 0");
+    blend.emplace_back(w, items[i + 1]);
+  }
+  return blend;
+}
+
+TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text) {
+  TrainArgs a;
+  cli::FlagSet flags("moecore train", "Train a GPT-style MoE model (Megatron-LM flag names).");
+  register_train_flags(flags, a);
+  // --config first, so that command-line flags override the file.
+  for (size_t i = 0; i < argv.size(); ++i) {
+    std::string file;
+    if (argv[i] == "--config" && i + 1 < argv.size()) file = argv[i + 1];
+    if (argv[i].rfind("--config=", 0) == 0) file = argv[i].substr(9);
+    if (!file.empty()) flags.load_yaml(file);
+  }
+  flags.parse(argv);
+  *help_requested = flags.help_requested();
+  *help_text = flags.help();
+  if (*help_requested) return a;
+  a.flag_values = flags.values();
+  finalize_train_args(a);
+  return a;
+}
+
+TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::string>>& saved,
+                                const std::string& device, const std::string& origin) {
+  TrainArgs a;
+  cli::FlagSet flags("moecore generate", "");
+  register_train_flags(flags, a);
+  // Run-specific flags do not describe the model, and neither does the parallel layout: the
+  // checkpoint holds full tensors, read here by one rank.
+  static const char* const kNotModel[] = {"config", "load", "save", "tensorboard-dir", "metrics-file", "device",
+                                          "tensor-model-parallel-size", "sequence-parallel", "context-parallel-size",
+                                          "pipeline-model-parallel-size", "num-layers-per-virtual-pipeline-stage",
+                                          "num-virtual-stages-per-pipeline-rank", "decoder-first-pipeline-num-layers",
+                                          "decoder-last-pipeline-num-layers", "expert-model-parallel-size",
+                                          "expert-tensor-parallel-size", "use-distributed-optimizer",
+                                          "overlap-grad-reduce", "overlap-param-gather", "no-store-param-remainders"};
+  for (const auto& [name, value] : saved) {
+    if (std::find(std::begin(kNotModel), std::end(kNotModel), name) != std::end(kNotModel)) continue;
+    flags.set(name, value, origin);
+  }
+  a.flag_values = flags.values();
+  // The device decides the precision: the CPU computes in fp32; the GPU router is fp32.
+  a.device_text = device.empty() ? (cuda_device_count() > 0 ? "cuda" : "cpu") : device;
+  if (a.device_text.rfind("cuda", 0) != 0) a.bf16 = false;
+  if (a.device_text.rfind("cuda", 0) == 0) a.model.moe.router_fp64 = false;
+  a.load.clear();
+  a.save.clear();
+  a.save_interval = 0;
+  a.metrics_file.clear();
+  // Generation reads no data: the recorded vocabulary size stands (the tokenizer file may be gone).
+  MC_CHECK(a.model.vocab_size > 0, origin, " does not record the vocabulary size");
+  a.data_path.clear();
+  a.mock_data = true;
+  finalize_train_args(a);
+  return a;
+}
+
+std::vector<std::pair<std::string, std::string>> train_flag_values(
+    const std::vector<std::pair<std::string, std::string>>& set, const std::string& origin) {
+  TrainArgs a;
+  cli::FlagSet flags("moecore convert", "");
+  register_train_flags(flags, a);
+  for (const auto& [k, v] : set) flags.set(k, v, origin);
+  return flags.values();
+}
+
+TrainFlagCodec train_flag_codec() { return {train_flag_values, train_args_from_saved}; }
+
+void finalize_train_args(TrainArgs& a) {
+  apply_model_flags(a);
+  check_schedule_flags(a);
+  // Ranks: data parallelism over every process the launcher started (world = DP).
+  const comm::LaunchEnv env = comm::read_launch_env();
+  check_parallel_layout(a, env);
+  check_recompute_flags(a);
+  check_feature_flags(a);
+  resolve_device(a, env);
+}
+
+int run_train(const std::vector<std::string>& args) {
+  bool help = false;
+  std::string help_text;
+  const TrainArgs parsed = parse_train_args(args, &help, &help_text);
+  if (help) {
+    std::cout << help_text;
+    return 0;
+  }
+  return run_training(parsed);
+}
+
+}  // namespace moecore
