@@ -386,7 +386,7 @@ TEST(DeviceRowsMoeLayer, RouterBf16x3GemmsMatchFp32Gemms) {
     store.zero_grad();
     MoeLayer::Ctx ctx;
     layer.forward(x, 3, true, 5, ctx);
-    Run r{to_doubles(ctx.logits), to_doubles(ctx.indices), {}, {}};
+    Run r{to_doubles(ctx.router.logits), to_doubles(ctx.router.indices), {}, {}};
     r.dx = to_doubles(layer.backward(dy, 1.0, ctx));
     r.dw = to_doubles(store.get("moe.router.weight").grad);
     layer.finish_step();

@@ -1,7 +1,7 @@
 // MoeLayer on its own, in f64 on the CPU: force-balanced routing (loss exactly 1, no router
 // gradient), the balancing-loss coefficients, the aux-loss-free expert-bias update, capacity with
 // and without padding, shared experts (gated and not) and experts that receive no tokens.
-// Facts held here are those of ../shared/MOE-REFERENCE.md ("Behaviours Megatron's own tests hold").
+// The facts held here are behaviours that Megatron's own MoE tests hold.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -242,7 +242,7 @@ TEST(MoeLayer, ExpertBiasMovesByRateTimesSignOfImbalance) {
   for (int m = 0; m < 2; ++m) {  // two micro-batches of one step
     MoeLayer::Ctx ctx;
     b.layer->forward(random_tensor({12, kHidden}, DType::F64), 2, true, static_cast<uint64_t>(m), ctx);
-    for (int32_t e : ctx.indices.to_vector<int32_t>()) counted[static_cast<size_t>(e)] += 1;
+    for (int32_t e : ctx.router.indices.to_vector<int32_t>()) counted[static_cast<size_t>(e)] += 1;
   }
   const std::vector<double> c_e = b.layer->stats().tokens_per_expert;
   ASSERT_EQ(c_e, counted);  // the statistics are the selections of both micro-batches
@@ -472,7 +472,7 @@ TEST(MoeLayer, RecomputedActivationGivesTheSameGradients) {
       Built b = build(c);
       MoeLayer::Ctx ctx;
       const Tensor y = b.layer->forward(x, 2, true, 3, ctx);
-      EXPECT_EQ(ctx.act.defined(), recompute == 0) << "the activation output is kept only without recomputation";
+      EXPECT_EQ(ctx.experts.act.defined(), recompute == 0) << "the activation output is kept only without recomputation";
       result[recompute].push_back(y.to_vector<double>());
       result[recompute].push_back(b.layer->backward(dy, 1.0, ctx).to_vector<double>());
       for (const char* p : {"experts.linear_fc1.weight", "experts.linear_fc2.weight", "router.weight"})
