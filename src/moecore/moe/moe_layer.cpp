@@ -22,13 +22,13 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   // --timing-log-level 2: the layer's phases, one after the other.
   std::optional<TimedRegion> phase(std::in_place, "moe-router", 2, dev);
   ctx.x = x;
-  router_.forward(x, batch, training, rng_seed, stats_, ctx.router);
+  const TopKRouter::Routing routing = router_.forward(x, batch, training, rng_seed, stats_, ctx.router);
   DispatchInput in;
   in.x = x;
-  in.probs = ops::cast_to(ctx.router.probs, x.dtype() == DType::F64 ? DType::F64 : DType::F32);
-  in.indices = ctx.router.indices;
-  in.kept = ctx.router.kept;
-  in.pad = ctx.router.pad;
+  in.probs = ops::cast_to(routing.probs, x.dtype() == DType::F64 ? DType::F64 : DType::F32);
+  in.indices = routing.indices;
+  in.kept = routing.kept;
+  in.pad = routing.pad;
   // SwiGLU experts apply each row's probability in the activation (Megatron's weighted SwiGLU):
   // the probabilities go to the rows, the combine is a plain sum, and their gradient comes from
   // the activation's backward, which reads the rows anyway (the combine's backward would read
@@ -40,7 +40,7 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
 
   phase.emplace("moe-dispatch", 2, dev);
   const TokenRows expert_in = dispatcher_->dispatch(in, ctx.dispatch);
-  stats_.record_routing(ctx.dispatch.routing, ctx.router.indices, ctx.router.kept, ctx.router.pad, training);
+  stats_.record_routing(ctx.dispatch.routing, routing.indices, routing.kept, routing.pad, training);
 
   phase.emplace("moe-experts", 2, dev);
   const Tensor expert_out = experts_.forward(expert_in.rows, expert_in.probs, ctx.dispatch.local_rows, ctx.experts);

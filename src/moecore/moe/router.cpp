@@ -140,7 +140,8 @@ Tensor TopKRouter::balancing_counts(const Tensor& aux_scores, int64_t batch, boo
   return averaged;
 }
 
-void TopKRouter::forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, MoeStats& stats, Ctx& ctx) {
+TopKRouter::Routing TopKRouter::forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed,
+                                        MoeStats& stats, Ctx& ctx) {
   const int64_t tokens = x.size(0), e = moe_.num_experts, k = moe_.router.topk;
   const Device dev = x.device();
   ctx.logits = logits(x, batch, training, rng_seed, ctx);
@@ -190,14 +191,14 @@ void TopKRouter::forward(const Tensor& x, int64_t batch, bool training, uint64_t
     }
   }
 
-  ctx.kept = Tensor();
-  ctx.pad = 0;
+  Routing out{ctx.probs, ctx.indices, Tensor(), 0};
   if (moe_.capacity_factor > 0) {
     const int64_t capacity = ops::expert_capacity(tokens, k, e, moe_.capacity_factor);
-    ctx.kept = Tensor::empty({tokens, k}, DType::U8, dev);
-    ops::capacity_mask(ctx.indices, ctx.probs, e, capacity, moe_.drop_policy, ctx.kept);
-    if (moe_.pad_to_capacity) ctx.pad = capacity;
+    out.kept = Tensor::empty({tokens, k}, DType::U8, dev);
+    ops::capacity_mask(ctx.indices, ctx.probs, e, capacity, moe_.drop_policy, out.kept);
+    if (moe_.pad_to_capacity) out.pad = capacity;
   }
+  return out;
 }
 
 // The probabilities, balancing losses, then the gate GEMM.

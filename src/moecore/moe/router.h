@@ -37,13 +37,17 @@ class TopKRouter {
     Tensor probs, indices;  // [T, k]: router dtype, i32 global expert ids
     bool forced = false;    // force-load-balancing: no router gradient
     Tensor aux_scores, aux_counts;  // for the balancing-loss backward
-    Tensor kept;            // [T, k] u8 with capacity dropping, else undefined
-    int64_t pad = 0;        // > 0: padded to this capacity
+  };
+  // What the dispatch needs: Ctx's probs and indices, and the capacity decision.
+  struct Routing {
+    Tensor probs, indices;
+    Tensor kept;      // [T, k] u8 with capacity dropping, else undefined
+    int64_t pad = 0;  // > 0: padded to this capacity
   };
 
   // rng_seed keys the input jitter; batch gives the sequences (seq_aux_loss). The losses of a
   // training forward are added to stats.
-  void forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, MoeStats& stats, Ctx& ctx);
+  Routing forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, MoeStats& stats, Ctx& ctx);
   // dprobs: the probabilities' gradient [T, k] (unused when forced); loss_grad_scale: d(total
   // loss)/d(balancing loss), i.e. 1 / num_microbatches. Adds the input gradient into dx [T, H].
   void backward(const Tensor& dprobs, double loss_grad_scale, Ctx& ctx, Tensor& dx);
