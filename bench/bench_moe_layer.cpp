@@ -137,7 +137,7 @@ double time_op(const Device& dev, int warmup, int iters, F&& fn) {
   return t[t.size() / 2];
 }
 
-// The ops of MoeLayer::forward + backward (moe_layer.cpp, one rank, aux loss, fp32 router, bf16
+// The ops of MoeLayer::forward + backward (moe/, one rank, aux loss, fp32 router, bf16
 // experts), each timed alone. Rows marked "not in layer" are not in the sum: they run only with
 // other settings (z-loss, sinkhorn) or are what the layer ran before (the separate router ops,
 // the host copy of the indices for the per-expert counts, now taken from the routing plan).
@@ -160,7 +160,7 @@ void breakdown(const LayerCase& lc, int warmup, int iters, const std::string& ca
   Tensor loss = Tensor::empty({1}, DType::F32, dev);
   std::vector<std::pair<std::string, double>> rows;
   auto add = [&](const std::string& name, auto&& fn) { rows.push_back({name, time_op(dev, warmup, iters, fn)}); };
-  // The layer's router GEMMs (moe_layer.cpp): fp32 operands as three bf16 parts, bf16 GEMMs into
+  // The layer's router GEMMs (moe/router.cpp): fp32 operands as three bf16 parts, bf16 GEMMs into
   // fp32 (ops::bf16_parts). The fp32 GEMMs they replace (MOECORE_ROUTER_GEMM=fp32) are timed
   // outside the sum.
   std::vector<Tensor> w_parts = ops::bf16_parts(wg, 3);

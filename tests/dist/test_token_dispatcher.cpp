@@ -5,8 +5,8 @@
 //   out[t]      = sum_j kept(t,j) p(t,j) (e(t,j)+1) x[t]
 //   dx[t]       = sum_j kept(t,j) p(t,j) (e(t,j)+1) dout[t]
 //   dprobs[t,j] = kept(t,j) (e(t,j)+1) <dout[t], x[t]>
-// Each case runs twice: the combine weighting by the probabilities, and the experts applying
-// them (dispatch_probs / dispatch_probs_backward, a combine without probs).
+// Each case runs twice: the combine weighting by the probabilities (the one-call forms), and the
+// experts applying them (probs_to_rows: a combine without probs; the phases one by one).
 // Cases: random routing, every token of every rank on expert 0 (the other ranks receive
 // nothing), capacity dropping, padding to capacity; both dispatchers; with and without expert
 // tensor parallelism (ETP 2: ETP rank r's "experts" scale by (e+1)(r+1)/3 and combine sums them). dispatch_checks:: takes
@@ -110,11 +110,20 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
   const Tensor probs = Tensor::from_vector(r.probs, {tokens, k}).to(dev);
   const Tensor kept = drop ? Tensor::from_vector(r.kept, {tokens, k}).to(dev) : Tensor();
 
-  TokenDispatcher d(ep, type, experts, etp, tp_ep);
+  const auto dispatcher = make_token_dispatcher(type, experts, ep, etp, tp_ep);
+  const TokenDispatcher& d = *dispatcher;
+  DispatchInput in;
+  in.x = x;
+  in.probs = probs;
+  in.indices = idx;
+  in.kept = kept;
+  in.pad = pad;
   TokenDispatcher::Ctx ctx;
   synchronize(dev);
   const uint64_t waits_before = host_synchronizations();
-  const Tensor expert_in = d.dispatch(x, idx, kept, pad, ctx);
+  const TokenRows dispatched = d.dispatch(in, ctx);
+  const Tensor& expert_in = dispatched.rows;
+  EXPECT_FALSE(dispatched.probs.defined()) << "probabilities for the combine reached the rows";
   if (dev.is_cuda() && type == DispatcherType::AllToAll && ep && !etp) {
     // One wait: the counts' all-gather read back (the sizes of the all-to-all). Capacity dropping
     // without padding adds the plan's own copy (its row count is the kept count).
@@ -123,31 +132,36 @@ void check_dispatch(comm::Communicator& c, DispatcherType type, int pattern, boo
   int64_t rows = 0;
   for (int64_t g : ctx.local_rows.host) rows += g;
   EXPECT_EQ(rows, expert_in.size(0));
-  const Tensor out = d.combine(run_experts(expert_in, ctx.local_rows.host, d.first_expert(), etp_size, etp_rank), probs, ctx);
-  Tensor d_expert_out, dprobs;
-  d.combine_backward(dout, ctx, d_expert_out, dprobs);
-  const Tensor dx = d.dispatch_backward(run_experts(d_expert_out, ctx.local_rows.host, d.first_expert(), etp_size, etp_rank), ctx);
-  expect_closed_form(rank, tokens, k, hidden, r, drop, xs, douts, out, dx, dprobs);
+  const Tensor out = d.combine(run_experts(expert_in, ctx.local_rows.host, d.first_expert(), etp_size, etp_rank), ctx);
+  const Tensor d_expert_out = d.combine_backward(dout, ctx);
+  const TokenRows grads =
+      d.dispatch_backward({run_experts(d_expert_out, ctx.local_rows.host, d.first_expert(), etp_size, etp_rank), Tensor()}, ctx);
+  expect_closed_form(rank, tokens, k, hidden, r, drop, xs, douts, out, grads.rows, grads.probs);
   if (::testing::Test::HasFailure()) return;
 
-  // The experts apply the probabilities (the weighted SwiGLU's way): dispatch_probs gives each
+  // The experts apply the probabilities (the weighted SwiGLU's way): the dispatch gives each
   // expert row its probability, the experts scale by it, the combine only sums; the row weights'
-  // gradient <d_expert_out row, unweighted output row> goes back through dispatch_probs_backward
-  // (ETP partials summed). The closed forms are the same.
-  SCOPED_TRACE("probabilities applied by the experts");
+  // gradient <d_expert_out row, unweighted output row> goes back with the rows' gradient
+  // (ETP partials summed). The closed forms are the same. This case runs the phases one by one,
+  // as a scheduler would.
+  SCOPED_TRACE("probabilities applied by the experts, phase by phase");
+  in.probs_to_rows = true;
   TokenDispatcher::Ctx wctx;
-  const Tensor w_in = d.dispatch(x, idx, kept, pad, wctx);
-  const Tensor w_rows = d.dispatch_probs(probs, wctx);
-  ASSERT_EQ(w_rows.size(0), w_in.size(0));
-  const Tensor unweighted = run_experts(w_in, wctx.local_rows.host, d.first_expert(), etp_size, etp_rank);
-  const Tensor w_out = d.combine(scale_rows(unweighted, w_rows), Tensor(), wctx);
-  Tensor w_d_expert_out, no_dprobs;
-  d.combine_backward(dout, wctx, w_d_expert_out, no_dprobs);
-  EXPECT_FALSE(no_dprobs.defined()) << "a combine without probs has no probability gradient";
-  const Tensor w_dx = d.dispatch_backward(
-      scale_rows(run_experts(w_d_expert_out, wctx.local_rows.host, d.first_expert(), etp_size, etp_rank), w_rows), wctx);
-  const Tensor w_dprobs = d.dispatch_probs_backward(row_dots(w_d_expert_out, unweighted), wctx);
-  expect_closed_form(rank, tokens, k, hidden, r, drop, xs, douts, w_out, w_dx, w_dprobs);
+  const TokenRows w = d.dispatch_postprocess(d.token_dispatch(d.dispatch_preprocess(in, wctx), wctx), wctx);
+  ASSERT_TRUE(w.probs.defined());
+  ASSERT_EQ(w.probs.size(0), w.rows.size(0));
+  const Tensor unweighted = run_experts(w.rows, wctx.local_rows.host, d.first_expert(), etp_size, etp_rank);
+  const Tensor w_out = d.combine_postprocess(
+      d.token_combine(d.combine_preprocess(scale_rows(unweighted, w.probs), wctx), wctx), wctx);
+  const Tensor w_d_expert_out = d.combine_preprocess_backward(
+      d.token_combine_backward(d.combine_postprocess_backward(dout, wctx), wctx), wctx);
+  EXPECT_FALSE(wctx.dprobs.defined()) << "a combine without probs has no probability gradient";
+  const TokenRows w_d_in{
+      scale_rows(run_experts(w_d_expert_out, wctx.local_rows.host, d.first_expert(), etp_size, etp_rank), w.probs),
+      row_dots(w_d_expert_out, unweighted)};
+  const TokenRows w_grads = d.dispatch_preprocess_backward(
+      d.token_dispatch_backward(d.dispatch_postprocess_backward(w_d_in, wctx), wctx), wctx);
+  expect_closed_form(rank, tokens, k, hidden, r, drop, xs, douts, w_out, w_grads.rows, w_grads.probs);
 }
 
 void expect_closed_form(int rank, int64_t tokens, int64_t k, int64_t hidden, const Routing& r, bool drop,
@@ -194,10 +208,13 @@ void check_bad_expert_id(comm::Communicator& c) {
   r.idx[5 * k + 1] = static_cast<int32_t>(experts);
   const Tensor x = Tensor::zeros({tokens, hidden}, DType::F32, dev);
   const Tensor idx = Tensor::from_vector(r.idx, {tokens, k}).to(dev);
-  TokenDispatcher d(&c, DispatcherType::AllToAll, experts, nullptr, nullptr);
+  const auto d = make_token_dispatcher(DispatcherType::AllToAll, experts, &c);
+  DispatchInput in;
+  in.x = x;
+  in.indices = idx;
   TokenDispatcher::Ctx ctx;
   try {
-    d.dispatch(x, idx, Tensor(), 0, ctx);
+    d->dispatch(in, ctx);
     ADD_FAILURE() << "expert id " << experts << " of " << experts << " experts was dispatched";
   } catch (const Error& e) {
     const std::string want =

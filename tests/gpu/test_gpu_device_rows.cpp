@@ -366,7 +366,7 @@ TEST(DeviceRowsMoeLayer, PrefetchedStatisticsTakeOneWaitForAllLayers) {
   EXPECT_NEAR(c0.aux_loss, a0.aux_loss, 1e-6 * std::fabs(a0.aux_loss));
 }
 
-// The router's fp32 GEMMs as bf16 GEMMs of three-part operands (moe_layer.cpp, bf16_parts)
+// The router's fp32 GEMMs as bf16 GEMMs of three-part operands (moe/router.cpp, bf16_parts)
 // against the fp32 GEMMs (MOECORE_ROUTER_GEMM=fp32): the logits and the router weight's gradient
 // agree to fp32 rounding (both accumulate exact products in fp32, in other orders), the same
 // experts are chosen, and the input gradient (rounded to bf16) agrees to a bf16 step. A wrong
@@ -386,7 +386,7 @@ TEST(DeviceRowsMoeLayer, RouterBf16x3GemmsMatchFp32Gemms) {
     store.zero_grad();
     MoeLayer::Ctx ctx;
     layer.forward(x, 3, true, 5, ctx);
-    Run r{to_doubles(ctx.logits), to_doubles(ctx.indices), {}, {}};
+    Run r{to_doubles(ctx.router.logits), to_doubles(ctx.router.indices), {}, {}};
     r.dx = to_doubles(layer.backward(dy, 1.0, ctx));
     r.dw = to_doubles(store.get("moe.router.weight").grad);
     layer.finish_step();

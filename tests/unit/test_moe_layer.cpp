@@ -243,7 +243,7 @@ TEST(MoeLayer, ExpertBiasMovesByRateTimesSignOfImbalance) {
   for (int m = 0; m < 2; ++m) {  // two micro-batches of one step
     MoeLayer::Ctx ctx;
     b.layer->forward(random_tensor({12, kHidden}, DType::F64), 2, true, static_cast<uint64_t>(m), ctx);
-    for (int32_t e : ctx.indices.to_vector<int32_t>()) counted[static_cast<size_t>(e)] += 1;
+    for (int32_t e : ctx.router.indices.to_vector<int32_t>()) counted[static_cast<size_t>(e)] += 1;
   }
   const std::vector<double> c_e = b.layer->stats().tokens_per_expert;
   ASSERT_EQ(c_e, counted);  // the statistics are the selections of both micro-batches
@@ -473,7 +473,7 @@ TEST(MoeLayer, RecomputedActivationGivesTheSameGradients) {
       Built b = build(c);
       MoeLayer::Ctx ctx;
       const Tensor y = b.layer->forward(x, 2, true, 3, ctx);
-      EXPECT_EQ(ctx.act.defined(), recompute == 0) << "the activation output is kept only without recomputation";
+      EXPECT_EQ(ctx.experts.act.defined(), recompute == 0) << "the activation output is kept only without recomputation";
       result[recompute].push_back(y.to_vector<double>());
       result[recompute].push_back(b.layer->backward(dy, 1.0, ctx).to_vector<double>());
       for (const char* p : {"experts.linear_fc1.weight", "experts.linear_fc2.weight", "router.weight"})

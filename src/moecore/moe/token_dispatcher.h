@@ -1,57 +1,53 @@
-// Token dispatch and combine for the MoE layer, on one rank or over an expert-parallel group.
+// The token dispatcher interface (Megatron's MoETokenDispatcher): moves each token's hidden state
+// and routing probability to the ranks and rows of its experts, and the expert outputs back.
 //
 // Notation: T local tokens, k = top-k, E experts in all, EP ranks in the expert-parallel group,
-// L = E / EP local experts; rank r owns experts [r*L, (r+1)*L) (MOE-REFERENCE.md). The router
-// runs on every rank for its own T tokens; indices [T, k] hold GLOBAL expert ids.
+// L = E / EP local experts; rank r owns experts [r*L, (r+1)*L). The router runs on every rank for
+// its own T tokens; indices [T, k] hold GLOBAL expert ids.
 //
-//   dispatch(x, indices, kept, pad)   x [T, H] -> expert_in [rows, H], grouped by local expert
-//                                     (Ctx::local_rows gives the L experts' rows)
-//   combine(expert_out, probs)        expert_out [rows, H] -> out [T, H]: each token's kept
-//                                     assignments weighted by probs [T, k] and summed (probs
-//                                     undefined: the experts applied them, a plain sum)
-//   combine_backward(dout)            -> d_expert_out [rows, H] and dprobs [T, k] (undefined
-//                                     when combine had no probs)
-//   dispatch_probs(probs)             probs [T, k] -> [rows, 1]: each expert_in row's probability
-//                                     (for experts that apply it, e.g. the weighted SwiGLU)
-//   dispatch_probs_backward(d_rows)   [rows, 1] -> dprobs [T, k] (ETP partials summed)
-//   dispatch_backward(d_expert_in)    -> dx [T, H]
-// Dispatch's backward is a combine and combine's a dispatch: the plan made in dispatch() is kept
-// in the Ctx for the backward (nothing is recomputed, no routing is repeated).
+// Phases, each a virtual of the dispatcher (Megatron's names):
+//   dispatch_preprocess   local work before the collective: the permutation plan, tokens and
+//                         probabilities grouped by destination, the collective's sizes (which
+//                         may take a small exchange of per-expert counts and one host read)
+//   token_dispatch        ONLY the collective that moves the rows (all-to-all / all-gather)
+//   dispatch_postprocess  local work after it: rows sorted by local expert (and, with expert
+//                         tensor parallelism in the alltoall dispatcher, the ETP stage, which
+//                         needs the sorted rows, as in Megatron's dispatch_postprocess)
+//   combine_preprocess -> token_combine -> combine_postprocess: the reverse, expert outputs
+//                         [rows, H] -> [T, H]
+// and the backward of each: dispatch's backward is a combine and combine's a dispatch. The plan
+// made in dispatch_preprocess is kept in the Ctx (the handle) for the combine and both backwards:
+// nothing is recomputed, no routing is repeated. A scheduler may run one micro-batch's
+// token_dispatch / token_combine (or their backwards) while another micro-batch computes; the
+// one-call forms dispatch(), combine(), combine_backward() and dispatch_backward() run the three
+// phases back to back.
 //
-// Types (Megatron's --moe-token-dispatcher-type):
-//   none (EP = 1)  permute by expert (ops::moe_permute_forward), unpermute with probs.
-//   alltoall       permute locally by global expert -> all-to-all-v over EP (rank r sends the
-//                  rows of rank s's experts to s; per-(source, expert) counts come from an
-//                  all-gather of every rank's [E] device counts, read back once: the
-//                  dispatch's one host wait without ETP, capacity dropping or padding)
-//                  -> sort the received chunks from
-//                  (source, local expert) order to (local expert, source) order. Combine is
-//                  the exact reverse: unsort, all-to-all-v back, unpermute with probs.
-//                  The sort is itself a permutation plan (ops::make_moe_routing over the L local
-//                  experts with one assignment per received row), so it runs on either device.
-//   allgather      all-gather x, indices, probs and kept over EP -> permute the EP*T gathered
-//                  tokens for the L local experts only -> experts -> unpermute with probs into
-//                  [EP*T, H] partial sums -> reduce-scatter (sum) back to [T, H]. Backward:
-//                  all-gather dout; dx and dprobs reduce-scatter (each entry is non-zero on the
-//                  rank that owns its expert).
-// Expert tensor parallelism (ETP ranks share the same experts, each holding a slice of every
-// expert's FFN): alltoall runs as above over EP, then all-gathers the received rows over ETP
-// (variable counts: every ETP rank computes its slice for all of them) and sorts them by local
-// expert again; combine reduce-scatters the partial outputs back over ETP (summed in ETP rank
-// order), then continues as above. allgather gathers over the ETP x EP group instead of EP and
-// its reduce-scatter sums the ETP partials with the other experts' outputs.
+// The probabilities travel with the tokens: dispatch takes x [T, H] and probs [T, k] together.
+//   probs_to_rows  each expert row gets its probability ([rows, 1]: the experts apply it, e.g.
+//                  the weighted SwiGLU) and the combine is a plain sum of each token's rows;
+//                  dispatch_backward takes the rows' probability gradient and returns dprobs [T, k]
+//   otherwise      the Ctx keeps probs for the combine, which weights each token's rows by them
+//                  (GELU experts); the combine's backward leaves their gradient in the Ctx and
+//                  dispatch_backward returns it (reduced over the ranks that the probabilities
+//                  were gathered from, for the allgather dispatcher)
 // Capacity: kept [T, k] is decided on each rank for its own tokens before dispatch. pad > 0
 // (--moe-pad-expert-input-to-capacity) gives every (source rank, expert) chunk exactly pad rows,
-// so a local expert receives EP * pad rows.
-// A rank may send or receive no rows at all; that works (zero-count all-to-all entries).
+// so a local expert receives EP * pad rows. A rank may send or receive no rows at all.
+//
+// Implementations, one per file (Megatron's --moe-token-dispatcher-type):
+//   moe/alltoall_dispatcher.h   all-to-all-v over EP (+ the ETP stage); also the EP = 1 dispatcher
+//                               (local permutation only: its collective is skipped)
+//   moe/allgather_dispatcher.h  all-gather over EP (or ETP x EP), reduce-scatter back
+// make_token_dispatcher picks one. The helpers both use (the timed row collectives, the
+// unpermute) are declared at the end of this file.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "moecore/comm/communicator.h"
-#include "moecore/core/host_transfer.h"
 #include "moecore/ops/grouped_gemm.h"
 #include "moecore/ops/permute.h"
 
@@ -75,57 +71,125 @@ struct DispatchCommTime {
 // The time since the last call (then reset); zeros when the timers are off.
 DispatchCommTime take_dispatch_comm_time();
 
+// Rows and their probabilities as they pass from phase to phase: forward, hidden rows [n, H] and
+// probabilities (dispatch's input [T, k], its rows [n, 1]; undefined where none travel);
+// backward, their gradients.
+struct TokenRows {
+  Tensor rows;
+  Tensor probs;
+};
+
+struct DispatchInput {
+  Tensor x;        // [T, H]
+  Tensor probs;    // [T, k] f32 (f64 on the CPU); may be undefined (a plain-sum combine)
+  Tensor indices;  // [T, k] i32, global expert ids
+  Tensor kept;     // [T, k] u8, or undefined: all kept
+  int64_t pad = 0;
+  bool probs_to_rows = false;  // see the header comment
+  // The caller's expert GEMMs take device offsets (ops::grouped_gemm_device_rows): on one rank
+  // without ETP the plan's counts then stay on the device (Ctx::local_rows.host empty).
+  bool device_rows = false;
+};
+
 class TokenDispatcher {
  public:
-  TokenDispatcher() = default;
-  // ep: the expert-parallel communicator, or null for one rank; etp: the expert-tensor-parallel
-  // group and tp_ep the ETP x EP group (both null without ETP).
-  TokenDispatcher(comm::Communicator* ep, DispatcherType type, int64_t num_experts, comm::Communicator* etp = nullptr,
-                  comm::Communicator* tp_ep = nullptr);
-
+  // The handle: the plan made in dispatch and what the later phases and backwards need.
   struct Ctx {
     ops::MoeRouting routing;         // the permutation on this rank (local or gathered tokens)
     ops::MoeRouting sort;            // alltoall: received rows -> local-expert order
     std::vector<int64_t> send_rows, recv_rows;  // alltoall: rows per EP rank
+    std::vector<int64_t> chunk_rows;  // alltoall: received rows per (source rank, local expert), [EP * L]
+    std::vector<int64_t> local_counts;  // alltoall: received rows per local expert
     Tensor probs;                    // the combine's probs (allgather: gathered, [EP*T, k]); may be undefined
     Tensor unpermute_in;             // with probs: the rows the unpermute read (for dprobs)
+    Tensor dprobs;                   // combine_backward -> dispatch_backward: the combine probs' gradient
+    Tensor indices, kept;            // allgather: the routing, gathered by token_dispatch
+    int64_t pad = 0;
+    bool probs_to_rows = false;
     ops::ExpertRows local_rows;      // rows per local expert of expert_in (host counts may be absent)
     int64_t tokens = 0, topk = 0;
     ops::MoeRouting etp_sort;           // ETP: gathered rows (ETP rank-major) -> local-expert order
     std::vector<int64_t> etp_rows;      // ETP: rows each ETP rank contributed
   };
 
-  // device_rows: the caller's expert GEMMs take device offsets (ops::grouped_gemm_device_rows);
-  // on one rank without ETP the plan's counts then stay on the device (ctx.local_rows.host empty).
-  Tensor dispatch(const Tensor& x, const Tensor& indices, const Tensor& kept, int64_t pad, Ctx& ctx,
-                  bool device_rows = false) const;
-  Tensor combine(const Tensor& expert_out, const Tensor& probs, Ctx& ctx) const;
-  void combine_backward(const Tensor& dout, Ctx& ctx, Tensor& d_expert_out, Tensor& dprobs) const;
-  // After dispatch(), on the same Ctx; probs f32 (f64 on the CPU).
-  Tensor dispatch_probs(const Tensor& probs, Ctx& ctx) const;
-  Tensor dispatch_probs_backward(const Tensor& d_rows, Ctx& ctx) const;
-  Tensor dispatch_backward(const Tensor& d_expert_in, Ctx& ctx) const;
+  TokenDispatcher() = default;
+  virtual ~TokenDispatcher() = default;
 
+  // Forward phases (see the header comment).
+  virtual TokenRows dispatch_preprocess(const DispatchInput& in, Ctx& ctx) const = 0;
+  virtual TokenRows token_dispatch(const TokenRows& local, Ctx& ctx) const = 0;
+  // -> expert_in [rows, H] grouped by local expert (Ctx::local_rows) and, with probs_to_rows,
+  // each row's probability [rows, 1].
+  virtual TokenRows dispatch_postprocess(const TokenRows& received, Ctx& ctx) const = 0;
+  virtual Tensor combine_preprocess(const Tensor& expert_out, Ctx& ctx) const = 0;
+  virtual Tensor token_combine(const Tensor& rows, Ctx& ctx) const = 0;
+  virtual Tensor combine_postprocess(const Tensor& rows, Ctx& ctx) const = 0;  // -> [T, H]
+
+  // Backward phases, in the order they run: the combine's (a dispatch of dout [T, H] to the
+  // expert rows), then the dispatch's (a combine of the expert rows' gradients to [T, H]).
+  virtual Tensor combine_postprocess_backward(const Tensor& dout, Ctx& ctx) const = 0;
+  virtual Tensor token_combine_backward(const Tensor& d_rows, Ctx& ctx) const = 0;
+  virtual Tensor combine_preprocess_backward(const Tensor& d_rows, Ctx& ctx) const = 0;  // -> d_expert_out
+  // d_expert_in: the rows' gradient and (probs_to_rows) the row probabilities' gradient, which
+  // may be left undefined to skip the probabilities' backward.
+  virtual TokenRows dispatch_postprocess_backward(const TokenRows& d_expert_in, Ctx& ctx) const = 0;
+  virtual TokenRows token_dispatch_backward(const TokenRows& d_rows, Ctx& ctx) const = 0;
+  virtual TokenRows dispatch_preprocess_backward(const TokenRows& d_rows, Ctx& ctx) const = 0;  // -> dx, dprobs
+
+  // The three phases of each, back to back.
+  TokenRows dispatch(const DispatchInput& in, Ctx& ctx) const;
+  Tensor combine(const Tensor& expert_out, Ctx& ctx) const;
+  // -> d_expert_out; a probability gradient of the combine waits in the Ctx for dispatch_backward.
+  Tensor combine_backward(const Tensor& dout, Ctx& ctx) const;
+  // -> dx [T, H] and dprobs [T, k] (undefined when no probability took part).
+  TokenRows dispatch_backward(const TokenRows& d_expert_in, Ctx& ctx) const;
+
+  int64_t num_experts() const { return num_experts_; }
   int64_t local_experts() const { return local_experts_; }
   int64_t first_expert() const { return first_expert_; }
 
- private:
-  Tensor all_to_all_rows(const Tensor& in, const std::vector<int64_t>& send, const std::vector<int64_t>& recv) const;
-  Tensor gather_rows(const Tensor& in) const;          // [T, ...] -> [EP*T, ...]
-  Tensor reduce_scatter_rows(const Tensor& in) const;  // [EP*T, ...] -> [T, ...], summed
-  bool allgather_path() const { return type_ == DispatcherType::AllGather && gather_ != nullptr; }
-  // ETP stage: rows of every ETP rank, sorted by local expert (first call plans, Ctx keeps it).
-  Tensor etp_gather(const Tensor& rows, Ctx& ctx, bool plan) const;
-  // Its reverse: partial results back to the ranks that own the rows, summed over ETP.
-  Tensor etp_reduce(const Tensor& sorted, Ctx& ctx) const;
-
+ protected:
+  // ep: the expert-parallel communicator, or null for one rank.
+  TokenDispatcher(comm::Communicator* ep, int64_t num_experts);
   comm::Communicator* ep_ = nullptr;
-  comm::Communicator* etp_ = nullptr;
-  comm::Communicator* gather_ = nullptr;  // allgather's group: ETP x EP (or EP)
-  DispatcherType type_ = DispatcherType::AllToAll;
-  int64_t num_experts_ = 0, ep_size_ = 1, ep_rank_ = 0, local_experts_ = 0, first_expert_ = 0, gather_size_ = 1;
-  // alltoall: the sort plan's ids go to the device through it (shared: the dispatcher is copied).
-  std::shared_ptr<PinnedUploader> uploader_ = std::make_shared<PinnedUploader>();
+  int64_t num_experts_ = 0, ep_size_ = 1, ep_rank_ = 0, local_experts_ = 0, first_expert_ = 0;
 };
+
+// The dispatcher for a layer: allgather when asked for and there is a group to gather over
+// (EP, or ETP x EP with expert tensor parallelism), else alltoall (which on one rank is the local
+// permutation). etp: the expert-tensor-parallel group and tp_ep the ETP x EP group (both null
+// without ETP).
+std::shared_ptr<const TokenDispatcher> make_token_dispatcher(DispatcherType type, int64_t num_experts,
+                                                             comm::Communicator* ep, comm::Communicator* etp = nullptr,
+                                                             comm::Communicator* tp_ep = nullptr);
+
+// Helpers shared by the dispatchers.
+namespace dispatch_detail {
+
+// Accumulates the wall time of one collective when MOECORE_COMM_TIMERS=1: the device is
+// synchronised, then the group meets at a barrier (the time until its slowest rank arrives is
+// the wait), then the collective runs from a common start until this device has finished it.
+// Every rank of the group constructs one at the same point (the dispatch collectives are matched
+// across the group), so the barriers pair up.
+class CommTimer {
+ public:
+  explicit CommTimer(comm::Communicator& group);
+  ~CommTimer();
+  CommTimer(const CommTimer&) = delete;
+  CommTimer& operator=(const CommTimer&) = delete;
+
+ private:
+  Device dev_;
+  bool on_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+Shape with_rows(const Tensor& t, int64_t rows);
+int64_t total(const std::vector<int64_t>& v);
+// The combine's last step: each token's rows weighted by probs and summed; without probs (the
+// experts applied them) a plain sum of each token's rows, which is permute's backward.
+void unpermute(const Tensor& rows, const Tensor& probs, const ops::MoeRouting& r, Tensor& out);
+
+}  // namespace dispatch_detail
 
 }  // namespace moecore

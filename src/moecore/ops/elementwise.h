@@ -21,7 +21,7 @@ void assign_cast(const Tensor& src, Tensor& dst);
 // p1 = bf16(t - p0), p2 = bf16(t - p0 - p1). Each difference is exact in fp32 (at most 16
 // significant bits), and three parts carry all of fp32's 24 mantissa bits, so p0 + p1 + p2 = t
 // for values whose last part is not below bf16's smallest normal: bf16 GEMMs of the parts give
-// fp32-exact products (the MoE router's fp32 GEMMs, moe_layer.cpp).
+// fp32-exact products (the MoE router's fp32 GEMMs, moe/router.cpp).
 std::vector<Tensor> bf16_parts(const Tensor& t, int parts);
 void add(const Tensor& a, const Tensor& b, Tensor& out);                          // out = a + b
 void mul(const Tensor& a, const Tensor& b, Tensor& out);                          // out = a * b

@@ -522,23 +522,7 @@ int run_training(const TrainArgs& args) {
     phase.emplace("grad-norm", 1, dev);
     const double grad_sq = optimizer.grad_norm_sq();
     phase.emplace("moe-statistics", 1, dev);
-    for (MoeLayer* l : moe_layers) {
-      MoeStepStats& s = l->mutable_stats();
-      // One message per group: [aux, z, tokens per expert...]. Each rank of a sequence's TP x CP
-      // group holds its tokens' share of all three (summed); data-parallel ranks sum the counts
-      // (the expert bias follows the global counts) and average the losses.
-      std::vector<double> packed = {s.aux_loss, s.z_loss};
-      packed.insert(packed.end(), s.tokens_per_expert.begin(), s.tokens_per_expert.end());
-      if (token_group) comm::all_reduce_host(*token_group, packed);
-      if (dp) {
-        comm::all_reduce_host(*dp, packed);
-        packed[0] /= static_cast<double>(dp->size());
-        packed[1] /= static_cast<double>(dp->size());
-      }
-      s.aux_loss = packed[0];
-      s.z_loss = packed[1];
-      std::copy(packed.begin() + 2, packed.end(), s.tokens_per_expert.begin());
-    }
+    for (MoeLayer* l : moe_layers) reduce_moe_step_stats(l->mutable_stats(), token_group, dp);
     phase.emplace("moe-finish-step", 1, dev);
     std::vector<MoeStepStats> layer_stats;
     for (MoeLayer* l : moe_layers) layer_stats.push_back(l->finish_step());

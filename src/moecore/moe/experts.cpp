@@ -1,0 +1,78 @@
+#include "moecore/moe/experts.h"
+
+#include <cmath>
+
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/swiglu.h"
+
+namespace moecore {
+
+GroupedExperts::GroupedExperts(ParamStore& store, const std::string& prefix, const ModelConfig& cfg,
+                               int64_t local_experts, int64_t first_expert, comm::Communicator* etp_group)
+    : swiglu_(cfg.swiglu), recompute_act_(cfg.moe.recompute_act), hidden_(cfg.hidden_size) {
+  const int64_t e = cfg.moe.num_experts, h = cfg.hidden_size, f = cfg.moe.ffn_hidden_size;
+  const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
+  // This rank's experts: rows [first, first + L) of the [E, ...] expert weights.
+  // With ETP, part r of each expert's FFN: fc1 rows (per GLU half), fc2 columns.
+  const int64_t etp = etp_group ? etp_group->size() : 1, etp_rank = etp_group ? etp_group->rank() : 0;
+  MC_CHECK(f % etp == 0, "--moe-ffn-hidden-size ", f, " is not divisible by --expert-tensor-parallel-size ", etp);
+  const int64_t fl = f / etp;
+  fc1_ = &store.add_expert(prefix + ".experts.linear_fc1.weight", {local_experts, swiglu_ ? 2 * fl : fl, h}, e,
+                           first_expert, std, etp, etp_rank, 1, swiglu_);
+  fc2_ = &store.add_expert(prefix + ".experts.linear_fc2.weight", {local_experts, h, fl}, e, first_expert, out_std, etp,
+                           etp_rank, 2);
+}
+
+bool GroupedExperts::device_rows() const {
+  return ops::grouped_gemm_device_rows(fc1_->weight) && ops::grouped_gemm_device_rows(fc2_->weight);
+}
+
+void GroupedExperts::activation(const Ctx& ctx, Tensor& act) const {
+  if (swiglu_) {
+    ops::weighted_swiglu_forward(ctx.fc1_out, ctx.row_probs, act);
+  } else {
+    ops::gelu_forward(ctx.fc1_out, act);
+  }
+}
+
+Tensor GroupedExperts::forward(const Tensor& rows, const Tensor& row_probs, const ops::ExpertRows& groups,
+                               Ctx& ctx) const {
+  const Device dev = rows.device();
+  const int64_t n = rows.size(0);
+  ctx.input = rows;
+  ctx.row_probs = row_probs;
+  ctx.fc1_out = Tensor::empty({n, fc1_->shape[1]}, rows.dtype(), dev);
+  ops::grouped_gemm_forward(rows, fc1_->weight, groups, ctx.fc1_out);
+  ctx.act = Tensor::empty({n, fc2_->shape[2]}, rows.dtype(), dev);
+  activation(ctx, ctx.act);
+  Tensor out = Tensor::empty({n, hidden_}, rows.dtype(), dev);
+  ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, out);
+  if (recompute_act_) ctx.act = Tensor();  // --recompute-modules moe_act: rebuilt in the backward
+  return out;
+}
+
+Tensor GroupedExperts::backward(const Tensor& d_out, const ops::ExpertRows& groups, Ctx& ctx,
+                                Tensor& d_row_probs) const {
+  const Device dev = d_out.device();
+  if (!ctx.act.defined()) {  // recompute the activation from the kept fc1 output
+    ctx.act = Tensor::empty({ctx.fc1_out.size(0), fc2_->shape[2]}, d_out.dtype(), dev);
+    activation(ctx, ctx.act);
+  }
+  Tensor d_act = Tensor::empty(ctx.act.shape(), d_out.dtype(), dev);
+  ops::grouped_gemm_dgrad(d_out, fc2_->weight, groups, d_act);
+  ops::grouped_gemm_wgrad(d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates());
+  Tensor d_fc1 = Tensor::empty(ctx.fc1_out.shape(), d_out.dtype(), dev);
+  d_row_probs = Tensor();
+  if (swiglu_) {
+    d_row_probs = Tensor::empty(ctx.row_probs.shape(), ctx.row_probs.dtype(), dev);
+    ops::weighted_swiglu_backward(ctx.fc1_out, ctx.row_probs, d_act, d_fc1, d_row_probs);
+  } else {
+    ops::gelu_backward(ctx.fc1_out, d_act, d_fc1);
+  }
+  Tensor d_rows = Tensor::empty(ctx.input.shape(), d_out.dtype(), dev);
+  ops::grouped_gemm_dgrad(d_fc1, fc1_->weight, groups, d_rows);
+  ops::grouped_gemm_wgrad(d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates());
+  return d_rows;
+}
+
+}  // namespace moecore
