@@ -6,6 +6,12 @@
 // compute copies refreshed; MoE end-of-step work (expert-bias update). Logs Megatron's
 // iteration line, a JSONL metrics file and TensorBoard scalars; validates every
 // --eval-interval steps; saves every --save-interval steps and after the last one.
+//
+// The parts: train_setup (communicators through parallel/process_groups, model chunks,
+// optimizer, --load, data sources), train_step (forward-backward over the micro-batches, the
+// reductions, clipping / NaN skip, AdamW), metrics (log line, metrics.jsonl, TensorBoard,
+// timers), evaluate (validation), checkpoint_transfer (save / load over pipeline stages). This
+// file holds the loop that calls them.
 #pragma once
 
 #include <cstdint>
