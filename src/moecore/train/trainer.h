@@ -21,7 +21,7 @@
 
 namespace moecore {
 
-// Model FLOPs per step as ANCHORS.md defines them: 6 x active matmul parameters (output head
+// Model FLOPs per step (the MFU numerator): 6 x active matmul parameters (output head
 // included, input embedding excluded) x tokens + 6 x layers x seq x hidden x tokens.
 double model_flops_per_step(const ModelConfig& cfg, int64_t tokens_per_step);
 int64_t active_matmul_params(const ModelConfig& cfg);
