@@ -3,6 +3,9 @@
 // stage (checkpoint_transfer.h): which stage holds and which writes each tensor.
 #include <gtest/gtest.h>
 
+#include <string>
+
+#include "moecore/core/error.h"
 #include "moecore/model/tensor_parallel.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/parallel/process_groups.h"
@@ -46,6 +49,17 @@ TEST(ProcessGroups, OneRankLayoutIsValidated) {
   ParallelConfig bad;
   bad.tp = 2;  // does not divide a world of one
   EXPECT_THROW(ProcessGroups(nullptr, bad, 0), Error);
+}
+
+TEST(ProcessGroups, SeveralRanksNeedAWorld) {
+  ParallelConfig two;
+  two.world = 2;
+  try {
+    ProcessGroups g(nullptr, two, 0);
+    FAIL() << "no error without a world communicator";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a world of 2 ranks needs a world communicator"), std::string::npos) << e.what();
+  }
 }
 
 TEST(CheckpointTransfer, StagesOwnAndSaveTheirTensors) {

@@ -1,5 +1,6 @@
 #include "moecore/parallel/process_groups.h"
 
+#include "moecore/core/error.h"
 #include "moecore/model/tensor_parallel.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/train/optimizer.h"
@@ -9,6 +10,8 @@ namespace moecore::parallel {
 ProcessGroups::ProcessGroups(std::unique_ptr<comm::Communicator> world, const ParallelConfig& config, int64_t rank,
                              const ProcessGroupOptions& options)
     : world_(std::move(world)), layout_(layout_for_rank(config, rank)), world_size_(config.world), dp_size_(config.dp()) {
+  MC_CHECK(world_ || config.world == 1, "ProcessGroups: a world of ", config.world,
+           " ranks needs a world communicator");
   const ProcessGroupLayout& layout = layout_;
   // Every rank creates its groups in the same order (NCCL bootstraps them collectively).
   dp_ = group(layout.dp, false);
