@@ -89,6 +89,9 @@ class ProcessGroups {
 
  private:
   // A communicator for `ranks` (null for one rank); not `own`: the world when it spans it.
+  // own: a communicator of its own even when the group is the whole world (EP all-to-alls run on
+  // the compute stream while --overlap-grad-reduce uses the world on the communication stream;
+  // pipeline transfers interleave with both).
   comm::Communicator* group(const std::vector<int64_t>& ranks, bool own);
 
   std::unique_ptr<comm::Communicator> world_;

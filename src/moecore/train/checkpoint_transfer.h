@@ -29,7 +29,7 @@
 
 namespace moecore {
 
-// Whether a checkpoint tensor belongs to this pipeline stage.
+// Whether a checkpoint tensor ("<param>" or "<param>.exp_avg[_sq]") belongs to this pipeline stage.
 bool owns_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::string& name);
 // Whether this stage writes the tensor to a checkpoint: what it owns, less the tied copy.
 bool saves_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::string& name);
