@@ -6,6 +6,12 @@
 // compute copies refreshed; MoE end-of-step work (expert-bias update). Logs Megatron's
 // iteration line, a JSONL metrics file and TensorBoard scalars; validates every
 // --eval-interval steps; saves every --save-interval steps and after the last one.
+//
+// The parts: train_setup (communicators through parallel/process_groups, model chunks,
+// optimizer, --load, data sources), train_step (forward-backward over the micro-batches, the
+// reductions, clipping / NaN skip, AdamW), metrics (log line, metrics.jsonl, TensorBoard,
+// timers), evaluate (validation), checkpoint_transfer (save / load over pipeline stages). This
+// file holds the loop that calls them.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +21,7 @@
 
 namespace moecore {
 
-// Model FLOPs per step as ANCHORS.md defines them: 6 x active matmul parameters (output head
+// Model FLOPs per step (the MFU numerator): 6 x active matmul parameters (output head
 // included, input embedding excluded) x tokens + 6 x layers x seq x hidden x tokens.
 double model_flops_per_step(const ModelConfig& cfg, int64_t tokens_per_step);
 int64_t active_matmul_params(const ModelConfig& cfg);

@@ -1,0 +1,148 @@
+#include "moecore/train/train_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+
+#include "moecore/comm/communicator.h"
+#include "moecore/core/host_transfer.h"
+#include "moecore/ops/adamw.h"
+#include "moecore/train/loss_accumulator.h"
+#include "moecore/train/lr_schedule.h"
+#include "moecore/train/pipeline.h"
+
+namespace moecore {
+
+namespace {
+
+// Every micro-batch's forward and backward (the loss of each into `losses`), through the pipeline
+// schedule when there are stages.
+void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses) {
+  const TrainArgs& args = run.args;
+  const int64_t micro = run.micro, dp_size = run.dp_size, dp_rank = run.dp_rank;
+  Optimizer& optimizer = *run.optimizer;
+  // Megatron's order: micro-batch m of the step is [dp rank 0's samples | dp rank 1's | ...];
+  // its seed is the same on every pipeline stage and equals the single-rank run's.
+  auto batch_of = [&](int64_t m) {
+    return run.checked_upload(run.data.train->batch(
+        run.state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size, args.micro_batch_size,
+        Device::cpu()));
+  };
+  auto rng_of = [&](int64_t m) {
+    return static_cast<uint64_t>(args.seed) * 0x100000001B3ull + static_cast<uint64_t>((it * micro + m) * dp_size + dp_rank);
+  };
+  // The last micro-batch's backward finalises each layer's gradients: reduce them as it goes.
+  const std::function<void(int64_t)> layer_done =
+      optimizer.overlapping() ? std::function<void(int64_t)>([&](int64_t l) { optimizer.layer_ready(l); })
+                              : std::function<void(int64_t)>();
+  if (run.pp) {
+    PipelineStep step;
+    step.pp = run.pp;
+    step.micro_batches = micro;
+    step.grad_scale = 1.0 / static_cast<double>(micro);
+    step.batch = batch_of;
+    step.rng = rng_of;
+    step.last_layer_done = layer_done;
+    step.losses = &losses;
+    if (run.vstages == 1) {
+      run_pipeline_1f1b(run.model(), step);
+    } else if (micro % run.stages == 0) {
+      run_pipeline_interleaved(run.chunks, step);
+    } else {
+      run_pipeline_virtual(run.chunks, step);
+    }
+  } else {
+    GPTModel& model = run.model();
+    for (int64_t m = 0; m < micro; ++m) {
+      const Batch b = batch_of(m);
+      GPTModel::Ctx ctx;
+      ctx.fused_head_scale = 1.0 / static_cast<double>(micro);  // the output layer's backward runs in the forward
+      ctx.checked_num_labels = b.num_labels;
+      const Tensor loss_sum = model.forward_loss_sum(b.tokens, b.labels, true, rng_of(m), ctx);
+      losses.add(loss_sum, ctx.num_labels);  // after the forward has set the count
+      model.backward(1.0 / static_cast<double>(micro), ctx, m == micro - 1 ? layer_done : std::function<void(int64_t)>());
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<MoeStepStats> reduce_moe_statistics(const std::vector<MoeLayer*>& moe_layers,
+                                                comm::Communicator* token_group, comm::Communicator* dp,
+                                                std::optional<TimedRegion>& phase, Device dev) {
+  phase.emplace("moe-statistics", 1, dev);
+  for (MoeLayer* l : moe_layers) reduce_moe_step_stats(l->mutable_stats(), token_group, dp);
+  phase.emplace("moe-finish-step", 1, dev);
+  std::vector<MoeStepStats> layer_stats;
+  for (MoeLayer* l : moe_layers) layer_stats.push_back(l->finish_step());
+  return layer_stats;
+}
+
+StepResult train_step(TrainingRun& run, int64_t it) {
+  const TrainArgs& args = run.args;
+  const Device dev = run.dev;
+  const int64_t micro = run.micro;
+  const bool has_head = run.has_head;
+  comm::Communicator* dp = run.dp;
+  Optimizer& optimizer = *run.optimizer;
+  TrainingState& state = run.state;
+  const DType loss_dtype = run.compute == DType::F64 ? DType::F64 : DType::F32;
+  LossAccumulator losses(micro, dev, loss_dtype);
+  std::optional<TimedRegion> phase(std::in_place, "forward-backward", 1, dev);  // --timing-log-level
+  forward_backward(run, it, losses);
+  // The MoE layers' statistics start for the host now; the gradient norm's read below waits for
+  // them too (same stream), so reading them afterwards waits no more (not once per layer).
+  for (MoeLayer* l : run.moe_layers) l->prefetch_stats();
+  phase.emplace("grads-reduce", 1, dev);
+  optimizer.reduce_gradients();
+  // The step's loss, averaged over DP on the device, goes to the host behind the gradients: the
+  // gradient norm's read below waits for it too (no wait of its own).
+  if (dp && has_head) dp->all_reduce(losses.value(), comm::ReduceOp::Avg);
+  PendingRead loss_read;
+  if (has_head) loss_read.start(losses.value());
+  phase.emplace("grad-norm", 1, dev);
+  const double grad_sq = optimizer.grad_norm_sq();
+  StepResult r;
+  r.layer_stats = reduce_moe_statistics(run.moe_layers, run.groups->token_group(), dp, phase, dev);
+  phase.emplace("loss-and-checks", 1, dev);
+  // The loss lives on the last stage, MoE layers on every stage: sums over the pipeline give
+  // every rank the same values (the skip decision must agree everywhere).
+  std::vector<double> sums = {has_head ? loss_read.get()[0] : 0.0, 0.0, 0.0, static_cast<double>(r.layer_stats.size())};
+  for (const MoeStepStats& s : r.layer_stats) {
+    sums[1] += s.aux_loss / static_cast<double>(micro);
+    sums[2] += s.z_loss / static_cast<double>(micro);
+  }
+  if (run.pp) sum_over_ranks(run.pp, sums);
+  const double lm_loss = sums[0];
+  const double aux = sums[3] > 0 ? sums[1] / sums[3] : 0.0, z = sums[3] > 0 ? sums[2] / sums[3] : 0.0;
+  state.consumed_samples += args.global_batch_size;
+  state.iteration = it;
+  // Megatron's scheduler: the step after n successful steps uses lr(n); skipped steps do not count.
+  const double lr = learning_rate(args, it - 1 - state.skipped_iterations);
+  double grad_norm = std::sqrt(grad_sq);
+  phase.emplace("optimizer", 1, dev);
+  if (!std::isfinite(lm_loss) || !std::isfinite(grad_sq)) {
+    if (run.logger) std::printf("iteration %lld: %s in the %s; step skipped\n", static_cast<long long>(it),
+                std::isnan(lm_loss) || std::isnan(grad_sq) ? "NaN" : "Inf",
+                std::isfinite(lm_loss) ? "gradients" : "loss");
+    state.skipped_iterations++;
+    state.nan_iterations++;
+    optimizer.skip();
+  } else {
+    const double clip = args.clip_grad > 0 && grad_norm > args.clip_grad ? args.clip_grad / (grad_norm + 1e-6) : 1.0;
+    const AdamHyper hyper{args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay};
+    optimizer.step(hyper, lr, static_cast<float>(clip), it - state.skipped_iterations);
+  }
+  phase.reset();
+  r.lm_loss = lm_loss;
+  r.aux = aux;
+  r.z = z;
+  r.grad_sq = grad_sq;
+  r.grad_norm = grad_norm;
+  r.skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
+  r.loss_on_device = losses.value();
+  return r;
+}
+
+}  // namespace moecore
