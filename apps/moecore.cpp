@@ -3,6 +3,7 @@
 //   moecore env         devices, library versions, threads
 //   moecore train ...   train a MoE model (train/arguments.h lists the flags)
 //   moecore generate    sample from a checkpoint
+//   moecore report      an HTML page of a run's metrics
 //
 // Every error ends here: one line "moecore: error: ..." on stderr and exit code 1 (2 for usage
 // errors), never an abort.
@@ -22,6 +23,7 @@
 #include "moecore/train/arguments.h"
 #include "moecore/train/generate.h"
 #include "moecore/train/trainer.h"
+#include "report_command.h"
 
 namespace {
 
@@ -86,6 +88,7 @@ const std::vector<Subcommand>& subcommands() {
       {"preprocess", "JSONL to Megatron .bin/.idx", moecore::run_preprocess, ""},
       {"dataset-info", "describe a .bin/.idx dataset", moecore::run_dataset_info, ""},
       {"convert", "HF <-> moecore checkpoints (Mixtral, Qwen3-MoE)", moecore::interop::run_convert, ""},
+      {"report", "an HTML page of a run's metrics", moecore::run_report, ""},
       {"plan", "memory and throughput planner", nullptr, "the planner work"},
   };
   return list;
