@@ -76,6 +76,160 @@ svg .grid line{stroke:#eee}svg .axis line{stroke:#888}svg rect.frame{fill:none;s
 svg .legend rect{fill:#fff;fill-opacity:.85;stroke:#ddd}svg .colour-legend line{stroke:#888}
 )";
 
+// ---- the page's sections
+
+std::string summary_section(const RunMetrics& m) {
+  std::string html;
+  const TrainPoint* last = m.train.empty() ? nullptr : &m.train.rbegin()->second;
+  double tokens_sum = 0, peak = kNaN;
+  int64_t tokens_n = 0;
+  for (const auto& [it, p] : m.train) {
+    if (std::isfinite(p.tokens_per_s)) tokens_sum += p.tokens_per_s, ++tokens_n;
+    if (std::isfinite(p.mem_max_allocated_bytes))
+      peak = std::isfinite(peak) ? std::max(peak, p.mem_max_allocated_bytes) : p.mem_max_allocated_bytes;
+  }
+  const int64_t last_iteration = std::max(m.train.empty() ? 0 : m.train.rbegin()->first,
+                                          m.valid.empty() ? 0 : m.valid.rbegin()->first);
+  html += "<table class=\"summary\">\n";
+  html += summary_row("Iterations", std::to_string(last_iteration) + " (" + std::to_string(m.train.size()) +
+                                        " logged training lines, " + std::to_string(m.valid.size()) + " validations)");
+  html += summary_row("Final training loss", last ? format_value(last->lm_loss) + " (iteration " +
+                                                        std::to_string(last->iteration) + ")"
+                                                  : "-");
+  if (!m.valid.empty()) {
+    auto best = m.valid.end();
+    for (auto it = m.valid.begin(); it != m.valid.end(); ++it)
+      if (std::isfinite(it->second) && (best == m.valid.end() || it->second < best->second)) best = it;
+    html += summary_row("Best validation loss", best == m.valid.end()
+                                                    ? "-"
+                                                    : format_value(best->second) + " (iteration " +
+                                                          std::to_string(best->first) + ")");
+  } else {
+    html += summary_row("Best validation loss", "- (no validation: --eval-interval 0 or no validation data)");
+  }
+  html += summary_row("Mean tokens/s", tokens_n ? format_value(tokens_sum / static_cast<double>(tokens_n)) +
+                                                      " (over the " + std::to_string(tokens_n) + " logged intervals)"
+                                                : "-");
+  if (std::isfinite(peak)) html += summary_row("Peak memory allocated", format_bytes(peak));
+  if (last) html += summary_row("Skipped iterations", std::to_string(last->skipped_iterations));
+  html += "</table>\n";
+  return html;
+}
+
+std::string training_section(const RunMetrics& m) {
+  std::string html;
+  html += "<h2>Training</h2>\n<div class=\"charts\">\n";
+  {
+    LineChart loss{"Loss", "iteration", "lm loss", {}, 520, 300};
+    loss.series.push_back(train_series(m, "training", [](const TrainPoint& p) { return p.lm_loss; }));
+    Series valid{"validation", {}, "", true};
+    for (const auto& [it, v] : m.valid) valid.points.emplace_back(static_cast<double>(it), v);
+    if (!valid.points.empty()) loss.series.push_back(std::move(valid));
+    html += render_line_chart(loss);
+  }
+  html += render_line_chart(
+      {"Learning rate", "iteration", "learning rate", {train_series(m, "learning rate", [](const TrainPoint& p) { return p.learning_rate; })}, 520, 300});
+  html += render_line_chart(
+      {"Grad norm", "iteration", "grad norm (before clipping)", {train_series(m, "grad norm", [](const TrainPoint& p) { return p.grad_norm; })}, 520, 300});
+  html += render_line_chart(
+      {"Throughput", "iteration", "tokens/s", {train_series(m, "tokens/s", [](const TrainPoint& p) { return p.tokens_per_s; })}, 520, 300});
+  html += render_line_chart(
+      {"Model TFLOP/s per GPU", "iteration", "TFLOP/s", {train_series(m, "TFLOP/s per GPU", [](const TrainPoint& p) { return p.tflops_per_gpu; })}, 520, 300});
+  html += render_line_chart({"Memory",
+                             "iteration",
+                             "GB",
+                             {train_series(m, "allocated", [](const TrainPoint& p) { return p.mem_allocated_bytes / 1e9; }),
+                              train_series(m, "peak allocated", [](const TrainPoint& p) { return p.mem_max_allocated_bytes / 1e9; })},
+                             520,
+                             300});
+  html += "</div>\n";
+  return html;
+}
+
+// The latest step's tokens per expert, each layer divided by its mean.
+std::string expert_load_heatmap(const TrainPoint& per_layer) {
+  Heatmap map;
+  map.title = "Expert load, iteration " + std::to_string(per_layer.iteration) + " (tokens / layer mean)";
+  map.x_label = "expert";
+  map.legend_label = "tokens / layer mean (2 and above: brightest)";
+  for (size_t l = 0; l < per_layer.tokens_per_expert.size(); ++l) {
+    const auto& counts = per_layer.tokens_per_expert[l];
+    double sum = 0;
+    for (double c : counts) sum += c;
+    const double mean = counts.empty() ? 0 : sum / static_cast<double>(counts.size());
+    std::vector<double> row;
+    for (double c : counts) row.push_back(mean > 0 ? c / mean : kNaN);
+    map.row_labels.push_back("MoE layer " + std::to_string(l));
+    map.cells.push_back(std::move(row));
+  }
+  // A fixed scale: 1 (an even share) is its middle, so runs and layers compare by colour; an
+  // expert with twice its share or more is at the top (the tooltip has the exact value).
+  map.vmin = 0;
+  map.vmax = 2;
+  return render_heatmap(map);
+}
+
+std::string imbalance_chart(const RunMetrics& m) {
+  // One line per MoE layer; with more than 8 layers (unreadable as lines), the worst, mean and
+  // best layer's max/mean at each logged step.
+  LineChart imb{"Expert load imbalance", "iteration", "max / mean (per layer)", {}, 520, 300};
+  size_t layers = 0;
+  for (const auto& [it, p] : m.train) layers = std::max(layers, p.tokens_per_expert.size());
+  if (layers <= 8) {
+    for (size_t l = 0; l < layers; ++l) {
+      Series s{"MoE layer " + std::to_string(l), {}, "", false};
+      for (const auto& [it, p] : m.train)
+        s.points.emplace_back(static_cast<double>(it),
+                              l < p.tokens_per_expert.size() ? imbalance(p.tokens_per_expert[l]) : kNaN);
+      imb.series.push_back(std::move(s));
+    }
+  } else {
+    Series worst{"worst layer", {}, "", false}, mean{"mean of layers", {}, "", false}, best{"best layer", {}, "", false};
+    for (const auto& [it, p] : m.train) {
+      double hi_v = kNaN, lo_v = kNaN, sum = 0;
+      int64_t n = 0;
+      for (const auto& counts : p.tokens_per_expert) {
+        const double v = imbalance(counts);
+        if (!std::isfinite(v)) continue;
+        hi_v = n ? std::max(hi_v, v) : v;
+        lo_v = n ? std::min(lo_v, v) : v;
+        sum += v, ++n;
+      }
+      const double x = static_cast<double>(it);
+      worst.points.emplace_back(x, hi_v);
+      mean.points.emplace_back(x, n ? sum / static_cast<double>(n) : kNaN);
+      best.points.emplace_back(x, lo_v);
+    }
+    imb.series = {worst, mean, best};
+  }
+  return render_line_chart(imb);
+}
+
+std::string moe_section(const RunMetrics& m) {
+  std::string html;
+  LineChart balancing{"MoE balancing losses", "iteration", "loss", {}, 520, 300};
+  for (Series s : {train_series(m, "load balancing loss", [](const TrainPoint& p) { return p.load_balancing_loss; }),
+                   train_series(m, "z-loss", [](const TrainPoint& p) { return p.z_loss; })})
+    if (any_finite(s)) balancing.series.push_back(std::move(s));
+  const TrainPoint* per_layer = nullptr;  // the latest line with tokens per expert
+  for (auto it = m.train.rbegin(); it != m.train.rend() && !per_layer; ++it)
+    if (!it->second.tokens_per_expert.empty()) per_layer = &it->second;
+  if (!balancing.series.empty() || per_layer) {
+    html += "<h2>Mixture of experts</h2>\n";
+    if (per_layer)
+      html += "<p class=\"note\">Expert load: tokens routed to each expert at the latest logged step (iteration " +
+              std::to_string(per_layer->iteration) +
+              ", the step's micro-batches summed over the ranks), divided by the layer's mean, so 1 is an even share; "
+              "imbalance is each layer's max / mean over time. MoE layer i is the i-th MoE layer (with "
+              "--moe-layer-freq, not decoder layer i).</p>\n";
+    html += "<div class=\"charts\">\n";
+    if (!balancing.series.empty()) html += render_line_chart(balancing);
+    if (per_layer) html += expert_load_heatmap(*per_layer) + imbalance_chart(m);
+    html += "</div>\n";
+  }
+  return html;
+}
+
 }  // namespace
 
 RunMetrics read_metrics(const std::string& path) {
@@ -128,147 +282,11 @@ RunMetrics read_metrics(const std::string& path) {
 }
 
 std::string render_run_report(const RunMetrics& m, const std::string& title) {
-  std::string html = "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>" +
-                     xml_escape("moecore run report: " + title) + "</title>\n<style>\n" + kStyle +
-                     "</style>\n</head>\n<body>\n<h1>" + xml_escape("moecore run report: " + title) + "</h1>\n";
-  // ---- summary
-  const TrainPoint* last = m.train.empty() ? nullptr : &m.train.rbegin()->second;
-  double tokens_sum = 0, peak = kNaN;
-  int64_t tokens_n = 0;
-  for (const auto& [it, p] : m.train) {
-    if (std::isfinite(p.tokens_per_s)) tokens_sum += p.tokens_per_s, ++tokens_n;
-    if (std::isfinite(p.mem_max_allocated_bytes)) peak = std::isfinite(peak) ? std::max(peak, p.mem_max_allocated_bytes) : p.mem_max_allocated_bytes;
-  }
-  const int64_t last_iteration = std::max(m.train.empty() ? 0 : m.train.rbegin()->first,
-                                          m.valid.empty() ? 0 : m.valid.rbegin()->first);
-  html += "<table class=\"summary\">\n";
-  html += summary_row("Iterations", std::to_string(last_iteration) + " (" + std::to_string(m.train.size()) +
-                                        " logged training lines, " + std::to_string(m.valid.size()) + " validations)");
-  html += summary_row("Final training loss", last ? format_value(last->lm_loss) + " (iteration " +
-                                                        std::to_string(last->iteration) + ")"
-                                                  : "-");
-  if (!m.valid.empty()) {
-    auto best = m.valid.end();
-    for (auto it = m.valid.begin(); it != m.valid.end(); ++it)
-      if (std::isfinite(it->second) && (best == m.valid.end() || it->second < best->second)) best = it;
-    html += summary_row("Best validation loss", best == m.valid.end()
-                                                    ? "-"
-                                                    : format_value(best->second) + " (iteration " +
-                                                          std::to_string(best->first) + ")");
-  } else {
-    html += summary_row("Best validation loss", "- (no validation: --eval-interval 0 or no validation data)");
-  }
-  html += summary_row("Mean tokens/s", tokens_n ? format_value(tokens_sum / static_cast<double>(tokens_n)) +
-                                                      " (over the " + std::to_string(tokens_n) + " logged intervals)"
-                                                : "-");
-  if (std::isfinite(peak)) html += summary_row("Peak memory allocated", format_bytes(peak));
-  if (last) html += summary_row("Skipped iterations", std::to_string(last->skipped_iterations));
-  html += "</table>\n";
-
-  // ---- training curves
-  html += "<h2>Training</h2>\n<div class=\"charts\">\n";
-  {
-    LineChart loss{"Loss", "iteration", "lm loss", {}, 520, 300};
-    loss.series.push_back(train_series(m, "training", [](const TrainPoint& p) { return p.lm_loss; }));
-    Series valid{"validation", {}, "", true};
-    for (const auto& [it, v] : m.valid) valid.points.emplace_back(static_cast<double>(it), v);
-    if (!valid.points.empty()) loss.series.push_back(std::move(valid));
-    html += render_line_chart(loss);
-  }
-  html += render_line_chart(
-      {"Learning rate", "iteration", "learning rate", {train_series(m, "learning rate", [](const TrainPoint& p) { return p.learning_rate; })}, 520, 300});
-  html += render_line_chart(
-      {"Grad norm", "iteration", "grad norm (before clipping)", {train_series(m, "grad norm", [](const TrainPoint& p) { return p.grad_norm; })}, 520, 300});
-  html += render_line_chart(
-      {"Throughput", "iteration", "tokens/s", {train_series(m, "tokens/s", [](const TrainPoint& p) { return p.tokens_per_s; })}, 520, 300});
-  html += render_line_chart(
-      {"Model TFLOP/s per GPU", "iteration", "TFLOP/s", {train_series(m, "TFLOP/s per GPU", [](const TrainPoint& p) { return p.tflops_per_gpu; })}, 520, 300});
-  html += render_line_chart({"Memory",
-                             "iteration",
-                             "GB",
-                             {train_series(m, "allocated", [](const TrainPoint& p) { return p.mem_allocated_bytes / 1e9; }),
-                              train_series(m, "peak allocated", [](const TrainPoint& p) { return p.mem_max_allocated_bytes / 1e9; })},
-                             520,
-                             300});
-  html += "</div>\n";
-
-  // ---- MoE
-  LineChart balancing{"MoE balancing losses", "iteration", "loss", {}, 520, 300};
-  for (Series s : {train_series(m, "load balancing loss", [](const TrainPoint& p) { return p.load_balancing_loss; }),
-                   train_series(m, "z-loss", [](const TrainPoint& p) { return p.z_loss; })})
-    if (any_finite(s)) balancing.series.push_back(std::move(s));
-  const TrainPoint* per_layer = nullptr;  // the latest line with tokens per expert
-  for (auto it = m.train.rbegin(); it != m.train.rend() && !per_layer; ++it)
-    if (!it->second.tokens_per_expert.empty()) per_layer = &it->second;
-  if (!balancing.series.empty() || per_layer) {
-    html += "<h2>Mixture of experts</h2>\n";
-    if (per_layer)
-      html += "<p class=\"note\">Expert load: tokens routed to each expert at the latest logged step (iteration " +
-              std::to_string(per_layer->iteration) +
-              ", the step's micro-batches summed over the ranks), divided by the layer's mean, so 1 is an even share; "
-              "imbalance is each layer's max / mean over time. MoE layer i is the i-th MoE layer (with "
-              "--moe-layer-freq, not decoder layer i).</p>\n";
-    html += "<div class=\"charts\">\n";
-    if (!balancing.series.empty()) html += render_line_chart(balancing);
-    if (per_layer) {
-      Heatmap map;
-      map.title = "Expert load, iteration " + std::to_string(per_layer->iteration) + " (tokens / layer mean)";
-      map.x_label = "expert";
-      map.legend_label = "tokens / layer mean (2 and above: brightest)";
-      for (size_t l = 0; l < per_layer->tokens_per_expert.size(); ++l) {
-        const auto& counts = per_layer->tokens_per_expert[l];
-        double sum = 0;
-        for (double c : counts) sum += c;
-        const double mean = counts.empty() ? 0 : sum / static_cast<double>(counts.size());
-        std::vector<double> row;
-        for (double c : counts) row.push_back(mean > 0 ? c / mean : kNaN);
-        map.row_labels.push_back("MoE layer " + std::to_string(l));
-        map.cells.push_back(std::move(row));
-      }
-      // A fixed scale: 1 (an even share) is its middle, so runs and layers compare by colour; an
-      // expert with twice its share or more is at the top (the tooltip has the exact value).
-      map.vmin = 0;
-      map.vmax = 2;
-      html += render_heatmap(map);
-      // One line per MoE layer; with more than 8 layers (unreadable as lines), the worst, mean and
-      // best layer's max/mean at each logged step.
-      LineChart imb{"Expert load imbalance", "iteration", "max / mean (per layer)", {}, 520, 300};
-      size_t layers = 0;
-      for (const auto& [it, p] : m.train) layers = std::max(layers, p.tokens_per_expert.size());
-      if (layers <= 8) {
-        for (size_t l = 0; l < layers; ++l) {
-          Series s{"MoE layer " + std::to_string(l), {}, "", false};
-          for (const auto& [it, p] : m.train)
-            s.points.emplace_back(static_cast<double>(it),
-                                  l < p.tokens_per_expert.size() ? imbalance(p.tokens_per_expert[l]) : kNaN);
-          imb.series.push_back(std::move(s));
-        }
-      } else {
-        Series worst{"worst layer", {}, "", false}, mean{"mean of layers", {}, "", false}, best{"best layer", {}, "", false};
-        for (const auto& [it, p] : m.train) {
-          double hi_v = kNaN, lo_v = kNaN, sum = 0;
-          int64_t n = 0;
-          for (const auto& counts : p.tokens_per_expert) {
-            const double v = imbalance(counts);
-            if (!std::isfinite(v)) continue;
-            hi_v = n ? std::max(hi_v, v) : v;
-            lo_v = n ? std::min(lo_v, v) : v;
-            sum += v, ++n;
-          }
-          const double x = static_cast<double>(it);
-          worst.points.emplace_back(x, hi_v);
-          mean.points.emplace_back(x, n ? sum / static_cast<double>(n) : kNaN);
-          best.points.emplace_back(x, lo_v);
-        }
-        imb.series = {worst, mean, best};
-      }
-      html += render_line_chart(imb);
-    }
-    html += "</div>\n";
-  }
-  html += "<p class=\"note\">Written by moecore report from metrics.jsonl; training values are the averages over each "
-          "logging interval (--log-interval), as in the log lines.</p>\n</body>\n</html>\n";
-  return html;
+  return "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>" +
+         xml_escape("moecore run report: " + title) + "</title>\n<style>\n" + kStyle + "</style>\n</head>\n<body>\n<h1>" +
+         xml_escape("moecore run report: " + title) + "</h1>\n" + summary_section(m) + training_section(m) + moe_section(m) +
+         "<p class=\"note\">Written by moecore report from metrics.jsonl; training values are the averages over each "
+         "logging interval (--log-interval), as in the log lines.</p>\n</body>\n</html>\n";
 }
 
 std::string write_run_report(const std::string& run_dir, const std::string& output) {
