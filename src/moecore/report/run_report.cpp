@@ -295,8 +295,8 @@ std::string write_run_report(const std::string& run_dir, const std::string& outp
            "' is not a directory: give the run's --save directory (the one holding metrics.jsonl)");
   const std::filesystem::path dir(run_dir);
   const RunMetrics m = read_metrics((dir / "metrics.jsonl").string());
-  std::string title = std::filesystem::weakly_canonical(dir, ec).filename().string();
-  if (title.empty()) title = run_dir;
+  std::string title = std::filesystem::weakly_canonical(dir, ec).string();  // the run's full path
+  if (ec || title.empty()) title = run_dir;
   const std::string out = output.empty() ? (dir / "report.html").string() : output;
   std::ofstream f(out, std::ios::binary | std::ios::trunc);
   MC_CHECK(f.good(), "'", out, "': cannot open it for writing");

@@ -34,7 +34,7 @@ struct RunMetrics {
 // any metrics line, a file that cannot be read.
 RunMetrics read_metrics(const std::string& path);
 
-// The HTML page. title: shown at the top (the run directory's name).
+// The HTML page. title: shown at the top (the run directory's path).
 std::string render_run_report(const RunMetrics& metrics, const std::string& title);
 
 // Reads RUN_DIR/metrics.jsonl and writes the page to `output` (RUN_DIR/report.html when empty).

@@ -265,8 +265,11 @@ std::string render_heatmap(const Heatmap& map) {
   const double cell_w = cols ? std::clamp((map.width - left - right) / static_cast<double>(cols), 2.0, 48.0) : 0;
   const double cell_h = std::clamp(420.0 / std::max<double>(1, static_cast<double>(rows)), 4.0, 26.0);
   const double grid_w = cell_w * static_cast<double>(cols), grid_h = cell_h * static_cast<double>(rows);
-  // As wide as the grid (map.width at most, unless the cells are at their narrowest) and the colour legend.
-  const double w = std::max(left + grid_w + right, left + 260 + 160), h = top + grid_h + 34 + legend_h;
+  // As wide as the grid (map.width at most, unless the cells are at their narrowest) and the colour
+  // legend with its label.
+  const double legend_text_w = 6.2 * static_cast<double>(map.legend_label.size());
+  const double w = std::max(left + grid_w + right, left + 260 + 10 + legend_text_w + right);
+  const double h = top + grid_h + 34 + legend_h;
   std::string svg = "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"heatmap\" width=\"" + px(w) + "\" height=\"" +
                     px(h) + "\" viewBox=\"0 0 " + px(w) + " " + px(h) + "\" role=\"img\" aria-label=\"" +
                     xml_escape(map.title) + "\">\n";
@@ -302,7 +305,7 @@ std::string render_heatmap(const Heatmap& map) {
     svg += "<text class=\"label\" x=\"" + px(left + grid_w / 2) + "\" y=\"" + px(gy + 30) + "\" text-anchor=\"middle\">" +
            xml_escape(map.x_label) + "</text>\n";
   // Colour legend: a gradient bar with ticks.
-  const double ly = gy + 44, lw = std::min(260.0, w - left - right), lh = 10;
+  const double ly = gy + 44, lw = 260, lh = 10;
   svg += "<defs><linearGradient id=\"ramp\" x1=\"0\" x2=\"1\" y1=\"0\" y2=\"0\">";
   for (int i = 0; i <= 8; ++i)
     svg += "<stop offset=\"" + fmt("%.3f", i / 8.0) + "\" stop-color=\"" + ramp_colour(i / 8.0) + "\"/>";
