@@ -7,6 +7,7 @@
 //   moecore preprocess    JSONL to Megatron .bin/.idx (preprocess_command.cpp)
 //   moecore dataset-info  describe a .bin/.idx dataset (dataset_info_command.cpp)
 //   moecore convert       HF <-> moecore checkpoints (convert_command.cpp)
+//   moecore report        an HTML page of a run's metrics (report_command.cpp)
 //
 // Every error ends here: one line "moecore: error: ..." on stderr and exit code 1 (2 for usage
 // errors), never an abort.
@@ -42,6 +43,7 @@ const std::vector<Subcommand>& subcommands() {
       {"preprocess", "JSONL to Megatron .bin/.idx", moecore::run_preprocess, ""},
       {"dataset-info", "describe a .bin/.idx dataset", moecore::run_dataset_info, ""},
       {"convert", "HF <-> moecore checkpoints (Mixtral, Qwen3-MoE)", moecore::run_convert, ""},
+      {"report", "an HTML page of a run's metrics", moecore::run_report, ""},
       {"plan", "memory and throughput planner", nullptr, "the planner work"},
   };
   return list;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # make demo: a real English corpus from a Debian package (fortunes), converted to JSONL,
 # preprocessed into a Megatron .bin/.idx dataset with the byte tokenizer, a tiny MoE trained on
-# it on the CPU (about two minutes on two cores), and text sampled from the checkpoint.
-# The validation loss ends well below the corpus's unigram entropy (printed first).
+# it on the CPU (about two minutes on two cores), text sampled from the checkpoint, and the run's
+# HTML report (curves and expert loads). The validation loss ends well below the corpus's unigram
+# entropy (printed first).
 set -euo pipefail
 build=${1:-build}
 out=${DEMO_DIR:-$build/demo}
@@ -31,10 +32,14 @@ echo
 echo "== training configs/tiny-text.yaml on the CPU (a 2-layer MoE, 4 experts, top-2, over bytes)"
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$build"/moecore train --config configs/tiny-text.yaml \
   --data-path "$out/fortunes_text_document" --device cpu --save "$out/checkpoints" \
-  --tensorboard-dir "$out/tensorboard"
+  --tensorboard-dir "$out/tensorboard" --moe-per-layer-logging
 echo
 echo "== sampling from the checkpoint"
 "$build"/moecore generate --load "$out/checkpoints" --prompt "The " --max-new-tokens 300 \
   --temperature 0.7 --top-k 20 --device cpu
 echo
+echo "== the run's report"
+"$build"/moecore report "$out/checkpoints"
+echo
 echo "demo: metrics in $out/checkpoints/metrics.jsonl, TensorBoard events in $out/tensorboard"
+echo "demo: report in $(cd "$out/checkpoints" && pwd)/report.html (open it in a browser; no network needed)"

@@ -37,12 +37,16 @@ Param& ParamStore::add(const std::string& name, const Shape& shape, Init init, d
   p->weight_decay = weight_decay;
   // f64 masters (gradient checks) compute in f64 everywhere.
   p->compute_dtype = master_ == DType::F64 ? DType::F64 : (use_store_compute ? compute_ : compute_dtype);
+  p->full_rows = shape.empty() ? 0 : shape[0];
+  if (shapes_only_) {
+    params_.push_back(std::move(p));
+    return *params_.back();
+  }
   p->master = Tensor::empty(shape, master_, device_);
   p->weight = p->compute_dtype == master_ ? p->master : Tensor::empty(shape, p->compute_dtype, device_);
   p->grad = Tensor::zeros(shape, master_, device_);
   p->exp_avg = Tensor::zeros(shape, exp_avg_, device_);
   p->exp_avg_sq = Tensor::zeros(shape, exp_avg_sq_, device_);
-  p->full_rows = shape.empty() ? 0 : shape[0];
   params_.push_back(std::move(p));
   return *params_.back();
 }
@@ -162,9 +166,11 @@ Param& ParamStore::add_buffer(const std::string& name, const Shape& shape) {
   p->trainable = false;
   p->weight_decay = false;
   p->compute_dtype = master_;
-  p->master = Tensor::zeros(shape, master_, device_);
-  p->weight = p->master;
   p->full_rows = shape.empty() ? 0 : shape[0];
+  if (!shapes_only_) {
+    p->master = Tensor::zeros(shape, master_, device_);
+    p->weight = p->master;
+  }
   params_.push_back(std::move(p));
   return *params_.back();
 }
@@ -175,7 +181,13 @@ Param& ParamStore::get(const std::string& name) {
   MC_FAIL("no parameter named '", name, "'");
 }
 
+void ParamStore::set_shapes_only(bool on) {
+  MC_CHECK(params_.empty(), "set_shapes_only: call before the first parameter is registered");
+  shapes_only_ = on;
+}
+
 void ParamStore::initialize(int64_t dense_shard_multiple, int64_t expert_shard_multiple) {
+  MC_CHECK(!shapes_only_, "initialize: this parameter store records shapes only (it has no tensors)");
   if (!grad_buffer_.defined()) {
     constexpr int64_t kAlign = 64;
     auto padded = [](int64_t n, int64_t unit) { return (n + unit - 1) / unit * unit; };
@@ -353,7 +365,7 @@ void ParamStore::set_master(Param& p, const Tensor& values) {
 int64_t ParamStore::num_elements(bool trainable_only) const {
   int64_t n = 0;
   for (const auto& p : params_)
-    if (p->trainable || !trainable_only) n += p->weight.numel();
+    if (p->trainable || !trainable_only) n += shape_numel(p->shape);
   return n;
 }
 

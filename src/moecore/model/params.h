@@ -83,6 +83,13 @@ class ParamStore {
  public:
   ParamStore(Device device, DType master_dtype, DType compute_dtype, uint64_t seed);
 
+  // A store that records names, shapes and attributes only: add() and add_buffer() create no
+  // tensors (every Tensor of its Params stays undefined) and initialize() refuses. The model's
+  // constructors run unchanged on it, so a model of any size can be described without memory
+  // (model/param_count.h). Call before the first add().
+  void set_shapes_only(bool on);
+  bool shapes_only() const { return shapes_only_; }
+
   // Registers a parameter; compute_dtype defaults to the store's (the router asks for fp32).
   Param& add(const std::string& name, const Shape& shape, Init init, double std, bool weight_decay,
              DType compute_dtype = DType::F32, bool use_store_compute = true);
@@ -142,6 +149,7 @@ class ParamStore {
   // except for the parameters `done` says are already fresh (the optimizer wrote them); with
   // split masters, an fp32-compute weight = join(high, remainder).
   void refresh_compute_weights(const std::function<bool(const Param&)>& done = {});
+  // Elements of the registered parameters (their shapes: this rank's parts).
   int64_t num_elements(bool trainable_only = true) const;
 
   Device device() const { return device_; }
@@ -162,6 +170,7 @@ class ParamStore {
   std::vector<std::unique_ptr<Param>> params_;
   Tensor grad_buffer_, expert_grad_buffer_, master_buffer_, expert_master_buffer_;
   bool remainders_ = false;
+  bool shapes_only_ = false;
   Tensor high_buffer_, expert_high_buffer_, remainder_buffer_, expert_remainder_buffer_;
   std::vector<int64_t> grad_offsets_;  // per params_ entry, -1 for buffers
 };
