@@ -7,6 +7,8 @@
 # peak memory, and whether the two binaries logged bit-identical losses and gradient norms
 # (every logged step's lm_loss, load_balancing_loss, z_loss, grad_norm, params_norm).
 # Presets default to the two benchmark models (configs/mixtral-small.yaml, finegrained-small.yaml).
+# AB_LAUNCH prefixes each run (e.g. "mpirun -np 2 -x NCCL_NVLS_ENABLE" for several GPUs) and
+# AB_FLAGS adds flags to both (e.g. "--expert-model-parallel-size 2").
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BIN_A BIN_B [ROUNDS] [PRESET...]" >&2; exit 2; }
 bin_a=$1; bin_b=$2; shift 2
@@ -27,8 +29,8 @@ for preset in "${presets[@]}"; do
     for side in a b; do
       bin=$bin_a; [ $side = b ] && bin=$bin_b
       m="$work/$preset.$side.$r.jsonl"
-      if ! "$bin" train --config "$src/configs/$preset.yaml" --train-iters 20 --log-interval 10 --eval-interval 0 \
-          --lr-warmup-iters 2 --metrics-file "$m" > "$m.log" 2>&1; then
+      if ! ${AB_LAUNCH:-} "$bin" train --config "$src/configs/$preset.yaml" --train-iters 20 --log-interval 10 \
+          --eval-interval 0 --lr-warmup-iters 2 ${AB_FLAGS:-} --metrics-file "$m" > "$m.log" 2>&1; then
         echo "ab-train: $preset ($side, round $r) failed:"; tail -5 "$m.log"; status=1; continue
       fi
       echo "{\"bench\":\"ab_train\",\"preset\":\"$preset\",\"binary\":\"$side\",\"round\":$r,\"ms_per_step\":$(field "$m" ms_per_iteration),\"peak_bytes\":$(field "$m" mem_max_allocated_bytes)}"
@@ -50,7 +52,8 @@ for preset in "${presets[@]}"; do
   rows+=("| $preset | $med_a ($min_a) | $med_b ($min_b) | $change | $peak_a / $peak_b | $same |")
 done
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-printf "\nA = %s, B = %s, %s rounds alternating, on %s\n" "$bin_a" "$bin_b" "$rounds" "${card:-no GPU}"
+printf "\nA = %s, B = %s, %s rounds alternating, on %s%s\n" "$bin_a" "$bin_b" "$rounds" "${card:-no GPU}" \
+  "${AB_LAUNCH:+, launched with $AB_LAUNCH}${AB_FLAGS:+, flags $AB_FLAGS}"
 printf "| preset | A ms/step median (min) | B ms/step median (min) | B vs A | peak GB A / B | losses bit-identical |\n|---|---|---|---|---|---|\n"
 printf "%s\n" "${rows[@]}"
 exit $status
