@@ -622,6 +622,7 @@ void finalize_train_args(TrainArgs& a) {
   check_recompute_flags(a);
   check_feature_flags(a);
   resolve_device(a, env);
+  if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";
 }
 
 int run_train(const std::vector<std::string>& args) {
