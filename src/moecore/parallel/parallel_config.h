@@ -1,4 +1,4 @@
-// The parallel layout of a run, as data (DESIGN.md principle 4), and its checks.
+// The parallel layout of a run, as data (process groups are derived from it; no global state), and its checks.
 //
 //   world = tp * cp * dp * pp      (attention / dense part: dp is derived)
 //         = etp * ep * edp * pp    (experts: edp is derived; Parallel Folding)

@@ -1,4 +1,4 @@
-// TensorBoard event-file writer (../shared/FORMATS.md): records of
+// TensorBoard event-file writer (docs/formats.md): records of
 //   u64 length | u32 masked CRC-32C(length) | Event protobuf | u32 masked CRC-32C(data)
 // Events are encoded by hand: wall_time (1, double), step (2, int64), file_version (3) for the
 // first record, summary (5) { value (1) { tag (1), simple_value (2, float) } }.
