@@ -136,6 +136,8 @@ void register_training_flags(cli::FlagSet& f, TrainArgs& a) {
              "(same values, 2 more bytes per parameter)");
   f.add_int("seed", &a.seed, "random seed (initialisation, data, jitter)");
   f.add_int("log-interval", &a.log_interval, "steps between log lines");
+  f.add_double("progress-interval", &a.progress_interval_s,
+               "seconds between progress lines (steps, rate, ETA) until the first log line (0: none)");
   f.add_int("timing-log-level", &a.timing_log_level,
             "GPU-event timers in the log: 0 none, 1 the step's phases, 2 also attention / MoE parts / output layer");
   f.add_int("eval-interval", &a.eval_interval, "steps between validation runs (0: none)");
@@ -305,6 +307,7 @@ void check_schedule_flags(TrainArgs& a) {
   MC_CHECK(a.bf16 || !a.no_store_param_remainders, "--no-store-param-remainders needs --bf16 (fp32 compute keeps ",
            "whole fp32 weights: there are no remainders to store)");
   MC_CHECK(a.log_interval >= 1, "--log-interval ", a.log_interval, " must be >= 1");
+  MC_CHECK(a.progress_interval_s >= 0, "--progress-interval ", a.progress_interval_s, " must be >= 0 seconds");
   MC_CHECK(a.timing_log_level >= 0 && a.timing_log_level <= 2, "--timing-log-level ", a.timing_log_level,
            " must be 0 (no timers), 1 (the step's phases) or 2 (also the model's parts)");
   MC_CHECK(a.eval_interval >= 0 && a.eval_iters >= 1, "--eval-interval must be >= 0 and --eval-iters >= 1");

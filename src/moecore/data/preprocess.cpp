@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "moecore/core/error.h"
+#include "moecore/core/progress.h"
 #include "moecore/data/indexed_dataset.h"
 #include "moecore/data/jsonl.h"
 #include "moecore/data/tokenizer.h"
@@ -159,8 +160,12 @@ PreprocessResult preprocess(const PreprocessOptions& opt, std::ostream* log) {
     os << "preprocess: " << (final ? "done: " : "") << res.documents << " documents ("
        << fmt_rate(res.documents / std::max(s, 1e-9), "docs/s") << "), " << fmt_rate(mb, "MB") << " ("
        << fmt_rate(mb / std::max(s, 1e-9), "MB/s") << ")";
-    if (!final && reader.total_bytes() > 0)
-      os << ", " << fmt_rate(100.0 * reader.bytes_read() / reader.total_bytes(), "%");
+    if (!final && reader.total_bytes() > 0) {
+      // The time left at the rate so far (core/progress.h's estimate).
+      const double done = static_cast<double>(reader.bytes_read()), total = static_cast<double>(reader.total_bytes());
+      os << ", " << fmt_rate(100.0 * done / total, "%") << ", ETA "
+         << (done > 0 ? format_duration(s * (total - done) / done) : std::string("?"));
+    }
     if (final) os << " in " << fmt_rate(s, "s");
     *log << os.str() << std::endl;
   };

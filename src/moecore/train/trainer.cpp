@@ -2,9 +2,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <iostream>
 
 #include "moecore/core/allocator.h"
 #include "moecore/core/device.h"
+#include "moecore/core/progress.h"
 #include "moecore/core/step_timers.h"
 #include "moecore/train/checkpoint_transfer.h"
 #include "moecore/train/evaluate.h"
@@ -51,7 +53,17 @@ int run_training(const TrainArgs& args) {
   using Clock = std::chrono::steady_clock;
   metrics.start_interval();
   auto ms_since = [](Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); };
-  for (int64_t it = run.state.iteration + 1; it <= args.train_iters; ++it) {
+  // Until the first log line, a progress line every --progress-interval seconds (a long
+  // --log-interval, or slow steps, would leave the terminal silent): the host waits for each
+  // step's gradient norm, so its step count follows the GPU's.
+  const int64_t first_it = run.state.iteration + 1;
+  int64_t first_log = first_it;
+  while (first_log < args.train_iters && !is_log_step(args, first_log)) ++first_log;
+  ProgressLine before_log("moecore train: steps before the first log line", static_cast<double>(first_log - first_it + 1),
+                          "steps", run.logger ? &std::cout : nullptr, args.progress_interval_s);
+  for (int64_t it = first_it; it <= args.train_iters; ++it) {
+    if (it <= first_log && it > first_it)
+      before_log.update(static_cast<double>(it - first_it), "iteration " + std::to_string(it) + " of " + std::to_string(args.train_iters));
     const uint64_t syncs0 = host_synchronizations();
     if (run.dev.is_cuda()) cuda_allocator(run.dev.index).reset_peak();
     const StepResult step = train_step(run, it);
