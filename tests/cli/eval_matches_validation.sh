@@ -8,7 +8,7 @@
 # x data-parallel run is evaluated under the same layout and under another.
 set -euo pipefail
 bin=$1; src=$2; mpiexec=${3:-}
-dir=$(mktemp -d); trap '[ -n "${KEEP:-}" ] || rm -rf "$dir"' EXIT; echo "$dir"
+dir=$(mktemp -d); trap '[ -n "${KEEP:-}" ] || rm -rf "$dir"' EXIT  # KEEP=1 keeps it
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 OMP_NUM_THREADS=1
 expect_fail() { local re=$1; shift; if out=$("$@" 2>&1); then echo "FAIL: should have failed: $*"; exit 1; fi
   grep -Eq -- "$re" <<<"$out" || { echo "$out"; echo "FAIL: no /$re/"; exit 1; }; }
@@ -37,6 +37,8 @@ grep -Eq '"samples":[0-9]+' "$dir/whole" && ! grep -q '"samples":12[,}]' "$dir/w
 "$bin" eval --load "$dir/ck" --data-path "$data" --device cpu --whole-dataset --split 0,1,0 > "$dir/all" 2>&1 || { cat "$dir/all"; exit 1; }
 expect_fail "moecore eval needs --load" "$bin" eval --data-path "$data" --device cpu
 expect_fail "--whole-dataset reads one dataset" "$bin" eval --load "$dir/ck" --data-path 1 "$data" 1 "$data" --device cpu --whole-dataset
+expect_fail "--whole-dataset needs --data-path \(mock data has no end\)" "$bin" eval --load "$dir/ck" --mock-data --device cpu --whole-dataset
+expect_fail "the validation split of --split 1,0,0 is empty" "$bin" eval --load "$dir/ck" --data-path "$data" --device cpu --split 1,0,0
 expect_fail "moecore eval writes no checkpoint" "$bin" eval --load "$dir/ck" --data-path "$data" --device cpu --save "$dir/x"
 if [ -n "$mpiexec" ]; then
   # PP=2 x DP=2: trained and evaluated under that layout, exactly; evaluated on one rank, closely
