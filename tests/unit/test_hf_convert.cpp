@@ -433,6 +433,16 @@ TEST(HfConvert, TokenizerTravelsWithTheCheckpoint) {
   EXPECT_EQ(checkpoint_tokenizer((d / "sp2").string()).type, "SentencePieceTokenizer");
   ASSERT_EQ(convert("moecore", "hf", d / "sp2", d / "hf3"), 0);
   EXPECT_EQ(file_text(d / "hf3" / "tokenizer.model"), file_text(data_dir() / "tiny_sentencepiece.model"));
+  // a tokenizer.json moecore does not read (Mixtral's: Metaspace, not byte-level) beside a
+  // tokenizer.model: the .model is recorded, and both files are kept
+  std::ofstream(d / "hf" / "tokenizer.json")
+      << R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "pre_tokenizer": {"type": "Metaspace"}})";
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "both"), 0);
+  t = checkpoint_tokenizer((d / "both").string());
+  EXPECT_EQ(t.type, "SentencePieceTokenizer");
+  EXPECT_EQ(fs::path(t.path).filename(), "tokenizer.model");
+  EXPECT_EQ(file_text(d / "both" / "tokenizer" / "tokenizer.json"), file_text(d / "hf" / "tokenizer.json"));
+  fs::remove(d / "hf" / "tokenizer.json");
   // no tokenizer in the folder: none recorded
   fs::remove(d / "hf" / "tokenizer.model");
   ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "none"), 0);

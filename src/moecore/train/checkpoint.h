@@ -5,6 +5,7 @@
 //                                                 "<name>.exp_avg_sq"; buffers (expert bias) too
 //   <save>/iter_0000100/meta.json                 iteration, consumed samples, counters, format
 //   <save>/latest_checkpointed_iteration.txt      "100"
+//   <save>/tokenizer/                             the run's tokenizer files (checkpoint_tokenizer)
 // Writes go to a temporary directory that is renamed into place, and the "latest" file is
 // replaced by rename, so a crash never leaves a damaged last checkpoint. The file is written one
 // tensor at a time (CheckpointWriter): a distributed run streams each gathered tensor into it,
