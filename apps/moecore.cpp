@@ -3,6 +3,7 @@
 //
 //   moecore env           devices, library versions, threads, environment switches (env_command.cpp)
 //   moecore train ...     train a MoE model (train_command.cpp lists the flags)
+//   moecore eval          a checkpoint's loss on a dataset (eval_command.cpp)
 //   moecore generate      sample from a checkpoint (generate_command.cpp)
 //   moecore preprocess    JSONL to Megatron .bin/.idx (preprocess_command.cpp)
 //   moecore dataset-info  describe a .bin/.idx dataset (dataset_info_command.cpp)
@@ -39,6 +40,7 @@ const std::vector<Subcommand>& subcommands() {
   static const std::vector<Subcommand> list = {
       {"env", "devices, library versions and threads", moecore::run_env, ""},
       {"train", "train a MoE model", moecore::run_train, ""},
+      {"eval", "loss and perplexity of a checkpoint on a dataset", moecore::run_eval, ""},
       {"generate", "sample tokens from a checkpoint", moecore::run_generate, ""},
       {"preprocess", "JSONL to Megatron .bin/.idx", moecore::run_preprocess, ""},
       {"dataset-info", "describe a .bin/.idx dataset", moecore::run_dataset_info, ""},

@@ -10,11 +10,15 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 
 #include "moecore/comm/bootstrap.h"
 #include "moecore/core/system_info.h"
 #include "moecore/data/tokenizer.h"
+#include "moecore/train/checkpoint.h"
 #include "moecore/train/pipeline.h"
 #include "moecore/train/trainer.h"
 
@@ -144,9 +148,19 @@ void register_training_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("eval-iters", &a.eval_iters, "validation batches per run");
   f.add_string("save", &a.save, "checkpoint directory");
   f.add_int("save-interval", &a.save_interval, "steps between checkpoints (0: only at the end)");
-  f.add_string("load", &a.load, "checkpoint directory to resume from (none there: start from scratch, as Megatron)");
+  f.add_string("load", &a.load,
+               "checkpoint directory to resume from (model flags left out come from it; none there: start from "
+               "scratch, as Megatron)");
   f.add_bool("override-opt-param-scheduler", &a.override_opt_param_scheduler,
              "resume with this run's learning-rate settings instead of refusing when they differ");
+  f.add_bool("finetune", &a.finetune,
+             "with --load: its weights only; iteration, consumed samples, AdamW moments and the learning-rate "
+             "schedule start afresh, every run setting may differ (the model's flags must match)");
+  f.add_bool("no-load-optim", &a.no_load_optim,
+             "with --load: fresh AdamW moments and learning-rate schedule (the iteration is loaded)");
+  f.add_bool("no-load-rng", &a.no_load_rng,
+             "accepted: checkpoints hold no RNG state (every random stream derives from --seed and the step or "
+             "sample), so none is ever loaded");
   f.add_string("tensorboard-dir", &a.tensorboard_dir, "write TensorBoard event files here");
   f.add_string("metrics-file", &a.metrics_file, "JSONL metrics file (default: <save>/metrics.jsonl when --save is set)");
   f.add_string("device", &a.device_text, "cpu, cuda or cuda:N (default: cuda:<local rank> when present)");
@@ -271,7 +285,9 @@ void apply_model_flags(TrainArgs& a) {
     MC_CHECK(a.make_vocab_size_divisible_by >= 1, "--make-vocab-size-divisible-by must be >= 1");
     const int64_t d = a.make_vocab_size_divisible_by, padded = (tok_vocab + d - 1) / d * d;
     MC_CHECK(m.vocab_size == 0 || m.vocab_size >= tok_vocab, "--vocab-size ", m.vocab_size,
-             " is smaller than the tokenizer's vocabulary (", tok_vocab, ")");
+             " is smaller than the tokenizer's vocabulary (", tok_vocab, ", --tokenizer-type ", a.tokenizer_type,
+             a.load.empty() ? ")" : "); with --load the vocabulary is the checkpoint's model's: its data must be "
+                                    "preprocessed with the checkpoint's tokenizer");
     if (m.vocab_size == 0) m.vocab_size = padded;
   }
   finalize_model_config(m, a.moe_layer_freq);
@@ -313,6 +329,8 @@ void check_schedule_flags(TrainArgs& a) {
   MC_CHECK(a.eval_interval >= 0 && a.eval_iters >= 1, "--eval-interval must be >= 0 and --eval-iters >= 1");
   MC_CHECK(a.save_interval >= 0, "--save-interval ", a.save_interval, " must be >= 0");
   MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");
+  MC_CHECK(!a.finetune || !a.load.empty(), "--finetune needs --load (the checkpoint whose weights to start from)");
+  MC_CHECK(!a.no_load_optim || !a.load.empty(), "--no-load-optim needs --load (the checkpoint to resume from)");
 }
 
 // The launched ranks and the parallel layout (Megatron's rules) against the model.
@@ -507,6 +525,49 @@ void resolve_device(TrainArgs& a, const comm::LaunchEnv& env) {
   }
 }
 
+bool same_file_contents(const std::string& a, const std::string& b) {
+  std::ifstream fa(a, std::ios::binary), fb(b, std::ios::binary);
+  if (!fa || !fb) return false;
+  const std::string ta((std::istreambuf_iterator<char>(fa)), std::istreambuf_iterator<char>());
+  const std::string tb((std::istreambuf_iterator<char>(fb)), std::istreambuf_iterator<char>());
+  return ta == tb;
+}
+
+// --load: the model flags the command line and --config leave out come from the checkpoint
+// (checkpoint_model_flags); the ones given are compared with it later (check_resume_flags). The
+// tokenizer too: the checkpoint's (checkpoint_tokenizer) unless one is given, and a given one
+// must be the checkpoint's (same type, same file contents) when the checkpoint records one.
+void take_model_flags_from_checkpoint(cli::FlagSet& flags, TrainArgs& a, const std::vector<std::string>& also) {
+  const TrainingState meta = read_checkpoint_meta(a.load);
+  const std::string origin = "--load " + a.load;
+  std::vector<std::string> names = checkpoint_model_flags();
+  names.insert(names.end(), also.begin(), also.end());
+  for (const std::string& name : names) {
+    if (flags.given(name) || name == "tokenizer-type" || name == "tokenizer-model") continue;
+    for (const auto& [saved, value] : meta.args)
+      if (saved == name) flags.set(name, value, origin);
+  }
+  const CheckpointTokenizer tok = checkpoint_tokenizer(a.load);
+  if (tok.type.empty()) return;  // no tokenizer recorded: this run's, if any (the vocabulary is checked)
+  const bool type_given = flags.given("tokenizer-type"), model_given = flags.given("tokenizer-model");
+  const std::string recorded = tok.type + (tok.path.empty() ? "" : " (" + tok.path + ")");
+  MC_CHECK(!type_given || a.tokenizer_type == tok.type, "--tokenizer-type ", a.tokenizer_type, ": the checkpoint in ",
+           "--load ", a.load, " was trained with --tokenizer-type ", recorded, "; data must be preprocessed with that "
+           "tokenizer (leave out --tokenizer-type and --tokenizer-model to use it)");
+  if (!type_given) flags.set("tokenizer-type", tok.type, origin);
+  if (!model_given) {
+    flags.set("tokenizer-model", tok.path, origin);
+    return;
+  }
+  std::string given = a.tokenizer_model;
+  if (std::filesystem::is_directory(given)) given = (std::filesystem::path(given) / "tokenizer.json").string();
+  MC_CHECK(tok.path.empty() || !std::filesystem::exists(tok.path) || same_file_contents(given, tok.path),
+           "--tokenizer-model ", a.tokenizer_model,
+           " is not the tokenizer the checkpoint in --load ", a.load, " was trained with (", recorded, ": expected the ",
+           "same file contents); data must be preprocessed with that tokenizer (leave out --tokenizer-type and "
+           "--tokenizer-model to use it)");
+}
+
 }  // namespace
 
 void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
@@ -550,10 +611,13 @@ std::vector<std::pair<double, std::string>> parse_data_path(const std::vector<st
   return blend;
 }
 
-TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text) {
+TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requested, std::string* help_text,
+                           const TrainFlagsUse& use) {
   TrainArgs a;
-  cli::FlagSet flags("moecore train", "Train a GPT-style MoE model (Megatron-LM flag names).");
+  cli::FlagSet flags(use.command, use.summary);
   register_train_flags(flags, a);
+  if (use.extra_flags) use.extra_flags(flags);
+  for (const auto& [name, value] : use.defaults) flags.set(name, value, use.command);
   // --config first, so that command-line flags override the file.
   for (size_t i = 0; i < argv.size(); ++i) {
     std::string file;
@@ -565,7 +629,9 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   *help_requested = flags.help_requested();
   *help_text = flags.help();
   if (*help_requested) return a;
+  if (!a.load.empty() && checkpoint_exists(a.load)) take_model_flags_from_checkpoint(flags, a, use.also_from_checkpoint);
   a.flag_values = flags.values();
+  if (use.before_finalize) use.before_finalize(a);
   finalize_train_args(a);
   return a;
 }

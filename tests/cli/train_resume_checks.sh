@@ -32,6 +32,14 @@ run --save "$dir/b" --save-interval 2 > /dev/null 2>&1
 rm -rf "$dir/b/iter_0000004"
 out=$(run --load "$dir/b" --train-iters 4 2>&1)
 grep -q "using .*iter_0000002" <<<"$out" || { echo "$out"; echo "FAIL: no fallback"; exit 1; }
+# a resume needs no model flags: the ones left out come from the checkpoint (given ones must agree)
+m=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-experts 4 --moe-router-topk 2 --disable-bias-linear
+   --swiglu --vocab-size 64 --seq-length 16 --moe-router-score-function sigmoid)
+plain() { "$bin" train --mock-data --device cpu --lr-warmup-iters 1 --lr-decay-iters 10 --log-interval 1 "$@"; }
+plain "${m[@]}" --train-iters 2 --save "$dir/m" > "$dir/log" 2>&1 || { cat "$dir/log"; exit 1; }
+out=$(plain --train-iters 3 --load "$dir/m" 2>&1) || { echo "$out"; echo "FAIL: resume without model flags"; exit 1; }
+grep -q "iteration        3/" <<<"$out" || { echo "$out"; echo "FAIL: did not continue"; exit 1; }
+expect_fail "trained with --num-experts 4; this run has 8" plain --train-iters 3 --load "$dir/m" --num-experts 8
 # generate needs a tokenizer for text prompts
 expect_fail "trained without a tokenizer" "$bin" generate --load "$dir/a" --prompt "hi" --device cpu
 echo PASS

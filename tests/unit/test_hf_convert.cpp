@@ -327,6 +327,7 @@ TEST(HfConvert, ConvertedCheckpointGeneratesAndTrains) {
             0);
   TrainArgs a = train_args_from_saved(read_checkpoint_meta((d / "ckpt").string()).args, "cpu", "test");
   a.load = (d / "ckpt").string();
+  a.finetune = true;  // a model-only checkpoint: its weights, trained afresh
   a.save = (d / "trained").string();
   a.model.seq_length = 16;
   EXPECT_EQ(run_training(a), 0);
@@ -363,6 +364,7 @@ TEST(HfConvert, TrainedQwen2MoeExportsWithDerivedConfig) {
   ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "ckpt"), 0);
   TrainArgs a = train_args_from_saved(read_checkpoint_meta((d / "ckpt").string()).args, "cpu", "test");
   a.load = (d / "ckpt").string();
+  a.finetune = true;  // a model-only checkpoint: its weights, trained afresh
   a.save = (d / "trained").string();
   a.model.seq_length = 16;
   ASSERT_EQ(run_training(a), 0);
@@ -380,5 +382,72 @@ TEST(HfConvert, TrainedQwen2MoeExportsWithDerivedConfig) {
   ASSERT_EQ(convert("hf", "moecore", d / "hf2", d / "ckpt2"), 0);
   const SafetensorsFile ta(checkpoint_tensor_file((d / "trained").string())), tb(checkpoint_tensor_file((d / "ckpt2").string()));
   for (const StTensorInfo& t : tb.tensors()) EXPECT_EQ(ta.raw(t.name), tb.raw(t.name)) << t.name;
+  fs::remove_all(d);
+}
+
+namespace {
+std::string file_text(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::ostringstream os;
+  os << f.rdbuf();
+  return os.str();
+}
+}  // namespace
+
+// convert --from hf copies the tokenizer into <ckpt>/tokenizer/ and records it relative to the
+// checkpoint directory; checkpoint_tokenizer resolves it from the save directory and from its
+// iter_* directory alike; convert --to hf writes the files back beside config.json. A
+// tokenizer.model is Llama2Tokenizer when tokenizer_config.json adds a BOS token, else
+// SentencePieceTokenizer.
+TEST(HfConvert, TokenizerTravelsWithTheCheckpoint) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  const fs::path d = temp_dir("tokenizer");
+  write_hf(d / "hf", "--arch mixtral --dtype bf16");
+  fs::copy_file(data_dir() / "tiny_bpe_tokenizer.json", d / "hf" / "tokenizer.json");
+  std::ofstream(d / "hf" / "special_tokens_map.json") << R"({"eos_token": "<|endoftext|>"})";
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "ckpt"), 0);
+  const fs::path expected = fs::absolute(d / "ckpt" / "tokenizer" / "tokenizer.json").lexically_normal();
+  for (const fs::path& dir : {d / "ckpt", d / "ckpt" / "iter_0000000"}) {
+    const CheckpointTokenizer t = checkpoint_tokenizer(dir.string());
+    EXPECT_EQ(t.type, "HuggingFaceTokenizer") << dir;
+    EXPECT_EQ(t.path, expected.string()) << dir;
+  }
+  for (const auto& [name, value] : read_checkpoint_meta((d / "ckpt").string()).args)
+    if (name == "tokenizer-model") EXPECT_EQ(value, "tokenizer/tokenizer.json");
+  EXPECT_EQ(file_text(d / "ckpt" / "tokenizer" / "special_tokens_map.json"), file_text(d / "hf" / "special_tokens_map.json"));
+  ASSERT_EQ(convert("moecore", "hf", d / "ckpt", d / "hf2"), 0);
+  EXPECT_EQ(file_text(d / "hf2" / "tokenizer.json"), file_text(d / "hf" / "tokenizer.json"));
+  EXPECT_EQ(file_text(d / "hf2" / "special_tokens_map.json"), file_text(d / "hf" / "special_tokens_map.json"));
+
+  // SentencePiece: Llama2Tokenizer with a BOS token, SentencePieceTokenizer without
+  fs::remove(d / "hf" / "tokenizer.json");
+  fs::copy_file(data_dir() / "tiny_sentencepiece.model", d / "hf" / "tokenizer.model");
+  std::ofstream(d / "hf" / "tokenizer_config.json") << R"({"tokenizer_class": "LlamaTokenizer", "add_bos_token": true})";
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "sp"), 0);
+  CheckpointTokenizer t = checkpoint_tokenizer((d / "sp").string());
+  EXPECT_EQ(t.type, "Llama2Tokenizer");
+  EXPECT_EQ(fs::path(t.path).filename(), "tokenizer.model");
+  EXPECT_EQ(file_text(t.path), file_text(data_dir() / "tiny_sentencepiece.model"));
+  std::ofstream(d / "hf" / "tokenizer_config.json", std::ios::trunc) << R"({"add_bos_token": false})";
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "sp2"), 0);
+  EXPECT_EQ(checkpoint_tokenizer((d / "sp2").string()).type, "SentencePieceTokenizer");
+  ASSERT_EQ(convert("moecore", "hf", d / "sp2", d / "hf3"), 0);
+  EXPECT_EQ(file_text(d / "hf3" / "tokenizer.model"), file_text(data_dir() / "tiny_sentencepiece.model"));
+  // a tokenizer.json moecore does not read (Mixtral's: Metaspace, not byte-level) beside a
+  // tokenizer.model: the .model is recorded, and both files are kept
+  std::ofstream(d / "hf" / "tokenizer.json")
+      << R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "pre_tokenizer": {"type": "Metaspace"}})";
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "both"), 0);
+  t = checkpoint_tokenizer((d / "both").string());
+  EXPECT_EQ(t.type, "SentencePieceTokenizer");
+  EXPECT_EQ(fs::path(t.path).filename(), "tokenizer.model");
+  EXPECT_EQ(file_text(d / "both" / "tokenizer" / "tokenizer.json"), file_text(d / "hf" / "tokenizer.json"));
+  fs::remove(d / "hf" / "tokenizer.json");
+  // no tokenizer in the folder: none recorded
+  fs::remove(d / "hf" / "tokenizer.model");
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "none"), 0);
+  t = checkpoint_tokenizer((d / "none").string());
+  EXPECT_EQ(t.type, "");
+  EXPECT_EQ(t.path, "");
   fs::remove_all(d);
 }

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moecore/core/error.h"
+#include "moecore/data/tokenizer.h"
 #include "moecore/interop/safetensors.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/checkpoint.h"
@@ -144,6 +145,46 @@ std::vector<bool> moe_layers(const json& cfg, Arch arch, int64_t layers) {
   return out;
 }
 
+// The HF folder's tokenizer, as Megatron's --tokenizer-type names it: tokenizer.json ->
+// HuggingFaceTokenizer when moecore reads it (byte-level BPE); otherwise tokenizer.model ->
+// Llama2Tokenizer when tokenizer_config.json adds a BOS token (add_bos_token true, or a Llama
+// tokenizer class without add_bos_token: Mixtral, Llama 2), else SentencePieceTokenizer. None: {}.
+struct HfTokenizer {
+  std::string type, file;
+};
+HfTokenizer hf_tokenizer(const fs::path& dir, const std::string& origin) {
+  const fs::path json_file = dir / "tokenizer.json", sp_file = dir / "tokenizer.model";
+  std::string json_problem;
+  if (fs::exists(json_file)) {
+    try {
+      make_tokenizer("HuggingFaceTokenizer", json_file.string());
+      return {"HuggingFaceTokenizer", json_file.string()};
+    } catch (const Error& e) {
+      json_problem = e.what();
+    }
+  }
+  if (fs::exists(sp_file)) {
+    bool bos = false;
+    const fs::path config_file = dir / "tokenizer_config.json";
+    if (fs::exists(config_file)) {
+      const json c = read_json_file(config_file);
+      const std::string cls = c.value("tokenizer_class", "");
+      bos = c.contains("add_bos_token") && c["add_bos_token"].is_boolean() ? c["add_bos_token"].get<bool>()
+                                                                           : cls.rfind("Llama", 0) == 0;
+    }
+    if (!json_problem.empty())
+      std::printf("note: %s: tokenizer.json is not byte-level BPE moecore reads (%s); using tokenizer.model\n",
+                  origin.c_str(), json_problem.c_str());
+    return {bos ? "Llama2Tokenizer" : "SentencePieceTokenizer", sp_file.string()};
+  }
+  if (!json_problem.empty()) {
+    std::printf("note: %s: tokenizer.json is recorded, but moecore cannot read it: %s\n", origin.c_str(),
+                json_problem.c_str());
+    return {"HuggingFaceTokenizer", json_file.string()};
+  }
+  return {};
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const std::string& text,
@@ -242,7 +283,14 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
   const std::string origin = "HF checkpoint '" + hf_dir + "'";
   const json cfg = read_json_file(fs::path(hf_dir) / "config.json");
   const Arch arch = arch_of(cfg, origin);
-  const auto flags = codec.all_values(hf_config_to_train_flags(cfg.dump(), origin), origin);
+  auto set = hf_config_to_train_flags(cfg.dump(), origin);
+  // The tokenizer goes with the checkpoint: <ckpt_dir>/tokenizer/, recorded relative to ckpt_dir.
+  const HfTokenizer tok = hf_tokenizer(hf_dir, origin);
+  if (!tok.file.empty()) {
+    set.push_back({"tokenizer-type", tok.type});
+    set.push_back({"tokenizer-model", "tokenizer/" + tokenizer_file_name(tok.file)});
+  }
+  const auto flags = codec.all_values(set, origin);
   const TrainArgs args = codec.rebuild(flags, "cpu", origin);
   const std::vector<Mapped> mapping = build_mapping(args.model, arch);
   const SafetensorsReader reader(hf_dir);
@@ -275,6 +323,10 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
     out.push_back({m.ours, t});
   }
   const json source = {{"architecture", arch_name(arch)}, {"config", cfg}, {"dtypes", dtypes}, {"tensor_order", order}};
+  if (!tok.file.empty()) {
+    const std::string name = copy_tokenizer_files(tok.file, (fs::path(ckpt_dir) / "tokenizer").string());
+    std::printf("tokenizer: %s, copied to %s\n", tok.type.c_str(), (fs::path(ckpt_dir) / "tokenizer" / name).c_str());
+  }
   // The resolved values (as `moecore train` records them), so that a resuming run compares equal.
   save_model_checkpoint(ckpt_dir, out, args.flag_values, source.dump());
 }
@@ -416,6 +468,13 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
   f << cfg.dump(2) << "\n";
   f.close();
   MC_CHECK(!f.fail(), "writing '", (fs::path(hf_dir) / "config.json").string(), "' failed");
+  // The tokenizer the checkpoint records goes back beside config.json.
+  const CheckpointTokenizer tok = checkpoint_tokenizer(ckpt_dir);
+  if (!tok.path.empty() && fs::exists(tok.path))
+    copy_tokenizer_files(tok.path, hf_dir);
+  else if (!tok.path.empty())
+    std::printf("note: %s: its tokenizer '%s' (tokenizer-model) is missing; %s has no tokenizer files\n",
+                origin.c_str(), tok.path.c_str(), hf_dir.c_str());
 }
 
 int convert(const ConvertOptions& o, const TrainFlagCodec& codec) {

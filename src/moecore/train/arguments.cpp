@@ -7,6 +7,21 @@
 
 namespace moecore {
 
+const std::vector<std::string>& checkpoint_model_flags() {
+  static const std::vector<std::string> names = {
+      "num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads", "group-query-attention",
+      "num-query-groups", "kv-channels", "seq-length", "max-position-embeddings", "vocab-size", "normalization",
+      "norm-epsilon", "position-embedding-type", "no-position-embedding", "rotary-base", "swiglu",
+      "disable-bias-linear", "add-qkv-bias", "untie-embeddings-and-output-weights", "qk-layernorm", "num-experts",
+      "moe-layer-freq", "moe-ffn-hidden-size", "moe-router-topk", "moe-router-score-function",
+      "moe-router-pre-softmax", "moe-router-num-groups", "moe-router-group-topk", "moe-router-topk-scaling-factor",
+      "moe-router-load-balancing-type", "moe-aux-loss-coeff", "moe-z-loss-coeff", "moe-router-enable-expert-bias",
+      "moe-router-bias-update-rate", "moe-expert-capacity-factor", "moe-token-drop-policy",
+      "moe-pad-expert-input-to-capacity", "moe-input-jitter-eps", "moe-shared-expert-intermediate-size",
+      "moe-shared-expert-gate", "tokenizer-type", "tokenizer-model", "make-vocab-size-divisible-by"};
+  return names;
+}
+
 void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& saved, const TrainArgs& now,
                         bool check_schedule) {
   static const std::vector<std::string> model = {
@@ -22,7 +37,8 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
   static const std::vector<std::string> per_run = {"config", "load", "save", "save-interval", "metrics-file",
                                                    "tensorboard-dir", "train-iters", "log-interval", "eval-interval",
                                                    "eval-iters", "device", "override-opt-param-scheduler",
-                                                   "timing-log-level"};
+                                                   "timing-log-level", "finetune", "no-load-optim", "no-load-rng",
+                                                   "tokenizer-model"};
   auto in = [](const std::vector<std::string>& list, const std::string& n) {
     return std::find(list.begin(), list.end(), n) != list.end();
   };
@@ -41,6 +57,9 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
     const auto it = std::find_if(saved.begin(), saved.end(), [&](const auto& kv) { return kv.first == name; });
     if (it == saved.end() || it->second == value || in(per_run, name)) continue;
     if (name == "no-position-embedding" || name == "position-embedding-type") continue;  // compared above
+    // A checkpoint without a tokenizer (moecore convert of a folder without one) takes this run's;
+    // the tokenizer file itself is compared by content when the flags are read (apps/train_command).
+    if (name == "tokenizer-type" && it->second.empty()) continue;
     MC_CHECK(!in(model, name), "--load: the checkpoint was trained with --", name, " ", it->second, "; this run has ",
              value, " (the model must be the same to resume)");
     if (!check_schedule && !in(model, name)) continue;

@@ -46,6 +46,13 @@ struct TrainArgs {
   int64_t save_interval = 0;
   std::string device_text;  // "" = cuda when present, else cpu
   bool override_opt_param_scheduler = false;  // resume with other learning-rate settings
+  // Megatron's --finetune: --load's weights only (iteration, consumed samples, AdamW moments and
+  // the learning-rate schedule start afresh; run settings may all differ). --no-load-optim: the
+  // iteration is loaded, the AdamW moments and the schedule start afresh. --no-load-rng: accepted
+  // (checkpoints hold no RNG state: every random stream derives from --seed and the position).
+  bool finetune = false, no_load_optim = false, no_load_rng = false;
+  // `moecore eval` (not a flag): --load's weights only, no run-setting checks, no training data.
+  bool eval_only = false;
   // Parallelism (Megatron's flags, Parallel Folding). The launched ranks (mpirun/srun/torchrun)
   // form world = TP x CP x DP x PP for attention and the dense layers and, independently,
   // world = ETP x EP x EDP x PP for the experts (parallel/rank_generator.h, order tp-cp-ep-dp-pp).
@@ -127,6 +134,12 @@ struct TrainFlagCodec {
   // The arguments a checkpoint was trained with (its saved flag values), on `device`.
   std::function<TrainArgs(const Values& saved, const std::string& device, const std::string& origin)> rebuild;
 };
+
+// The flags a checkpoint supplies to `moecore train --load` when neither the command line nor the
+// --config file gives them: the model's shapes and numerics (layers, sizes, heads, vocabulary,
+// norm, RoPE, sequence length), the MoE shape and router options, and the tokenizer
+// (tokenizer-type, tokenizer-model: see checkpoint_tokenizer in checkpoint.h).
+const std::vector<std::string>& checkpoint_model_flags();
 
 // Before resuming: flags that define the model or the routing must equal the checkpoint's
 // (an Error names the first that differs); learning-rate schedule flags too unless

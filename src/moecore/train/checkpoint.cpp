@@ -155,6 +155,7 @@ void CheckpointWriter::finish() {
                                  {"consumed_samples", state_.consumed_samples},
                                  {"skipped_iterations", state_.skipped_iterations},
                                  {"nan_iterations", state_.nan_iterations},
+                                 {"optimizer_offset", state_.optimizer_offset},
                                  {"args", state_.args}};
     write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
     sync_path(tmp_dir);
@@ -257,6 +258,7 @@ TrainingState parse_meta(const fs::path& ckpt) {
     s.consumed_samples = meta.at("consumed_samples").get<int64_t>();
     s.skipped_iterations = meta.value("skipped_iterations", int64_t{0});
     s.nan_iterations = meta.value("nan_iterations", int64_t{0});
+    s.optimizer_offset = meta.value("optimizer_offset", int64_t{0});
     if (meta.contains("args")) s.args = meta.at("args").get<std::vector<std::pair<std::string, std::string>>>();
   } catch (const nlohmann::json::exception& e) {
     MC_FAIL("'", (ckpt / "meta.json").string(), "': ", e.what());
@@ -296,7 +298,7 @@ TrainingState load_checkpoint(const std::string& dir,
     for (auto it = by_name.begin(); it != by_name.end();) it = elsewhere(it->first) ? by_name.erase(it) : std::next(it);
   MC_CHECK(by_name.empty(), "checkpoint '", ckpt.string(), "' has tensor '", by_name.begin()->first,
            "' that this model does not: it was saved from a different model configuration");
-  if (s.model_only) s.iteration = s.consumed_samples = s.skipped_iterations = s.nan_iterations = 0;
+  if (s.model_only) s.iteration = s.consumed_samples = s.skipped_iterations = s.nan_iterations = s.optimizer_offset = 0;
   return s;
 }
 
@@ -363,6 +365,55 @@ std::string read_checkpoint_source(const std::string& dir) {
     MC_FAIL("'", (ckpt / "meta.json").string(), "' is not valid JSON: ", e.what());
   }
   return meta.contains("source") ? meta["source"].dump() : "{}";
+}
+
+CheckpointTokenizer checkpoint_tokenizer(const std::string& dir) {
+  const fs::path ckpt = locate_checkpoint(dir);
+  const TrainingState meta = parse_meta(ckpt);
+  CheckpointTokenizer out;
+  std::string recorded;
+  for (const auto& [name, value] : meta.args) {
+    if (name == "tokenizer-type") out.type = value;
+    if (name == "tokenizer-model") recorded = value;
+  }
+  if (recorded.empty()) return out;
+  const fs::path p = recorded;
+  if (p.is_absolute()) {
+    out.path = p.lexically_normal().string();
+    return out;
+  }
+  // The save directory: the parent of the iter_* directory that holds meta.json.
+  const fs::path in_save_dir = fs::absolute(ckpt.parent_path() / p).lexically_normal();
+  const fs::path in_working_dir = fs::absolute(p).lexically_normal();
+  out.path = (fs::exists(in_save_dir) || !fs::exists(in_working_dir) ? in_save_dir : in_working_dir).string();
+  return out;
+}
+
+std::string tokenizer_file_name(const std::string& model_file) {
+  return fs::path(model_file).extension() == ".model" ? "tokenizer.model" : "tokenizer.json";
+}
+
+std::string copy_tokenizer_files(const std::string& model_file, const std::string& dest_dir) {
+  fs::path src = model_file;
+  if (fs::is_directory(src)) src /= "tokenizer.json";
+  MC_CHECK(fs::is_regular_file(src), "tokenizer file '", src.string(), "' does not exist");
+  const std::string name = tokenizer_file_name(src.string());
+  try {
+    fs::create_directories(dest_dir);
+    auto copy = [&](const fs::path& from, const std::string& to_name) {
+      const fs::path to = fs::path(dest_dir) / to_name;
+      if (fs::exists(to) && fs::equivalent(from, to)) return;
+      fs::copy_file(from, to, fs::copy_options::overwrite_existing);
+    };
+    for (const char* sibling : {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"}) {
+      const fs::path s = src.parent_path() / sibling;
+      if (sibling != name && fs::is_regular_file(s)) copy(s, sibling);
+    }
+    copy(src, name);
+  } catch (const fs::filesystem_error& e) {
+    MC_FAIL("copying the tokenizer '", src.string(), "' to '", dest_dir, "' failed: ", e.what());
+  }
+  return name;
 }
 
 std::string checkpoint_tensor_file(const std::string& dir) {

@@ -5,6 +5,7 @@
 //                                                 "<name>.exp_avg_sq"; buffers (expert bias) too
 //   <save>/iter_0000100/meta.json                 iteration, consumed samples, counters, format
 //   <save>/latest_checkpointed_iteration.txt      "100"
+//   <save>/tokenizer/                             the run's tokenizer files (checkpoint_tokenizer)
 // Writes go to a temporary directory that is renamed into place, and the "latest" file is
 // replaced by rename, so a crash never leaves a damaged last checkpoint. The file is written one
 // tensor at a time (CheckpointWriter): a distributed run streams each gathered tensor into it,
@@ -30,6 +31,9 @@ struct TrainingState {
   int64_t nan_iterations = 0;
   std::vector<std::pair<std::string, std::string>> args;  // the train flags (meta.json "args")
   bool model_only = false;  // a "moecore-model-v1" checkpoint: weights without optimizer state
+  // Iterations (less skipped ones) before this run's AdamW moments and learning-rate schedule
+  // began: --no-load-optim starts both afresh at a loaded iteration (meta.json "optimizer_offset").
+  int64_t optimizer_offset = 0;
 };
 
 // True when dir is a checkpoint (iter_* with meta.json) or a save directory that names one.
@@ -93,6 +97,28 @@ void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor
 std::string read_checkpoint_source(const std::string& dir);
 // The safetensors file of the latest checkpoint under dir.
 std::string checkpoint_tensor_file(const std::string& dir);
+
+// The tokenizer a checkpoint records (meta.json "args": tokenizer-type, tokenizer-model) of the
+// latest checkpoint under dir (or of dir itself, an iter_* directory). `moecore convert --from hf`
+// and `moecore train --save` keep the tokenizer's files in <save dir>/tokenizer/ and record
+// tokenizer-model relative to the save directory ("tokenizer/tokenizer.json"); a relative path is
+// resolved against the save directory (dir, or the parent of an iter_* dir), else, for
+// checkpoints that recorded a path relative to where training ran, against the working
+// directory when the file is there. An absolute path stays as it is.
+struct CheckpointTokenizer {
+  std::string type;  // --tokenizer-type; "" when the checkpoint records none
+  std::string path;  // absolute path of the tokenizer file; "" when none (ByteTokenizer, or no tokenizer)
+};
+CheckpointTokenizer checkpoint_tokenizer(const std::string& dir);
+
+// Copies a tokenizer into dest_dir (created): `model_file` (a tokenizer.json, a SentencePiece
+// .model, or a directory holding tokenizer.json) under its HuggingFace name (tokenizer.json, or
+// tokenizer.model for a .model file), with the HF files found beside it (tokenizer.json,
+// tokenizer.model, tokenizer_config.json, special_tokens_map.json). Returns the file name written
+// for model_file. Copying a directory onto itself changes nothing.
+std::string copy_tokenizer_files(const std::string& model_file, const std::string& dest_dir);
+// The name copy_tokenizer_files gives model_file ("tokenizer.json" or "tokenizer.model").
+std::string tokenizer_file_name(const std::string& model_file);
 
 // safetensors I/O of the checkpoint tensors (a thin layer over interop/safetensors).
 struct NamedTensor {

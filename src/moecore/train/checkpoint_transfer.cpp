@@ -111,20 +111,39 @@ TrainingState load_training_checkpoint(const TrainArgs& args, const std::vector<
                                        Optimizer& optimizer) {
   TrainingState state;
   if (!args.load.empty() && !checkpoint_exists(args.load)) {
+    MC_CHECK(!args.finetune, "--finetune: no checkpoint in --load ", args.load,
+             " (expected a save directory or an iter_* directory with meta.json)");
     // Megatron's behaviour for the first run of a job that passes --load and --save alike.
     std::printf("note: no checkpoint in --load %s; training from scratch\n", args.load.c_str());
   } else if (!args.load.empty()) {
     const TrainingState meta = read_checkpoint_meta(args.load);
-    // A model-only checkpoint (moecore convert) starts training afresh: only the model must match.
-    check_resume_flags(meta.args, args, /*check_schedule=*/!meta.model_only);
+    MC_CHECK(!meta.model_only || args.finetune || args.eval_only, "--load ", args.load, ": a model-only checkpoint (weights without ",
+             "optimizer state or iteration, as moecore convert writes) cannot be resumed; pass --finetune to train ",
+             "from its weights");
+    // --finetune: only the model must match; --no-load-optim: the schedule starts afresh too.
+    // moecore eval: the weights and the model's flags only.
+    check_resume_flags(meta.args, args, /*check_schedule=*/!args.finetune && !args.no_load_optim && !args.eval_only);
+    const bool fresh_optimizer = meta.model_only || args.finetune || args.no_load_optim || args.eval_only;
+    auto optimizer_tensor = [](const std::string& name) {
+      return name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq");
+    };
     // Checkpoints hold the whole model: a pipeline stage leaves the other stages' tensors.
     const int64_t stages = args.pp;
-    auto elsewhere = [&](const std::string& name) { return stages > 1 && !chunks_own_tensor(chunk_stages, args.model, name); };
-    state = load_checkpoint(args.load, [&](const TensorFetch& fetch, bool model_only) { optimizer.load(fetch, model_only); },
-                            elsewhere);
+    auto elsewhere = [&](const std::string& name) {
+      return (stages > 1 && !chunks_own_tensor(chunk_stages, args.model, name)) ||
+             (fresh_optimizer && optimizer_tensor(name));
+    };
+    state = load_checkpoint(
+        args.load, [&](const TensorFetch& fetch, bool) { optimizer.load(fetch, fresh_optimizer); }, elsewhere);
+    const int64_t loaded_iteration = state.iteration;
+    if (args.finetune) state = TrainingState{};
+    if (args.no_load_optim && !args.finetune) state.optimizer_offset = state.iteration - state.skipped_iterations;
     if (args.rank == args.world - 1)
-      std::printf("loaded checkpoint from %s at iteration %lld\n", args.load.c_str(),
-                  static_cast<long long>(state.iteration));
+      std::printf("loaded checkpoint from %s at iteration %lld%s\n", args.load.c_str(),
+                  static_cast<long long>(loaded_iteration),
+                  args.finetune ? " (--finetune: its weights only; iteration 0, fresh AdamW moments and schedule)"
+                  : args.no_load_optim ? " (--no-load-optim: fresh AdamW moments and learning-rate schedule)"
+                                       : "");
   }
   return state;
 }

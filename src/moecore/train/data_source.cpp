@@ -1,8 +1,10 @@
 #include "moecore/train/data_source.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "moecore/data/gpt_dataset.h"
+#include "moecore/data/indexed_dataset.h"
 
 namespace moecore {
 
@@ -40,6 +42,26 @@ class SamplesSource : public DataSource {
   const char* split_;
 };
 
+// --finetune and moecore eval take a checkpoint's model to new data: every token of the data must
+// be in the model's vocabulary (data preprocessed with another tokenizer is refused by name before
+// any work; a resume reads the data its run has been reading, and is not scanned again).
+void check_data_in_vocabulary(const TrainArgs& a) {
+  std::vector<int32_t> buf;
+  for (const auto& [weight, prefix] : a.data_blend) {
+    const IndexedDataset d(prefix);
+    int32_t max_id = -1;
+    for (int64_t i = 0; i < d.num_sequences(); ++i) {
+      buf.resize(static_cast<size_t>(d.sequence_length(i)));
+      d.read(i, 0, d.sequence_length(i), buf.data());
+      for (int32_t t : buf) max_id = std::max(max_id, t);
+    }
+    MC_CHECK(max_id < a.model.vocab_size, "--data-path ", prefix, ": token id ", max_id, " is outside the vocabulary of ",
+             a.model.vocab_size, " of the model in --load ", a.load, " (--vocab-size); the data was preprocessed with "
+             "another tokenizer: preprocess it with the checkpoint's (--tokenizer-type ", a.tokenizer_type,
+             a.tokenizer_model.empty() ? "" : " --tokenizer-model " + a.tokenizer_model, ")");
+  }
+}
+
 }  // namespace
 
 DataSources make_data_sources(const TrainArgs& a) {
@@ -49,6 +71,7 @@ DataSources make_data_sources(const TrainArgs& a) {
     out.valid = std::make_unique<MockSource>(a, "valid");
     return out;
   }
+  if (!a.load.empty() && (a.finetune || a.eval_only)) check_data_in_vocabulary(a);
   GPTDataConfig c;
   c.blend = a.data_blend;
   c.split = a.split;
@@ -57,13 +80,34 @@ DataSources make_data_sources(const TrainArgs& a) {
   c.cache_dir = a.data_cache_path;
   // Megatron's sample counts: every training step, and eval_iters batches per evaluation
   // (validation here reads the same first eval_iters batches at every evaluation).
-  c.num_samples[0] = a.train_iters * a.global_batch_size;
+  c.num_samples[0] = a.eval_only ? 0 : a.train_iters * a.global_batch_size;
   c.num_samples[1] = a.eval_interval > 0 ? a.eval_iters * a.micro_batch_size : 0;
   c.num_samples[2] = 0;
   auto sets = build_gpt_datasets(c);
-  MC_CHECK(sets[0] != nullptr, "--data-path: the training split of --split ", a.split, " is empty");
-  out.train = std::make_unique<SamplesSource>(std::move(sets[0]), a.model.seq_length, "training");
+  MC_CHECK(sets[0] != nullptr || a.eval_only, "--data-path: the training split of --split ", a.split, " is empty");
+  if (sets[0]) out.train = std::make_unique<SamplesSource>(std::move(sets[0]), a.model.seq_length, "training");
   if (sets[1]) out.valid = std::make_unique<SamplesSource>(std::move(sets[1]), a.model.seq_length, "validation");
+  return out;
+}
+
+SplitSamples make_whole_split_source(const TrainArgs& a, Split split) {
+  MC_CHECK(!a.mock_data, "--whole-dataset needs --data-path (mock data has no end)");
+  MC_CHECK(a.data_blend.size() == 1, "--whole-dataset reads one dataset; --data-path names ", a.data_blend.size(),
+           " (a blend): give --eval-iters instead");
+  GPTDataConfig c;
+  c.blend = a.data_blend;
+  c.split = a.split;
+  c.seq_length = a.model.seq_length;
+  c.seed = static_cast<uint64_t>(a.seed);
+  c.cache_dir = a.data_cache_path;
+  c.num_samples[static_cast<int>(split)] = 1;  // one epoch: every sample of the split
+  auto sets = build_gpt_datasets(c);
+  auto& set = sets[static_cast<int>(split)];
+  MC_CHECK(set != nullptr, "--data-path ", a.data_blend[0].second, ": the ", kSplitNames[static_cast<int>(split)],
+           " split of --split ", a.split, " is empty");
+  SplitSamples out;
+  out.samples = set->size();
+  out.source = std::make_unique<SamplesSource>(std::move(set), a.model.seq_length, "validation");
   return out;
 }
 

@@ -24,6 +24,15 @@ enum class Split { Train = 0, Valid = 1, Test = 2 };
 struct DataSources {
   std::unique_ptr<DataSource> train, valid;
 };
+// With args.eval_only (moecore eval) there is no training source.
 DataSources make_data_sources(const TrainArgs& args);
+
+// One whole split of --data-path (one dataset; a blend is refused): every sample of one epoch
+// of the split (in the order a training run's validation reads it when that fits in one epoch).
+struct SplitSamples {
+  std::unique_ptr<DataSource> source;
+  int64_t samples = 0;
+};
+SplitSamples make_whole_split_source(const TrainArgs& args, Split split);
 
 }  // namespace moecore

@@ -132,7 +132,7 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
   const double avg_loss = interval_loss_steps_ > 0 ? interval_loss_ / steps_in : nan;
   const double avg_aux = interval_loss_steps_ > 0 ? interval_aux_ / steps_in : nan;
   const double avg_z = interval_loss_steps_ > 0 ? interval_z_ / steps_in : nan;
-  const double logged_lr = learning_rate(args, it - state.skipped_iterations);  // the next step's, as Megatron logs
+  const double logged_lr = learning_rate(args, it - state.skipped_iterations - state.optimizer_offset);  // the next step's, as Megatron logs
   const double tflops = run.flops_per_step / (avg_ms * 1e-3) / 1e12 / static_cast<double>(args.world);  // per GPU
   const double tokens_per_s = static_cast<double>(run.tokens_per_step) / (avg_ms * 1e-3);
   const AllocatorStats mem = memory_stats(dev);

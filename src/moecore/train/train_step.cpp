@@ -119,7 +119,7 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   state.consumed_samples += args.global_batch_size;
   state.iteration = it;
   // Megatron's scheduler: the step after n successful steps uses lr(n); skipped steps do not count.
-  const double lr = learning_rate(args, it - 1 - state.skipped_iterations);
+  const double lr = learning_rate(args, it - 1 - state.skipped_iterations - state.optimizer_offset);
   double grad_norm = std::sqrt(grad_sq);
   phase.emplace("optimizer", 1, dev);
   if (!std::isfinite(lm_loss) || !std::isfinite(grad_sq)) {
@@ -132,7 +132,7 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   } else {
     const double clip = args.clip_grad > 0 && grad_norm > args.clip_grad ? args.clip_grad / (grad_norm + 1e-6) : 1.0;
     const AdamHyper hyper{args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay};
-    optimizer.step(hyper, lr, static_cast<float>(clip), it - state.skipped_iterations);
+    optimizer.step(hyper, lr, static_cast<float>(clip), it - state.skipped_iterations - state.optimizer_offset);
   }
   phase.reset();
   r.lm_loss = lm_loss;

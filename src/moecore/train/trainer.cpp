@@ -44,6 +44,14 @@ int run_training(const TrainArgs& args) {
   TrainMetrics metrics(args, run.logger);
   print_run_summary(run);
   run.state.args = args.flag_values;
+  // The tokenizer travels with the checkpoints: its files in <save>/tokenizer/, recorded relative
+  // to the save directory (checkpoint_tokenizer resolves it).
+  if (!args.save.empty() && !args.tokenizer_model.empty()) {
+    const std::string name = run.writer ? copy_tokenizer_files(args.tokenizer_model, args.save + "/tokenizer")
+                                        : tokenizer_file_name(args.tokenizer_model);
+    for (auto& [flag, value] : run.state.args)
+      if (flag == "tokenizer-model") value = "tokenizer/" + name;
+  }
   auto save = [&] { save_training_checkpoint(args, run.chunk_stages, run.state, *run.optimizer, *run.groups); };
 
   set_timing_level(static_cast<int>(args.timing_log_level));
