@@ -3,7 +3,8 @@
 //   <save>/iter_0000100/model_optim.safetensors   every parameter's fp32 master ("<name>"), and
 //                                                 for trainable ones "<name>.exp_avg" and
 //                                                 "<name>.exp_avg_sq"; buffers (expert bias) too
-//   <save>/iter_0000100/meta.json                 iteration, consumed samples, counters, format
+//   <save>/iter_0000100/meta.json                 iteration, consumed samples, counters, format,
+//                                                 the train flags, each tensor's CRC32C
 //   <save>/latest_checkpointed_iteration.txt      "100"
 // Writes go to a temporary directory that is renamed into place, and the "latest" file is
 // replaced by rename, so a crash never leaves a damaged last checkpoint. The file is written one
@@ -32,8 +33,15 @@ struct TrainingState {
   bool model_only = false;  // a "moecore-model-v1" checkpoint: weights without optimizer state
 };
 
-// True when dir is a checkpoint (iter_* with meta.json) or a save directory that names one.
+// True when dir is a checkpoint (iter_* with meta.json) or a save directory that names one or
+// holds a complete iter_* checkpoint.
 bool checkpoint_exists(const std::string& dir);
+// The newest complete checkpoint (iter_* with meta.json and its tensors) under a save directory,
+// found by listing it (without latest_checkpointed_iteration.txt); "" when there is none.
+std::string find_newest_complete_checkpoint(const std::string& dir);
+// Removes iter_N.tmp-PID directories and latest_checkpointed_iteration.txt.tmp-PID files whose
+// writer (PID, on this machine) no longer runs, with a note line each; called before each save.
+void remove_dead_writers_temp_files(const std::string& dir);
 // Reads only meta.json of the latest checkpoint under dir (or of dir itself).
 TrainingState read_checkpoint_meta(const std::string& dir);
 
@@ -93,6 +101,10 @@ void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor
 std::string read_checkpoint_source(const std::string& dir);
 // The safetensors file of the latest checkpoint under dir.
 std::string checkpoint_tensor_file(const std::string& dir);
+
+// Checks each tensor against meta.json "crc32c" of checkpoint directory ckpt (an Error naming the
+// tensor on a mismatch); a checkpoint written before checksums gets a note line and no check.
+void verify_checksums(const std::string& ckpt, const std::vector<NamedTensor>& tensors);
 
 // safetensors I/O of the checkpoint tensors (a thin layer over interop/safetensors).
 struct NamedTensor {
