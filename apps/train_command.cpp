@@ -15,6 +15,7 @@
 #include "moecore/comm/bootstrap.h"
 #include "moecore/core/system_info.h"
 #include "moecore/data/tokenizer.h"
+#include "moecore/train/memory_estimate.h"
 #include "moecore/train/pipeline.h"
 #include "moecore/train/trainer.h"
 
@@ -248,9 +249,84 @@ void register_data_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("make-vocab-size-divisible-by", &a.make_vocab_size_divisible_by, "pad the tokenizer's vocabulary to a multiple of this");
 }
 
+// Upper bounds of the sizes, far above any model this code is meant for: an absurd value (a typo,
+// a wrong unit) fails here naming its flag instead of allocating until memory runs out.
+void check_size_bounds(const TrainArgs& a) {
+  const ModelConfig& m = a.model;
+  struct Bound {
+    const char* flag;
+    int64_t value, max;
+    const char* what;
+  };
+  const Bound bounds[] = {
+      {"--num-layers", m.num_layers, 4096, "layers"},
+      {"--hidden-size", m.hidden_size, int64_t{1} << 18, "model width"},
+      {"--ffn-hidden-size", m.ffn_hidden_size, int64_t{1} << 21, "MLP width"},
+      {"--num-attention-heads", m.num_attention_heads, 4096, "attention heads"},
+      {"--num-query-groups", m.num_query_groups, 4096, "key/value heads"},
+      {"--kv-channels", m.kv_channels, int64_t{1} << 14, "head dim"},
+      {"--seq-length", m.seq_length, int64_t{1} << 22, "tokens per sample"},
+      {"--max-position-embeddings", m.max_position_embeddings, int64_t{1} << 22, "positions"},
+      {"--vocab-size", m.vocab_size, int64_t{1} << 24, "vocabulary entries"},
+      {"--num-experts", m.moe.num_experts, int64_t{1} << 14, "experts per layer"},
+      {"--moe-ffn-hidden-size", m.moe.ffn_hidden_size, int64_t{1} << 21, "expert FFN width"},
+      {"--moe-shared-expert-intermediate-size", m.moe.shared_expert_size, int64_t{1} << 21, "shared expert width"},
+      {"--moe-router-topk", m.moe.router.topk, int64_t{1} << 14, "experts per token"},
+      {"--micro-batch-size", a.micro_batch_size, int64_t{1} << 20, "samples per micro-batch"},
+      {"--global-batch-size", a.global_batch_size, int64_t{1} << 30, "samples per step"},
+  };
+  for (const Bound& b : bounds)
+    MC_CHECK(b.value <= b.max, b.flag, " ", b.value, " is out of range: expected at most ", b.max, " ", b.what,
+             " (far above any model this version trains; a typo or a wrong unit?)");
+  MC_CHECK(m.seq_length * a.micro_batch_size <= (int64_t{1} << 31), "--seq-length ", m.seq_length,
+           " x --micro-batch-size ", a.micro_batch_size, " is more than 2^31 tokens in one micro-batch");
+}
+
+// The weights, gradients and AdamW moments against the device's memory (a lower bound of what the
+// run needs: activations come on top): a model that cannot fit fails here naming its size flags.
+void check_state_memory(const TrainArgs& a) {
+  const ModelConfig& m = a.model;
+  StateLayout layout;
+  layout.tp = a.tp;
+  layout.pp = a.pp;
+  layout.ep = a.ep;
+  layout.etp = a.etp;
+  layout.dp = a.data_parallel_size();
+  layout.distributed_optimizer = a.use_distributed_optimizer;
+  layout.bf16 = a.bf16;
+  layout.exp_avg_bytes = a.exp_avg_dtype == "bf16" ? 2 : 4;
+  layout.exp_avg_sq_bytes = a.exp_avg_sq_dtype == "bf16" ? 2 : 4;
+  const double available = device_memory_bytes(a.device.is_cuda(), a.device.index, comm::read_launch_env().local_world);
+  if (available <= 0) return;
+  const StateMemory need = estimate_state_memory(m, layout);
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  MC_CHECK(need.bytes_per_rank <= available, "the model does not fit: ", need.params, " parameters (--num-layers ",
+           m.num_layers, ", --hidden-size ", m.hidden_size, ", --ffn-hidden-size ", m.ffn_hidden_size, ", --num-experts ",
+           m.moe.num_experts, ", --moe-ffn-hidden-size ", m.moe.ffn_hidden_size, ", --vocab-size ", m.vocab_size,
+           ") need at least ", need.bytes_per_rank / kGiB, " GiB per rank for weights, gradients and AdamW moments ",
+           "(over --tensor-model-parallel-size ", a.tp, " x --pipeline-model-parallel-size ", a.pp,
+           ", experts over --expert-model-parallel-size ", a.ep, "), but ", a.device.str(), " has ", available / kGiB,
+           " GiB for this rank; make the model smaller or spread it over more ranks");
+}
+
+// --num-experts 0 (a dense model) with flags that only mean something for MoE layers: refused by
+// name rather than training a dense model without a word. MoE flags of a config file stay
+// allowed when --num-experts 0 on the command line turns its model dense on purpose.
+void check_moe_flags_need_experts(const cli::FlagSet& flags, const TrainArgs& a) {
+  if (a.model.moe.num_experts > 0) return;
+  const bool dense_on_purpose = flags.given_on_command_line("num-experts");
+  for (const auto& [name, value] : a.flag_values) {
+    if (name.rfind("moe-", 0) != 0 || !flags.given(name)) continue;
+    if (dense_on_purpose && !flags.given_on_command_line(name)) continue;
+    MC_FAIL("--", name, " is an MoE flag, but --num-experts is ", a.model.moe.num_experts,
+            " (a dense model); give --num-experts N for MoE layers, or drop the MoE flags");
+  }
+}
+
 // The model flags onto the model config; the data source and the vocabulary; the model checks.
 void apply_model_flags(TrainArgs& a) {
   ModelConfig& m = a.model;
+  check_size_bounds(a);
   m.swiglu = a.swiglu_flag_;
   m.add_bias_linear = !a.disable_bias_flag_;
   // Megatron's --no-position-embedding removes the learned absolute table; RoPE is not one.
@@ -563,6 +639,7 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   *help_text = flags.help();
   if (*help_requested) return a;
   a.flag_values = flags.values();
+  check_moe_flags_need_experts(flags, a);
   finalize_train_args(a);
   return a;
 }
@@ -633,6 +710,7 @@ int run_train(const std::vector<std::string>& args) {
     std::cout << help_text;
     return 0;
   }
+  check_state_memory(parsed);  // a run, not a parse: presets of large models parse anywhere
   return run_training(parsed);
 }
 
