@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 
 #include "moecore/comm/bootstrap.h"
@@ -178,6 +179,9 @@ void register_parallel_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("overlap-param-gather", &a.overlap_param_gather,
              "with the distributed optimizer: all-gather the updated parameters layer by layer on the communication "
              "stream; the next forward waits for each layer's just before using it (needs --overlap-grad-reduce)");
+  f.add_double("distributed-timeout-minutes", &a.distributed_timeout_minutes,
+               "a collective that waits longer ends every rank with a message naming it and its group (MPI ranks; "
+               "fractions allowed)");
   f.add_choice("moe-token-dispatcher-type", &a.token_dispatcher, {"allgather", "alltoall", "flex"},
                "expert-parallel token dispatch: allgather (default) or alltoall");
 }
@@ -273,7 +277,7 @@ void check_size_bounds(const TrainArgs& a) {
       {"--moe-shared-expert-intermediate-size", m.moe.shared_expert_size, int64_t{1} << 21, "shared expert width"},
       {"--moe-router-topk", m.moe.router.topk, int64_t{1} << 14, "experts per token"},
       {"--micro-batch-size", a.micro_batch_size, int64_t{1} << 20, "samples per micro-batch"},
-      {"--global-batch-size", a.global_batch_size, int64_t{1} << 30, "samples per step"},
+      {"--global-batch-size", a.global_batch_size, int64_t{1} << 24, "samples per step"},
   };
   for (const Bound& b : bounds)
     MC_CHECK(b.value <= b.max, b.flag, " ", b.value, " is out of range: expected at most ", b.max, " ", b.what,
@@ -315,8 +319,11 @@ void check_state_memory(const TrainArgs& a) {
 void check_moe_flags_need_experts(const cli::FlagSet& flags, const TrainArgs& a) {
   if (a.model.moe.num_experts > 0) return;
   const bool dense_on_purpose = flags.given_on_command_line("num-experts");
+  // Megatron's fusion switches, accepted because moecore always runs so: they change nothing.
+  static const char* const kNoEffect[] = {"moe-grouped-gemm", "moe-router-fusion", "moe-permute-fusion"};
   for (const auto& [name, value] : a.flag_values) {
     if (name.rfind("moe-", 0) != 0 || !flags.given(name)) continue;
+    if (std::find(std::begin(kNoEffect), std::end(kNoEffect), name) != std::end(kNoEffect)) continue;
     if (dense_on_purpose && !flags.given_on_command_line(name)) continue;
     MC_FAIL("--", name, " is an MoE flag, but --num-experts is ", a.model.moe.num_experts,
             " (a dense model); give --num-experts N for MoE layers, or drop the MoE flags");
@@ -386,6 +393,11 @@ void check_schedule_flags(TrainArgs& a) {
   MC_CHECK(a.eval_interval >= 0 && a.eval_iters >= 1, "--eval-interval must be >= 0 and --eval-iters >= 1");
   MC_CHECK(a.save_interval >= 0, "--save-interval ", a.save_interval, " must be >= 0");
   MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");
+  MC_CHECK(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes ", a.distributed_timeout_minutes,
+           " must be > 0");
+  std::error_code ec;
+  MC_CHECK(a.load.empty() || !std::filesystem::exists(a.load, ec) || std::filesystem::is_directory(a.load, ec),
+           "--load '", a.load, "' is a file; expected a checkpoint directory (a --save directory or an iter_* in it)");
 }
 
 // The launched ranks and the parallel layout (Megatron's rules) against the model.
@@ -639,8 +651,11 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   *help_text = flags.help();
   if (*help_requested) return a;
   a.flag_values = flags.values();
+  finalize_train_args(a);  // first: flags refused by name (features not available) say so
   check_moe_flags_need_experts(flags, a);
-  finalize_train_args(a);
+  MC_CHECK(!flags.given("distributed-timeout-minutes") || !a.device.is_cuda() || a.world == 1,
+           "--distributed-timeout-minutes: in this version the watchdog watches MPI (CPU) ranks; NCCL collectives on "
+           "GPUs are not watched; drop the flag");
   return a;
 }
 

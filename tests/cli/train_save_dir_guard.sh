@@ -8,8 +8,8 @@
 #  - iter_N.tmp-PID directories and pointer temp files of dead writers go at the next save
 set -uo pipefail
 bin=$1; src=$2
-dir=$(mktemp -d); trap 'kill "$holder" 2>/dev/null; rm -rf "$dir"' EXIT
-holder=0
+holder=""
+dir=$(mktemp -d); trap 'if [ -n "$holder" ]; then kill -9 "$holder" 2>/dev/null; fi; rm -rf "$dir"' EXIT
 common=(train --config "$src/configs/tiny.yaml" --device cpu --log-interval 1 --eval-interval 0 --lr-warmup-iters 1)
 fail() { echo "FAIL: $*"; exit 1; }
 
@@ -28,7 +28,7 @@ kill -9 "$holder"; wait "$holder" 2>/dev/null
 "$bin" "${common[@]}" --train-iters 2 --save "$dir/save" >"$dir/takeover.log" 2>&1 || { cat "$dir/takeover.log"; fail "no takeover"; }
 grep -q "note: --save $dir/save: taking over the lock left by pid $holder on $(hostname) (that process is gone)" \
   "$dir/takeover.log" || { cat "$dir/takeover.log"; fail "no takeover note"; }
-holder=0
+holder=""
 
 # 2. unwritable paths fail before the first iteration, naming their flags
 touch "$dir/file"
