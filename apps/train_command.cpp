@@ -19,6 +19,7 @@
 #include "moecore/core/system_info.h"
 #include "moecore/data/tokenizer.h"
 #include "moecore/train/checkpoint.h"
+#include "moecore/train/memory_estimate.h"
 #include "moecore/train/pipeline.h"
 #include "moecore/train/trainer.h"
 
@@ -193,6 +194,9 @@ void register_parallel_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("overlap-param-gather", &a.overlap_param_gather,
              "with the distributed optimizer: all-gather the updated parameters layer by layer on the communication "
              "stream; the next forward waits for each layer's just before using it (needs --overlap-grad-reduce)");
+  f.add_double("distributed-timeout-minutes", &a.distributed_timeout_minutes,
+               "a collective that waits longer ends every rank with a message naming it and its group (MPI ranks; "
+               "fractions allowed)");
   f.add_choice("moe-token-dispatcher-type", &a.token_dispatcher, {"allgather", "alltoall", "flex"},
                "expert-parallel token dispatch: allgather (default) or alltoall");
 }
@@ -264,9 +268,87 @@ void register_data_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("make-vocab-size-divisible-by", &a.make_vocab_size_divisible_by, "pad the tokenizer's vocabulary to a multiple of this");
 }
 
+// Upper bounds of the sizes, far above any model this code is meant for: an absurd value (a typo,
+// a wrong unit) fails here naming its flag instead of allocating until memory runs out.
+void check_size_bounds(const TrainArgs& a) {
+  const ModelConfig& m = a.model;
+  struct Bound {
+    const char* flag;
+    int64_t value, max;
+    const char* what;
+  };
+  const Bound bounds[] = {
+      {"--num-layers", m.num_layers, 4096, "layers"},
+      {"--hidden-size", m.hidden_size, int64_t{1} << 18, "model width"},
+      {"--ffn-hidden-size", m.ffn_hidden_size, int64_t{1} << 21, "MLP width"},
+      {"--num-attention-heads", m.num_attention_heads, 4096, "attention heads"},
+      {"--num-query-groups", m.num_query_groups, 4096, "key/value heads"},
+      {"--kv-channels", m.kv_channels, int64_t{1} << 14, "head dim"},
+      {"--seq-length", m.seq_length, int64_t{1} << 22, "tokens per sample"},
+      {"--max-position-embeddings", m.max_position_embeddings, int64_t{1} << 22, "positions"},
+      {"--vocab-size", m.vocab_size, int64_t{1} << 24, "vocabulary entries"},
+      {"--num-experts", m.moe.num_experts, int64_t{1} << 14, "experts per layer"},
+      {"--moe-ffn-hidden-size", m.moe.ffn_hidden_size, int64_t{1} << 21, "expert FFN width"},
+      {"--moe-shared-expert-intermediate-size", m.moe.shared_expert_size, int64_t{1} << 21, "shared expert width"},
+      {"--moe-router-topk", m.moe.router.topk, int64_t{1} << 14, "experts per token"},
+      {"--micro-batch-size", a.micro_batch_size, int64_t{1} << 20, "samples per micro-batch"},
+      {"--global-batch-size", a.global_batch_size, int64_t{1} << 24, "samples per step"},
+  };
+  for (const Bound& b : bounds)
+    MC_CHECK(b.value <= b.max, b.flag, " ", b.value, " is out of range: expected at most ", b.max, " ", b.what,
+             " (far above any model this version trains; a typo or a wrong unit?)");
+  MC_CHECK(m.seq_length * a.micro_batch_size <= (int64_t{1} << 31), "--seq-length ", m.seq_length,
+           " x --micro-batch-size ", a.micro_batch_size, " is more than 2^31 tokens in one micro-batch");
+}
+
+// The weights, gradients and AdamW moments against the device's memory (a lower bound of what the
+// run needs: activations come on top): a model that cannot fit fails here naming its size flags.
+void check_state_memory(const TrainArgs& a) {
+  const ModelConfig& m = a.model;
+  StateLayout layout;
+  layout.tp = a.tp;
+  layout.pp = a.pp;
+  layout.ep = a.ep;
+  layout.etp = a.etp;
+  layout.dp = a.data_parallel_size();
+  layout.distributed_optimizer = a.use_distributed_optimizer;
+  layout.bf16 = a.bf16;
+  layout.exp_avg_bytes = a.exp_avg_dtype == "bf16" ? 2 : 4;
+  layout.exp_avg_sq_bytes = a.exp_avg_sq_dtype == "bf16" ? 2 : 4;
+  const double available = device_memory_bytes(a.device.is_cuda(), a.device.index, comm::read_launch_env().local_world);
+  if (available <= 0) return;
+  const StateMemory need = estimate_state_memory(m, layout);
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  MC_CHECK(need.bytes_per_rank <= available, "the model does not fit: ", need.params, " parameters (--num-layers ",
+           m.num_layers, ", --hidden-size ", m.hidden_size, ", --ffn-hidden-size ", m.ffn_hidden_size, ", --num-experts ",
+           m.moe.num_experts, ", --moe-ffn-hidden-size ", m.moe.ffn_hidden_size, ", --vocab-size ", m.vocab_size,
+           ") need at least ", need.bytes_per_rank / kGiB, " GiB per rank for weights, gradients and AdamW moments ",
+           "(over --tensor-model-parallel-size ", a.tp, " x --pipeline-model-parallel-size ", a.pp,
+           ", experts over --expert-model-parallel-size ", a.ep, "), but ", a.device.str(), " has ", available / kGiB,
+           " GiB for this rank; make the model smaller or spread it over more ranks");
+}
+
+// --num-experts 0 (a dense model) with flags that only mean something for MoE layers: refused by
+// name rather than training a dense model without a word. MoE flags of a config file stay
+// allowed when --num-experts 0 on the command line turns its model dense on purpose.
+void check_moe_flags_need_experts(const cli::FlagSet& flags, const TrainArgs& a) {
+  if (a.model.moe.num_experts > 0) return;
+  const bool dense_on_purpose = flags.given_on_command_line("num-experts");
+  // Megatron's fusion switches, accepted because moecore always runs so: they change nothing.
+  static const char* const kNoEffect[] = {"moe-grouped-gemm", "moe-router-fusion", "moe-permute-fusion"};
+  for (const auto& [name, value] : a.flag_values) {
+    if (name.rfind("moe-", 0) != 0 || !flags.given(name)) continue;
+    if (std::find(std::begin(kNoEffect), std::end(kNoEffect), name) != std::end(kNoEffect)) continue;
+    if (dense_on_purpose && !flags.given_on_command_line(name)) continue;
+    MC_FAIL("--", name, " is an MoE flag, but --num-experts is ", a.model.moe.num_experts,
+            " (a dense model); give --num-experts N for MoE layers, or drop the MoE flags");
+  }
+}
+
 // The model flags onto the model config; the data source and the vocabulary; the model checks.
 void apply_model_flags(TrainArgs& a) {
   ModelConfig& m = a.model;
+  check_size_bounds(a);
   m.swiglu = a.swiglu_flag_;
   m.add_bias_linear = !a.disable_bias_flag_;
   // Megatron's --no-position-embedding removes the learned absolute table; RoPE is not one.
@@ -331,6 +413,11 @@ void check_schedule_flags(TrainArgs& a) {
   MC_CHECK(a.save_interval == 0 || !a.save.empty(), "--save-interval needs --save");
   MC_CHECK(!a.finetune || !a.load.empty(), "--finetune needs --load (the checkpoint whose weights to start from)");
   MC_CHECK(!a.no_load_optim || !a.load.empty(), "--no-load-optim needs --load (the checkpoint to resume from)");
+  MC_CHECK(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes ", a.distributed_timeout_minutes,
+           " must be > 0");
+  std::error_code ec;
+  MC_CHECK(a.load.empty() || !std::filesystem::exists(a.load, ec) || std::filesystem::is_directory(a.load, ec),
+           "--load '", a.load, "' is a file; expected a checkpoint directory (a --save directory or an iter_* in it)");
 }
 
 // The launched ranks and the parallel layout (Megatron's rules) against the model.
@@ -632,7 +719,11 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   if (!a.load.empty() && checkpoint_exists(a.load)) take_model_flags_from_checkpoint(flags, a, use.also_from_checkpoint);
   a.flag_values = flags.values();
   if (use.before_finalize) use.before_finalize(a);
-  finalize_train_args(a);
+  finalize_train_args(a);  // first: flags refused by name (features not available) say so
+  check_moe_flags_need_experts(flags, a);
+  MC_CHECK(!flags.given("distributed-timeout-minutes") || !a.device.is_cuda() || a.world == 1,
+           "--distributed-timeout-minutes: in this version the watchdog watches MPI (CPU) ranks; NCCL collectives on "
+           "GPUs are not watched; drop the flag");
   return a;
 }
 
@@ -702,6 +793,7 @@ int run_train(const std::vector<std::string>& args) {
     std::cout << help_text;
     return 0;
   }
+  check_state_memory(parsed);  // a run, not a parse: presets of large models parse anywhere
   return run_training(parsed);
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <filesystem>
 #include <cstdlib>
 #include <sstream>
 
@@ -101,6 +102,10 @@ bool FlagSet::given(const std::string& name) const {
   return std::find(given_.begin(), given_.end(), name) != given_.end();
 }
 
+bool FlagSet::given_on_command_line(const std::string& name) const {
+  return std::find(command_line_.begin(), command_line_.end(), name) != command_line_.end();
+}
+
 void FlagSet::set(const std::string& raw_name, const std::string& value, const std::string& origin) {
   std::string name = raw_name;
   std::replace(name.begin(), name.end(), '_', '-');
@@ -120,7 +125,13 @@ void FlagSet::set(const std::string& raw_name, const std::string& value, const s
   given_.push_back(name);
 }
 
-void FlagSet::load_yaml(const std::string& path) {
+void FlagSet::load_yaml(const std::string& path) { load_yaml(path, 0); }
+
+void FlagSet::load_yaml(const std::string& path, int depth) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) fail("config file '" + path + "' is a directory; expected a YAML file");
+  if (!std::filesystem::exists(path, ec)) fail("cannot read config file '" + path + "': no such file");
+  if (depth > 8) fail("config file '" + path + "': more than 8 nested config: keys (a file that includes itself?)");
   YAML::Node root;
   try {
     root = YAML::LoadFile(path);
@@ -128,25 +139,48 @@ void FlagSet::load_yaml(const std::string& path) {
     fail("cannot read config file '" + path + "'");
   } catch (const YAML::Exception& e) {
     fail("config file '" + path + "' is not valid YAML: " + e.what());
+  } catch (const std::exception& e) {
+    fail("cannot read config file '" + path + "': " + e.what());
   }
   if (root.IsNull()) return;
   if (!root.IsMap()) fail("config file '" + path + "' must be a mapping of flag names to values");
+  std::vector<std::pair<std::string, int>> seen;  // normalised key, line
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
+    const int line = kv.first.Mark().line + 1;
+    const std::string where = "config file '" + path + "' line " + std::to_string(line);
+    std::string normalised = key;
+    std::replace(normalised.begin(), normalised.end(), '_', '-');
+    for (const auto& [earlier, earlier_line] : seen)
+      if (earlier == normalised)
+        fail(where + ": key '" + key + "' is given twice (first on line " + std::to_string(earlier_line) +
+             "); expected each flag once");
+    seen.emplace_back(normalised, line);
     const YAML::Node& v = kv.second;
     std::string text;
     if (v.IsSequence()) {
       text = "[";
-      for (size_t i = 0; i < v.size(); ++i) text += (i ? "," : "") + v[i].as<std::string>();
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (!v[i].IsScalar()) fail(where + ": the list of '" + key + "' must hold scalars");
+        text += (i ? "," : "") + v[i].as<std::string>();
+      }
       text += "]";
     } else if (v.IsScalar()) {
       text = v.as<std::string>();
     } else if (v.IsNull()) {
       continue;  // "key:" with no value keeps the default
     } else {
-      fail("config file '" + path + "': value of '" + key + "' must be a scalar or a list");
+      fail(where + ": value of '" + key + "' must be a scalar or a list");
     }
-    set(key, text, "config file '" + path + "'");
+    if (normalised == "config") {
+      // A nested config file is read at this point (keys after it override it), relative to this file.
+      std::filesystem::path nested = text;
+      if (nested.is_relative()) nested = std::filesystem::path(path).parent_path() / nested;
+      if (!std::filesystem::exists(nested, ec)) fail(where + ": config file '" + nested.string() + "' does not exist");
+      load_yaml(nested.string(), depth + 1);
+      continue;
+    }
+    set(key, text, where);
   }
 }
 
@@ -246,6 +280,7 @@ std::vector<std::string> FlagSet::parse(const std::vector<std::string>& args, bo
     const Flag* f = find(name);
     if (!f) fail_unknown(name, "");
     given_.push_back(name);
+    command_line_.push_back(name);
     if (f->kind == "bool") {
       if (inline_value) {
         // --flag=false turns off a boolean a config file turned on

@@ -51,10 +51,14 @@ class FlagSet {
   // Sets one flag from another source (a YAML config): `origin` names it in errors. Booleans take
   // true/false. Names may use '_' for '-' (Megatron YAML style).
   void set(const std::string& name, const std::string& value, const std::string& origin);
-  // Loads a YAML mapping of flag names to values (lists become "[a, b]").
+  // Loads a YAML mapping of flag names to values (lists become "[a, b]"). A key given twice is
+  // refused with its line; a `config:` key loads that file at its place (relative to this one),
+  // and a missing one is refused.
   void load_yaml(const std::string& path);
   // Flags given on the command line or in a config, by name.
   bool given(const std::string& name) const;
+  // Flags given on the command line (not from a config file), by name.
+  bool given_on_command_line(const std::string& name) const;
   // Every flag's current value as text (booleans "true"/"false"), by name: what a checkpoint
   // records so that later commands rebuild the same model.
   std::vector<std::pair<std::string, std::string>> values() const;
@@ -72,6 +76,7 @@ class FlagSet {
     std::function<std::string()> get;
   };
   const Flag* find(const std::string& name) const;
+  void load_yaml(const std::string& path, int depth);
   // add_enum's untyped core: `index_of_target` says which choice the target holds (-1: none),
   // `set_index` stores choice i.
   void add_word(const std::string& name, const std::vector<std::string>& words, std::function<int()> index_of_target,
@@ -84,6 +89,7 @@ class FlagSet {
   std::vector<Flag> flags_;
   bool help_requested_ = false;
   std::vector<std::string> given_;
+  std::vector<std::string> command_line_;
 };
 
 template <class T>

@@ -1,5 +1,7 @@
 #include "moecore/comm/mpi_communicator.h"
 
+#include "moecore/comm/collective_watchdog.h"
+
 #include <algorithm>
 #include <climits>
 #include <numeric>
@@ -178,10 +180,32 @@ void divide(const Tensor& t, int n) {
 
 }  // namespace
 
+namespace {
+// "the group of world ranks 0,2,4,6" (the first 16 listed), as the watchdog names a group.
+std::string describe_group(MPI_Comm comm, int size) {
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  std::vector<int> mine(static_cast<size_t>(size)), in_world(static_cast<size_t>(size), -1);
+  for (int i = 0; i < size; ++i) mine[static_cast<size_t>(i)] = i;
+  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS || MPI_Comm_group(MPI_COMM_WORLD, &world) != MPI_SUCCESS)
+    return "a group of " + std::to_string(size) + " ranks";
+  MPI_Group_translate_ranks(group, size, mine.data(), world, in_world.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  std::string text = "the group of world ranks ";
+  for (int i = 0; i < size && i < 16; ++i) {
+    if (i > 0) text += ',';
+    text += std::to_string(in_world[static_cast<size_t>(i)]);
+  }
+  if (size > 16) text += ",... (" + std::to_string(size) + " ranks)";
+  return text;
+}
+}  // namespace
+
 MpiCommunicator::MpiCommunicator(MPI_Comm comm) : comm_(comm) {
   MC_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   MC_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   MC_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  group_name_ = describe_group(comm_, size_);
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -193,7 +217,8 @@ MpiCommunicator::~MpiCommunicator() {
   MPI_Comm_free(&comm_);
 }
 
-void MpiCommunicator::issue(Pending p) {
+void MpiCommunicator::issue(Pending p, const char* collective) {
+  p.collective = collective;
   pending_.push_back(std::move(p));
   if (group_depth_ == 0) complete_all();
 }
@@ -204,6 +229,7 @@ void MpiCommunicator::complete_all() {
   std::vector<MPI_Request> requests;
   requests.reserve(work.size());
   for (const Pending& p : work) requests.push_back(p.request);
+  const WatchedWait watched(work.size() == 1 ? work[0].collective : "a group of collectives", group_name_);
   MC_MPI_CHECK(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE));
   for (const Pending& p : work)
     if (p.finish) p.finish();
@@ -232,7 +258,7 @@ void MpiCommunicator::all_reduce(Tensor& t, ReduceOp op) {
     MC_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, mpi_type(t.dtype()), mpi_op(op, t.dtype()), comm_, &p.request));
     if (op == ReduceOp::Avg) p.finish = [t, size = size_] { divide(t, size); };
   }
-  issue(std::move(p));
+  issue(std::move(p), "all_reduce");
 }
 
 void MpiCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
@@ -268,7 +294,7 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op)
       if (avg) divide(out, size);
     };
   }
-  issue(std::move(p));
+  issue(std::move(p), "reduce_scatter");
 }
 
 void MpiCommunicator::all_gather(const Tensor& in, Tensor& out) {
@@ -282,7 +308,7 @@ void MpiCommunicator::all_gather(const Tensor& in, Tensor& out) {
   p.keep_alive = {in, out};
   const MPI_Datatype type = mpi_type(in.dtype());
   MC_MPI_CHECK(MPI_Iallgather(in.data_ptr(), n, type, out.data_ptr(), n, type, comm_, &p.request));
-  issue(std::move(p));
+  issue(std::move(p), "all_gather");
 }
 
 void MpiCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
@@ -314,7 +340,7 @@ void MpiCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& s
   const MPI_Datatype type = mpi_type(in.dtype());
   MC_MPI_CHECK(MPI_Ialltoallv(in.data_ptr(), sc, sd, type, out.data_ptr(), rc, rd, type, comm_, &p.request));
   p.finish = [v] {};
-  issue(std::move(p));
+  issue(std::move(p), "all_to_all");
 }
 
 void MpiCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
@@ -338,7 +364,7 @@ void MpiCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
                              mpi_type(t.dtype()), mpi_op(op, t.dtype()), root, comm_, &p.request));
     if (is_root && op == ReduceOp::Avg) p.finish = [t, size = size_] { divide(t, size); };
   }
-  issue(std::move(p));
+  issue(std::move(p), "reduce");
 }
 
 void MpiCommunicator::broadcast(Tensor& t, int root) {
@@ -347,7 +373,7 @@ void MpiCommunicator::broadcast(Tensor& t, int root) {
   Pending p;
   p.keep_alive = {t};
   MC_MPI_CHECK(MPI_Ibcast(t.data_ptr(), count_of("broadcast", t.numel()), mpi_type(t.dtype()), root, comm_, &p.request));
-  issue(std::move(p));
+  issue(std::move(p), "broadcast");
 }
 
 void MpiCommunicator::send(const Tensor& t, int peer) {
@@ -358,7 +384,7 @@ void MpiCommunicator::send(const Tensor& t, int peer) {
   Pending p;
   p.keep_alive = {t};
   MC_MPI_CHECK(MPI_Isend(t.data_ptr(), count_of("send", t.numel()), mpi_type(t.dtype()), peer, 0, comm_, &p.request));
-  issue(std::move(p));
+  issue(std::move(p), "send");
 }
 
 void MpiCommunicator::recv(Tensor& t, int peer) {
@@ -369,11 +395,12 @@ void MpiCommunicator::recv(Tensor& t, int peer) {
   Pending p;
   p.keep_alive = {t};
   MC_MPI_CHECK(MPI_Irecv(t.data_ptr(), count_of("recv", t.numel()), mpi_type(t.dtype()), peer, 0, comm_, &p.request));
-  issue(std::move(p));
+  issue(std::move(p), "recv");
 }
 
 void MpiCommunicator::barrier() {
   MC_CHECK(group_depth_ == 0, "comm barrier: called inside group_start/group_end, expected it outside a group");
+  const WatchedWait watched("barrier", group_name_);
   MC_MPI_CHECK(MPI_Barrier(comm_));
 }
 

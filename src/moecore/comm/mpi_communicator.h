@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "moecore/comm/communicator.h"
@@ -51,14 +52,16 @@ class MpiCommunicator final : public Communicator {
     MPI_Request request = MPI_REQUEST_NULL;
     std::vector<Tensor> keep_alive;  // user tensors and scratch buffers the request touches
     std::function<void()> finish;    // runs after the request completes (may be empty)
+    const char* collective = "";     // its name, for the watchdog (collective_watchdog.h)
   };
-  void issue(Pending p);  // registers p; completes everything when not in a group
+  void issue(Pending p, const char* collective);  // registers p; completes everything when not in a group
   void complete_all();
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   int group_depth_ = 0;
   std::vector<Pending> pending_;
+  std::string group_name_;  // the world ranks of this group, as the watchdog names it
 };
 
 }  // namespace moecore::comm

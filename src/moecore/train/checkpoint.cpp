@@ -15,6 +15,8 @@
 #include <nlohmann/json.hpp>
 
 #include "moecore/ops/elementwise.h"
+#include "moecore/train/save_dir_guard.h"
+#include "moecore/train/tensorboard.h"
 
 namespace fs = std::filesystem;
 
@@ -97,6 +99,7 @@ struct CheckpointFile {
   interop::SafetensorsStreamWriter writer;
   std::string path;
   std::map<std::string, TensorSpec> specs;  // to check each written tensor's dtype and shape
+  std::map<std::string, uint32_t> crc32c;   // each written tensor's checksum (meta.json "crc32c")
 };
 
 namespace {
@@ -112,6 +115,7 @@ CheckpointWriter::CheckpointWriter(const std::string& dir, const std::vector<Ten
     std::error_code ec;
     fs::create_directories(dir, ec);
     MC_CHECK(!ec, "--save '", dir, "': cannot create it: ", ec.message());
+    remove_dead_writers_temp_files(dir);
     tmp_dir_ = (fs::path(dir) / (iter_name(state.iteration) + ".tmp-" + std::to_string(getpid()))).string();
     fs::remove_all(tmp_dir_);
     fs::create_directories(tmp_dir_);
@@ -141,6 +145,7 @@ void CheckpointWriter::write(const std::string& name, const Tensor& t) {
            "' is ", dtype_name(t.dtype()), " ", shape_str(t.shape()), ", its list says ", dtype_name(it->second.dtype), " ",
            shape_str(it->second.shape));
   const Tensor host = t.to(Device::cpu()).contiguous();
+  file_->crc32c[name] = crc32c(static_cast<const uint8_t*>(host.data_ptr()), host.nbytes());
   file_->writer.write(name, host.data_ptr(), host.nbytes());
 }
 
@@ -156,7 +161,8 @@ void CheckpointWriter::finish() {
                                  {"skipped_iterations", state_.skipped_iterations},
                                  {"nan_iterations", state_.nan_iterations},
                                  {"optimizer_offset", state_.optimizer_offset},
-                                 {"args", state_.args}};
+                                 {"args", state_.args},
+                                 {"crc32c", file_->crc32c}};
     write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
     sync_path(tmp_dir);
     // Replace a previous checkpoint of the same iteration only once the new one is complete.
@@ -221,8 +227,17 @@ fs::path locate_checkpoint(const std::string& dir) {
   MC_CHECK(fs::exists(ckpt), "--load '", dir, "': no such directory");
   if (!fs::exists(ckpt / "meta.json")) {
     const fs::path latest = ckpt / "latest_checkpointed_iteration.txt";
-    MC_CHECK(fs::exists(latest), "--load '", dir, "': neither a checkpoint (no meta.json) nor a save directory (no ",
-             "latest_checkpointed_iteration.txt)");
+    if (!fs::exists(latest)) {
+      const std::string found = find_newest_complete_checkpoint(dir);
+      MC_CHECK(!found.empty(), "--load '", dir, "': neither a checkpoint (no meta.json) nor a save directory (no ",
+               "latest_checkpointed_iteration.txt and no complete iter_* checkpoint)");
+      static std::string noted;  // read_checkpoint_meta and load_checkpoint both locate it: one note
+      if (noted != dir)
+        std::printf("note: --load %s: no latest_checkpointed_iteration.txt; using the newest complete checkpoint %s\n",
+                    dir.c_str(), found.c_str());
+      noted = dir;
+      return found;
+    }
     std::ifstream f(latest);
     long long it = -1;
     f >> it;
@@ -240,6 +255,31 @@ fs::path locate_checkpoint(const std::string& dir) {
   return ckpt;
 }
 
+// meta.json's fields: the required keys with their types and ranges, each failure naming the file.
+void validate_meta(const nlohmann::json& meta, const fs::path& file) {
+  const std::string where = "'" + file.string() + "'";
+  MC_CHECK(meta.is_object(), where, ": expected a JSON object");
+  for (const char* key : {"format", "iteration", "consumed_samples", "args"})
+    MC_CHECK(meta.contains(key), where, ": the required key \"", key, "\" is missing");
+  MC_CHECK(meta["format"].is_string(), where, ": \"format\" must be a string");
+  for (const char* key : {"iteration", "consumed_samples", "skipped_iterations", "nan_iterations"}) {
+    if (!meta.contains(key)) continue;
+    const nlohmann::json& v = meta[key];
+    MC_CHECK(v.is_number_integer(), where, ": \"", key, "\" must be an integer, got ", v.dump());
+    MC_CHECK(v.get<int64_t>() >= 0, where, ": \"", key, "\" is ", v.get<int64_t>(), "; expected >= 0");
+  }
+  bool pairs = meta["args"].is_array();
+  for (const auto& item : meta["args"])
+    pairs = pairs && item.is_array() && item.size() == 2 && item[0].is_string() && item[1].is_string();
+  MC_CHECK(pairs, where, ": \"args\" must be a list of [flag, value] pairs of strings (the train flags)");
+  if (meta.contains("crc32c")) {
+    bool ok = meta["crc32c"].is_object();
+    for (const auto& [name, v] : meta["crc32c"].items())
+      ok = ok && v.is_number_unsigned() && v.get<uint64_t>() <= 0xFFFFFFFFull;
+    MC_CHECK(ok, where, ": \"crc32c\" must map tensor names to 32-bit checksums");
+  }
+}
+
 TrainingState parse_meta(const fs::path& ckpt) {
   nlohmann::json meta;
   try {
@@ -248,6 +288,7 @@ TrainingState parse_meta(const fs::path& ckpt) {
   } catch (const std::exception& e) {
     MC_FAIL("'", (ckpt / "meta.json").string(), "' is not valid JSON: ", e.what());
   }
+  validate_meta(meta, ckpt / "meta.json");
   const std::string format = meta.value("format", "");
   MC_CHECK(format == "moecore-checkpoint-v1" || format == "moecore-model-v1", "'", (ckpt / "meta.json").string(),
            "': unknown checkpoint format '", format, "'");
@@ -267,9 +308,60 @@ TrainingState parse_meta(const fs::path& ckpt) {
 }
 }  // namespace
 
+void verify_checksums(const std::string& ckpt, const std::vector<NamedTensor>& tensors) {
+  const fs::path file = fs::path(ckpt) / "meta.json";
+  nlohmann::json meta;
+  try {
+    std::ifstream f(file);
+    meta = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    MC_FAIL("'", file.string(), "' is not valid JSON: ", e.what());
+  }
+  if (!meta.contains("crc32c")) {
+    std::printf("note: checkpoint %s has no tensor checksums (written by an older version): loaded without verifying "
+                "them\n", ckpt.c_str());
+    return;
+  }
+  const nlohmann::json& sums = meta["crc32c"];
+  for (const NamedTensor& t : tensors) {
+    MC_CHECK(sums.contains(t.name), "checkpoint '", ckpt, "': tensor '", t.name, "' has no checksum in '",
+             file.string(), "'");
+    const uint32_t stored = sums[t.name].get<uint32_t>();
+    const uint32_t computed = crc32c(static_cast<const uint8_t*>(t.tensor.data_ptr()), t.tensor.nbytes());
+    MC_CHECK(stored == computed, "checkpoint '", ckpt, "': tensor '", t.name, "' fails its CRC32C checksum (stored ",
+             stored, ", computed ", computed, "): the file is damaged; load an earlier checkpoint");
+  }
+}
+
+std::string find_newest_complete_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return "";
+  return newest_complete(dir).string();
+}
+
 bool checkpoint_exists(const std::string& dir) {
   const fs::path p = dir;
-  return fs::exists(p / "meta.json") || fs::exists(p / "latest_checkpointed_iteration.txt");
+  return fs::exists(p / "meta.json") || fs::exists(p / "latest_checkpointed_iteration.txt") ||
+         !find_newest_complete_checkpoint(dir).empty();
+}
+
+void remove_dead_writers_temp_files(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const size_t at = name.rfind(".tmp-");
+    const bool ours = name.rfind("iter_", 0) == 0 || name.rfind("latest_checkpointed_iteration.txt", 0) == 0;
+    if (!ours || at == std::string::npos) continue;
+    const std::string pid_text = name.substr(at + 5);
+    if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+    const long pid = std::atol(pid_text.c_str());
+    if (pid == static_cast<long>(getpid()) || process_alive(pid)) continue;  // a live writer's, or ours
+    std::error_code rm;
+    fs::remove_all(entry.path(), rm);
+    std::printf("note: --save %s: removed %s, left by writer pid %ld (no longer running)%s\n", dir.c_str(),
+                name.c_str(), pid, rm ? (" -- failed: " + rm.message()).c_str() : "");
+  }
 }
 
 TrainingState read_checkpoint_meta(const std::string& dir) { return parse_meta(locate_checkpoint(dir)); }
@@ -280,6 +372,7 @@ TrainingState load_checkpoint(const std::string& dir,
   const fs::path ckpt = locate_checkpoint(dir);
   TrainingState s = parse_meta(ckpt);
   const std::vector<NamedTensor> tensors = read_safetensors((ckpt / "model_optim.safetensors").string());
+  verify_checksums(ckpt.string(), tensors);
   std::map<std::string, Tensor> by_name;
   for (const NamedTensor& nt : tensors) by_name[nt.name] = nt.tensor;
   const TensorFetch fetch = [&](const std::string& name, const Shape& shape, DType dtype) {
@@ -342,8 +435,13 @@ void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor
     fs::remove_all(tmp_dir);
     fs::create_directories(tmp_dir);
     write_safetensors((tmp_dir / "model_optim.safetensors").string(), tensors);
-    const nlohmann::json meta = {{"format", "moecore-model-v1"}, {"iteration", 0},   {"consumed_samples", 0},
-                                 {"args", args},                 {"source", source}};
+    std::map<std::string, uint32_t> checksums;
+    for (const NamedTensor& t : tensors) {
+      const Tensor host = t.tensor.to(Device::cpu()).contiguous();
+      checksums[t.name] = crc32c(static_cast<const uint8_t*>(host.data_ptr()), host.nbytes());
+    }
+    const nlohmann::json meta = {{"format", "moecore-model-v1"}, {"iteration", 0}, {"consumed_samples", 0},
+                                 {"args", args}, {"source", source}, {"crc32c", checksums}};
     write_text_atomically(tmp_dir / "meta.json", meta.dump(2) + "\n");
     sync_path(tmp_dir);
     fs::remove_all(final_dir);

@@ -3,7 +3,8 @@
 //   <save>/iter_0000100/model_optim.safetensors   every parameter's fp32 master ("<name>"), and
 //                                                 for trainable ones "<name>.exp_avg" and
 //                                                 "<name>.exp_avg_sq"; buffers (expert bias) too
-//   <save>/iter_0000100/meta.json                 iteration, consumed samples, counters, format
+//   <save>/iter_0000100/meta.json                 iteration, consumed samples, counters, format,
+//                                                 the train flags, each tensor's CRC32C
 //   <save>/latest_checkpointed_iteration.txt      "100"
 //   <save>/tokenizer/                             the run's tokenizer files (checkpoint_tokenizer)
 // Writes go to a temporary directory that is renamed into place, and the "latest" file is
@@ -36,8 +37,15 @@ struct TrainingState {
   int64_t optimizer_offset = 0;
 };
 
-// True when dir is a checkpoint (iter_* with meta.json) or a save directory that names one.
+// True when dir is a checkpoint (iter_* with meta.json) or a save directory that names one or
+// holds a complete iter_* checkpoint.
 bool checkpoint_exists(const std::string& dir);
+// The newest complete checkpoint (iter_* with meta.json and its tensors) under a save directory,
+// found by listing it (without latest_checkpointed_iteration.txt); "" when there is none.
+std::string find_newest_complete_checkpoint(const std::string& dir);
+// Removes iter_N.tmp-PID directories and latest_checkpointed_iteration.txt.tmp-PID files whose
+// writer (PID, on this machine) no longer runs, with a note line each; called before each save.
+void remove_dead_writers_temp_files(const std::string& dir);
 // Reads only meta.json of the latest checkpoint under dir (or of dir itself).
 TrainingState read_checkpoint_meta(const std::string& dir);
 
@@ -119,6 +127,10 @@ CheckpointTokenizer checkpoint_tokenizer(const std::string& dir);
 std::string copy_tokenizer_files(const std::string& model_file, const std::string& dest_dir);
 // The name copy_tokenizer_files gives model_file ("tokenizer.json" or "tokenizer.model").
 std::string tokenizer_file_name(const std::string& model_file);
+
+// Checks each tensor against meta.json "crc32c" of checkpoint directory ckpt (an Error naming the
+// tensor on a mismatch); a checkpoint written before checksums gets a note line and no check.
+void verify_checksums(const std::string& ckpt, const std::vector<NamedTensor>& tensors);
 
 // safetensors I/O of the checkpoint tensors (a thin layer over interop/safetensors).
 struct NamedTensor {

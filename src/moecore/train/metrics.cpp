@@ -76,9 +76,35 @@ void TrainMetrics::start_interval() {
   interval_excluded_ms_ = 0;
 }
 
+void TrainMetrics::check_health(int64_t it, const StepResult& step, bool log_now) {
+  if (step.skipped) return;  // reported as a NaN/Inf step
+  // A step that cannot change the model: every gradient exactly zero, or the loss bit-identical to
+  // the previous step's with a vanishing gradient norm (a saturated model, e.g. a huge
+  // --init-method-std). Reported at the first such step and then at each log step while it lasts.
+  const bool zero_grads = step.grad_sq == 0.0;
+  const bool stuck = have_previous_loss_ && step.lm_loss == previous_loss_ && step.grad_norm < 1e-8;
+  previous_loss_ = step.lm_loss;
+  have_previous_loss_ = true;
+  if (!zero_grads && !stuck) {
+    stalled_steps_ = 0;
+    return;
+  }
+  ++stalled_steps_;
+  if (!logger_ || (stalled_steps_ > 1 && !log_now)) return;
+  if (zero_grads)
+    std::printf("warning: iteration %lld: every gradient is zero (grad norm 0; %lld such step(s) in a row): the "
+                "model does not learn; check --init-method-std, --lr and the data\n",
+                static_cast<long long>(it), static_cast<long long>(stalled_steps_));
+  else
+    std::printf("warning: iteration %lld: the loss is exactly constant (%.6f) with grad norm %.3g (%lld such step(s) "
+                "in a row): the model does not learn; check --init-method-std, --lr and the data\n",
+                static_cast<long long>(it), step.lm_loss, step.grad_norm, static_cast<long long>(stalled_steps_));
+}
+
 bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step, uint64_t syncs0) {
   const TrainArgs& args = run.args;
   const Device dev = run.dev;
+  check_health(it, step, is_log_step(args, it));
   if (step.skipped) {
     interval_skipped_++;
     interval_nan_++;

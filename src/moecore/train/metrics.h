@@ -46,6 +46,9 @@ class TrainMetrics {
  private:
   struct Interval;  // the averages of the interval that ends at a log step
   void write_log_step(TrainingRun& run, int64_t it, const StepResult& step, const Interval& v);
+  // A warning line (logging rank) for a step whose gradients are all zero, or whose loss repeats
+  // the previous step's exactly with a vanishing gradient norm.
+  void check_health(int64_t it, const StepResult& step, bool log_now);
 
   using Clock = std::chrono::steady_clock;
   bool logger_ = false;
@@ -58,6 +61,9 @@ class TrainMetrics {
   double interval_aux_ = 0, interval_z_ = 0;  // balancing losses, averaged over the interval like lm loss
   Clock::time_point interval_start_ = Clock::now();
   double interval_excluded_ms_ = 0;
+  double previous_loss_ = 0;  // check_health: the last step's loss
+  bool have_previous_loss_ = false;
+  int64_t stalled_steps_ = 0;  // steps in a row that could not change the model
 };
 
 }  // namespace moecore

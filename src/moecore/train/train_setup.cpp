@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include "moecore/comm/collective_watchdog.h"
 #include "moecore/core/env_switches.h"
 #include "moecore/model/tensor_parallel.h"
 #include "moecore/train/checkpoint_transfer.h"
@@ -71,6 +72,7 @@ void TrainingRun::open_groups() {
   // Data parallelism: every launched rank trains its share of each global batch; gradients,
   // losses and MoE statistics are averaged (or summed) over the ranks.
   std::unique_ptr<comm::Communicator> world;
+  if (args.world > 1 && !dev.is_cuda()) comm::set_collective_timeout(args.distributed_timeout_minutes * 60.0, args.rank);
   if (args.world > 1) world = dev.is_cuda() ? comm::make_nccl_world(dev) : comm::make_mpi_world();
   check_same_flags(world.get(), args);
   // Process groups (Parallel Folding): the dense generator gives this rank's data-parallel and

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdint>
 #include <iostream>
+#include <memory>
 
 #include "moecore/core/allocator.h"
 #include "moecore/core/device.h"
@@ -11,6 +12,7 @@
 #include "moecore/train/checkpoint_transfer.h"
 #include "moecore/train/evaluate.h"
 #include "moecore/train/metrics.h"
+#include "moecore/train/save_dir_guard.h"
 #include "moecore/train/train_setup.h"
 #include "moecore/train/train_step.h"
 
@@ -39,7 +41,24 @@ double model_flops_per_step(const ModelConfig& c, int64_t tokens) {
              static_cast<double>(c.hidden_size) * static_cast<double>(tokens);
 }
 
+namespace {
+// Before any work: the --save lock and write probes of every output path, each naming its flag.
+std::unique_ptr<SaveDirLock> guard_output_paths(const TrainArgs& args) {
+  std::unique_ptr<SaveDirLock> lock;
+  if (args.rank == 0 && !args.save.empty()) {  // rank 0 writes the checkpoints
+    lock = std::make_unique<SaveDirLock>(args.save);
+    probe_writable_dir(args.save, "--save");
+  }
+  if (args.rank == args.world - 1) {  // the logging rank writes the metrics
+    if (!args.metrics_file.empty()) probe_writable_file(args.metrics_file, "--metrics-file");
+    if (!args.tensorboard_dir.empty()) probe_writable_dir(args.tensorboard_dir, "--tensorboard-dir");
+  }
+  return lock;
+}
+}  // namespace
+
 int run_training(const TrainArgs& args) {
+  const std::unique_ptr<SaveDirLock> save_lock = guard_output_paths(args);  // before any work
   TrainingRun run(args);  // communicators, model, optimizer, --load, data (train_setup.h)
   TrainMetrics metrics(args, run.logger);
   print_run_summary(run);
