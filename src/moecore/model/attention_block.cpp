@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "moecore/ops/attention.h"
+#include "moecore/ops/decode_attention.h"
 #include "moecore/ops/rope.h"
 #include "moecore/model/tensor_parallel.h"
 
@@ -102,7 +103,7 @@ Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx)
 }
 
 Tensor AttentionBlock::forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start,
-                                      Tensor& k_cache, Tensor& v_cache) const {
+                                      const Tensor& positions, Tensor& k_cache, Tensor& v_cache) const {
   MC_CHECK(!par_.cp && par_.tp_size() == 1, "cached attention (generation) runs on one rank: no tensor or context parallelism");
   const int64_t rows = static_cast<int64_t>(start.size()), tokens = x.size(0), seq = tokens / rows;
   const int64_t max_len = k_cache.size(1);
@@ -121,6 +122,10 @@ Tensor AttentionBlock::forward_cached(const Tensor& x, int64_t first_row, const 
   v = v.view({rows, seq, kv_heads_, head_dim_});
   Tensor out = Tensor::empty(q.shape(), x.dtype(), x.device());
   Tensor lse = Tensor::empty({rows, heads_, seq}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
+  if (seq == 1 && first_row == 0 && rows == k_cache.size(0) && x.dtype() != DType::F64) {
+    ops::decode_attention(q, k, v, k_cache, v_cache, positions, rope_, rotary_base_, scale(), out, lse);
+    return o_proj_.forward(out.view({tokens, heads_ * head_dim_}), oc);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = start[static_cast<size_t>(r)], keys = pos + seq;
     MC_CHECK(pos >= 0 && keys <= max_len, "forward_cached: positions [", pos, ", ", keys, ") beyond the cache's ", max_len);

@@ -36,9 +36,11 @@ class AttentionBlock {
   // tokens sit at positions start[r] .. start[r] + S - 1. Their K and V (after RoPE) are written
   // into the cache at those positions; each query attends to its row's keys [0, its position]
   // (the attention op's bottom-right causal alignment). Rows attend one by one, so every row
-  // may have its own length (no padding). Returns [R*S, H].
-  Tensor forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start, Tensor& k_cache,
-                        Tensor& v_cache) const;
+  // may have its own length (no padding). Returns [R*S, H]. One token per row (S == 1, a
+  // decoding step of the whole cache, first_row 0) goes through ops::decode_attention with
+  // `positions` (start as i32 on the model's device): one launch for every row on a GPU.
+  Tensor forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start, const Tensor& positions,
+                        Tensor& k_cache, Tensor& v_cache) const;
   int64_t kv_heads() const { return kv_heads_; }
   int64_t head_dim() const { return head_dim_; }
 

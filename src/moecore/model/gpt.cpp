@@ -460,11 +460,16 @@ Tensor GPTModel::cached_logits(const Tensor& tokens, int64_t first_row, const st
     ops::embedding_forward(position_embeddings_->weight, Tensor::from_vector(pos, {n}, tokens.device()), p);
     add_into(h, p);
   }
+  Tensor positions;  // a decoding step: each row's position on the device, for every layer
+  if (seq == 1) {
+    std::vector<int32_t> pos(start.begin(), start.end());
+    positions = Tensor::from_vector(pos, {rows}, tokens.device());
+  }
   for (int64_t i = 0; i < cfg_.num_layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     LayerCtx lc;
     h = add_tensors(h, attention_[li].forward_cached(attn_norm_[li].forward(h, lc.attn_norm), first_row, start,
-                                                     cache.k[li], cache.v[li]));
+                                                     positions, cache.k[li], cache.v[li]));
     const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
     h = add_tensors(h, cfg_.is_moe(i) ? moe_[li].forward(normed, rows, false, 0, lc.moe) : mlp_[li].forward(normed, lc.mlp, rows));
   }

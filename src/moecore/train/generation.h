@@ -4,8 +4,9 @@
 // With the KV cache (the default) each prompt is prefilled once (alone, its own length: rows
 // are never padded), then every step runs the model on one new token per prompt, batched:
 // projections, MoE layers (evaluation mode, the new tokens only) and the output layer see the
-// batch's R tokens at once; attention runs row by row against that row's cached keys, so each
-// row keeps its own length and position and no padded position exists to change a row's tokens.
+// batch's R tokens at once; attention reads each row's own cached keys (ops::decode_attention:
+// one kernel for every row on a GPU, row by row on the CPU), so each row keeps its own length
+// and position and no padded position exists to change a row's tokens.
 // The per-step host work is the read of the [R, V] logits for sampling and the upload of the R
 // sampled ids; the cache is allocated once (per layer [R, longest prompt + new tokens, Hkv, D]).
 // Without it (kv_cache = false, the reference) each new token re-runs the model over the last
