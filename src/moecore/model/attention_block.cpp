@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "moecore/ops/attention.h"
+#include "moecore/ops/decode_attention.h"
 #include "moecore/ops/rope.h"
 #include "moecore/model/tensor_parallel.h"
 
@@ -99,6 +100,51 @@ Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx)
   k_proj_.backward_add(dk2.view({tokens, kv_heads_ * head_dim_}), ctx.k, dx);
   v_proj_.backward_add(dv.view({tokens, kv_heads_ * head_dim_}), ctx.v, dx);
   return par_.enter_backward(dx, batch);
+}
+
+Tensor AttentionBlock::forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start,
+                                      const Tensor& positions, Tensor& k_cache, Tensor& v_cache) const {
+  MC_CHECK(!par_.cp && par_.tp_size() == 1, "cached attention (generation) runs on one rank: no tensor or context parallelism");
+  const int64_t rows = static_cast<int64_t>(start.size()), tokens = x.size(0), seq = tokens / rows;
+  const int64_t max_len = k_cache.size(1);
+  MC_CHECK(rows > 0 && seq * rows == tokens && first_row >= 0 && first_row + rows <= k_cache.size(0),
+           "forward_cached: ", tokens, " tokens for rows [", first_row, ", ", first_row + rows, ") of a cache of ",
+           k_cache.size(0), " rows");
+  Linear::Ctx qc, kc, vc, oc;
+  Norm::Ctx qn, kn;
+  Tensor q = q_proj_.forward(x, qc), k = k_proj_.forward(x, kc), v = v_proj_.forward(x, vc);
+  if (qk_norm_) {
+    q = q_norm_.forward(q.view({tokens * heads_, head_dim_}), qn);
+    k = k_norm_.forward(k.view({tokens * kv_heads_, head_dim_}), kn);
+  }
+  q = q.view({rows, seq, heads_, head_dim_});
+  k = k.view({rows, seq, kv_heads_, head_dim_});
+  v = v.view({rows, seq, kv_heads_, head_dim_});
+  Tensor out = Tensor::empty(q.shape(), x.dtype(), x.device());
+  Tensor lse = Tensor::empty({rows, heads_, seq}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
+  if (seq == 1 && first_row == 0 && rows == k_cache.size(0) && x.dtype() != DType::F64) {
+    ops::decode_attention(q, k, v, k_cache, v_cache, positions, rope_, rotary_base_, scale(), out, lse);
+    return o_proj_.forward(out.view({tokens, heads_ * head_dim_}), oc);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = start[static_cast<size_t>(r)], keys = pos + seq;
+    MC_CHECK(pos >= 0 && keys <= max_len, "forward_cached: positions [", pos, ", ", keys, ") beyond the cache's ", max_len);
+    Tensor qr = q.slice(0, r, r + 1), kr = k.slice(0, r, r + 1);
+    if (rope_) {
+      ops::rope_forward(qr, qr, rotary_base_, pos);
+      ops::rope_forward(kr, kr, rotary_base_, pos);
+    }
+    const Shape row_shape{max_len, kv_heads_, head_dim_};
+    const Tensor k_row = k_cache.slice(0, first_row + r, first_row + r + 1).view(row_shape);
+    const Tensor v_row = v_cache.slice(0, first_row + r, first_row + r + 1).view(row_shape);
+    k_row.slice(0, pos, keys).view(kr.shape()).copy_from(kr);
+    v_row.slice(0, pos, keys).view(kr.shape()).copy_from(v.slice(0, r, r + 1));
+    Tensor out_r = out.slice(0, r, r + 1), lse_r = lse.slice(0, r, r + 1);
+    const Shape key_shape{1, keys, kv_heads_, head_dim_};
+    ops::attention_forward(qr, k_row.slice(0, 0, keys).view(key_shape), v_row.slice(0, 0, keys).view(key_shape), scale(),
+                           out_r, lse_r);
+  }
+  return o_proj_.forward(out.view({tokens, heads_ * head_dim_}), oc);
 }
 
 // Context parallelism. Rank r of n holds chunks g0 = r and g1 = 2n - 1 - r (c tokens each) of

@@ -10,6 +10,8 @@
 // Context parallelism: x holds this rank's two chunks of every sequence (tensor_parallel.h);
 // RoPE uses their global positions; each query chunk attends the keys before it, gathered from
 // the CP group (an all-gather of K and V; their gradients reduce-scatter back).
+// Generation (forward_cached): K and V after RoPE go into a preallocated cache
+// [rows, max_len, Hkv, D] per layer; each row's queries attend to its cached keys (one rank).
 #pragma once
 
 #include "moecore/model/layers.h"
@@ -29,6 +31,18 @@ class AttentionBlock {
   };
   Tensor forward(const Tensor& x, int64_t batch, Ctx& ctx) const;
   Tensor backward(const Tensor& dy, int64_t batch, Ctx& ctx) const;
+  // Generation, no gradients, one rank: x [R*S, H] holds S new tokens of each of R sequences;
+  // sequence r is row first_row + r of k_cache and v_cache [rows, max_len, Hkv, D] and its
+  // tokens sit at positions start[r] .. start[r] + S - 1. Their K and V (after RoPE) are written
+  // into the cache at those positions; each query attends to its row's keys [0, its position]
+  // (the attention op's bottom-right causal alignment). Rows attend one by one, so every row
+  // may have its own length (no padding). Returns [R*S, H]. One token per row (S == 1, a
+  // decoding step of the whole cache, first_row 0) goes through ops::decode_attention with
+  // `positions` (start as i32 on the model's device): one launch for every row on a GPU.
+  Tensor forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start, const Tensor& positions,
+                        Tensor& k_cache, Tensor& v_cache) const;
+  int64_t kv_heads() const { return kv_heads_; }
+  int64_t head_dim() const { return head_dim_; }
 
  private:
   // Context parallelism: causal attention of this rank's two query chunks over the gathered keys.

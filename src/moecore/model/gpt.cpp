@@ -426,4 +426,57 @@ Tensor GPTModel::logits(const Tensor& tokens) {
   return head_.forward(final_norm_.forward(h, ctx.final_norm), ctx.head);
 }
 
+GPTModel::KvCache GPTModel::make_kv_cache(int64_t rows, int64_t max_len, Device device) const {
+  MC_CHECK(stage_.has_embedding && stage_.has_head && stage_.first_layer == 0 && stage_.end_layer == cfg_.num_layers &&
+               !dense_.tp && !dense_.cp,
+           "generation with a KV cache needs the whole model on one rank (no pipeline, tensor or context parallelism)");
+  MC_CHECK(rows > 0 && max_len > 0, "make_kv_cache: ", rows, " rows of ", max_len, " positions");
+  MC_CHECK(!position_embeddings_ || max_len <= cfg_.max_position_embeddings, "generation needs ", max_len,
+           " positions; the model's learned position embeddings have ", cfg_.max_position_embeddings);
+  KvCache cache;
+  cache.rows = rows;
+  cache.max_len = max_len;
+  for (const AttentionBlock& a : attention_) {
+    const Shape shape{rows, max_len, a.kv_heads(), a.head_dim()};
+    cache.k.push_back(Tensor::empty(shape, compute_, device));
+    cache.v.push_back(Tensor::empty(shape, compute_, device));
+  }
+  return cache;
+}
+
+Tensor GPTModel::cached_logits(const Tensor& tokens, int64_t first_row, const std::vector<int64_t>& start,
+                               KvCache& cache) {
+  const int64_t rows = tokens.size(0), seq = tokens.size(1), n = tokens.numel();
+  MC_CHECK(tokens.ndim() == 2 && tokens.dtype() == DType::I32 && (rows == 1 || seq == 1) &&
+               static_cast<int64_t>(start.size()) == rows && cache.rows > 0,
+           "cached_logits: tokens must be [1, S] or [R, 1] i32 with one start per row, got ", tokens.describe());
+  Tensor h = Tensor::empty({n, cfg_.hidden_size}, compute_, tokens.device());
+  ops::embedding_forward(word_embeddings_->weight, tokens.view({n}), h);
+  if (position_embeddings_) {
+    std::vector<int32_t> pos;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t s = 0; s < seq; ++s) pos.push_back(static_cast<int32_t>(start[static_cast<size_t>(r)] + s));
+    Tensor p = Tensor::empty(h.shape(), compute_, tokens.device());
+    ops::embedding_forward(position_embeddings_->weight, Tensor::from_vector(pos, {n}, tokens.device()), p);
+    add_into(h, p);
+  }
+  Tensor positions;  // a decoding step: each row's position on the device, for every layer
+  if (seq == 1) {
+    std::vector<int32_t> pos(start.begin(), start.end());
+    positions = Tensor::from_vector(pos, {rows}, tokens.device());
+  }
+  for (int64_t i = 0; i < cfg_.num_layers; ++i) {
+    const size_t li = static_cast<size_t>(i);
+    LayerCtx lc;
+    h = add_tensors(h, attention_[li].forward_cached(attn_norm_[li].forward(h, lc.attn_norm), first_row, start,
+                                                     positions, cache.k[li], cache.v[li]));
+    const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
+    h = add_tensors(h, cfg_.is_moe(i) ? moe_[li].forward(normed, rows, false, 0, lc.moe) : mlp_[li].forward(normed, lc.mlp, rows));
+  }
+  if (seq > 1) h = h.slice(0, n - 1, n);  // one prompt: its last token
+  Norm::Ctx norm_ctx;
+  Linear::Ctx head_ctx;
+  return head_.forward(final_norm_.forward(h, norm_ctx), head_ctx);
+}
+
 }  // namespace moecore

@@ -98,6 +98,19 @@ class GPTModel {
                   const Tensor& d_hidden_out = Tensor());
   // Logits [B*S, V] in the compute dtype, no loss (generation; one rank).
   Tensor logits(const Tensor& tokens);
+  // Generation with a KV cache (one rank, the whole model): each decoder layer's K and V after
+  // RoPE, [rows, max_len, Hkv, D] in the compute dtype, allocated once.
+  struct KvCache {
+    std::vector<Tensor> k, v;  // per decoder layer
+    int64_t rows = 0, max_len = 0;
+  };
+  KvCache make_kv_cache(int64_t rows, int64_t max_len, Device device) const;
+  // tokens [R, S] i32 on the model's device: S new tokens of each of R sequences, sequence r in
+  // cache row first_row + r at positions start[r] .. start[r] + S - 1 (R == 1 or S == 1: a
+  // prompt's prefill or one decode step of every row). Their K/V enter the cache; returns the
+  // logits of each sequence's last new token [R, V] in the compute dtype. The MoE layers run
+  // in evaluation mode on the new tokens only.
+  Tensor cached_logits(const Tensor& tokens, int64_t first_row, const std::vector<int64_t>& start, KvCache& cache);
   // --overlap-param-gather: wait(-1) runs before the embedding reads its weights, wait(i) before
   // decoder layer i's forward, wait(num_layers) before the final norm and the output layer (the
   // optimizer's gathers of those weights may still be running on the communication stream).
