@@ -62,6 +62,18 @@ void check_data_in_vocabulary(const TrainArgs& a) {
   }
 }
 
+// The dataset settings every data source of a run shares (blend, split, sequence length, seed,
+// index cache); the caller sets the sample counts.
+GPTDataConfig gpt_data_config(const TrainArgs& a) {
+  GPTDataConfig c;
+  c.blend = a.data_blend;
+  c.split = a.split;
+  c.seq_length = a.model.seq_length;
+  c.seed = static_cast<uint64_t>(a.seed);
+  c.cache_dir = a.data_cache_path;
+  return c;
+}
+
 }  // namespace
 
 DataSources make_data_sources(const TrainArgs& a) {
@@ -72,12 +84,7 @@ DataSources make_data_sources(const TrainArgs& a) {
     return out;
   }
   if (!a.load.empty() && (a.finetune || a.eval_only)) check_data_in_vocabulary(a);
-  GPTDataConfig c;
-  c.blend = a.data_blend;
-  c.split = a.split;
-  c.seq_length = a.model.seq_length;
-  c.seed = static_cast<uint64_t>(a.seed);
-  c.cache_dir = a.data_cache_path;
+  GPTDataConfig c = gpt_data_config(a);
   // Megatron's sample counts: every training step, and eval_iters batches per evaluation
   // (validation here reads the same first eval_iters batches at every evaluation).
   c.num_samples[0] = a.eval_only ? 0 : a.train_iters * a.global_batch_size;
@@ -94,12 +101,7 @@ SplitSamples make_whole_split_source(const TrainArgs& a, Split split) {
   MC_CHECK(!a.mock_data, "--whole-dataset needs --data-path (mock data has no end)");
   MC_CHECK(a.data_blend.size() == 1, "--whole-dataset reads one dataset; --data-path names ", a.data_blend.size(),
            " (a blend): give --eval-iters instead");
-  GPTDataConfig c;
-  c.blend = a.data_blend;
-  c.split = a.split;
-  c.seq_length = a.model.seq_length;
-  c.seed = static_cast<uint64_t>(a.seed);
-  c.cache_dir = a.data_cache_path;
+  GPTDataConfig c = gpt_data_config(a);
   c.num_samples[static_cast<int>(split)] = 1;  // one epoch: every sample of the split
   auto sets = build_gpt_datasets(c);
   auto& set = sets[static_cast<int>(split)];
