@@ -158,6 +158,16 @@ TEST(Safetensors, DamagedFilesNameTheFile) {
   // unknown dtype
   expect_refused("dtype", R"({"a":{"dtype":"F12","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
                  data, "F12");
+  // element counts that overflow int64, or bytes that overflow uint64 (found by fuzz_checkpoint_meta:
+  // they wrapped to 0 and passed the size check, then overflowed in shape_numel / the allocation)
+  expect_refused("numel_overflow", R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,0]}})", {},
+                 "more elements than a tensor can hold");
+  expect_refused("numel_overflow_before_zero", R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}})",
+                 {}, "more elements than a tensor can hold");
+  expect_refused("dim_overflow", R"({"a":{"dtype":"U8","shape":[18446744073709551615],"data_offsets":[0,0]}})", {},
+                 "more elements than a tensor can hold");
+  expect_refused("bytes_overflow", R"({"a":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,0]}})", {},
+                 "more bytes than a tensor can hold");
   // header length beyond the file
   {
     const fs::path p = d / "short.safetensors";

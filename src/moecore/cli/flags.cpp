@@ -146,9 +146,10 @@ void FlagSet::load_yaml(const std::string& path, int depth) {
   if (!root.IsMap()) fail("config file '" + path + "' must be a mapping of flag names to values");
   std::vector<std::pair<std::string, int>> seen;  // normalised key, line
   for (const auto& kv : root) {
-    const std::string key = kv.first.as<std::string>();
     const int line = kv.first.Mark().line + 1;
     const std::string where = "config file '" + path + "' line " + std::to_string(line);
+    if (!kv.first.IsScalar()) fail(where + ": a key must be a flag name (a plain word), not a list, a mapping or empty");
+    const std::string key = kv.first.as<std::string>();
     std::string normalised = key;
     std::replace(normalised.begin(), normalised.end(), '_', '-');
     for (const auto& [earlier, earlier_line] : seen)

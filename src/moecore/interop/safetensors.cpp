@@ -164,12 +164,19 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       MC_CHECK(v["dtype"].is_string(), tw, ": dtype is not a string");
       t.dtype = parse_st_dtype(v["dtype"].get<std::string>(), tw);
       MC_CHECK(v["shape"].is_array(), tw, ": shape is not a list");
+      // The element count must fit int64 (a Tensor's numel), also where a zero dimension follows.
       uint64_t numel = 1;
+      bool fits = true;
       for (const auto& d : v["shape"]) {
         MC_CHECK(d.is_number_unsigned(), tw, ": shape ", v["shape"].dump(), " has an entry that is not a size");
-        t.shape.push_back(d.get<int64_t>());
-        numel *= d.get<uint64_t>();
+        const uint64_t n = d.get<uint64_t>();
+        t.shape.push_back(static_cast<int64_t>(n));
+        int64_t product = 0;
+        fits = fits && n <= static_cast<uint64_t>(INT64_MAX) &&
+               !__builtin_mul_overflow(static_cast<int64_t>(numel), static_cast<int64_t>(n), &product);
+        numel = fits ? static_cast<uint64_t>(product) : 0;
       }
+      MC_CHECK(fits, tw, ": shape ", v["shape"].dump(), " has more elements than a tensor can hold");
       const auto& o = v["data_offsets"];
       MC_CHECK(o.is_array() && o.size() == 2 && o[0].is_number_unsigned() && o[1].is_number_unsigned(), tw,
                ": data_offsets must be [begin, end]");
@@ -177,8 +184,11 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       t.end = o[1].get<uint64_t>();
       MC_CHECK(t.begin <= t.end && t.end <= data_size, tw, ": data_offsets [", t.begin, ", ", t.end,
                "] lie outside the data section of ", data_size, " bytes (truncated file?)");
-      MC_CHECK(t.nbytes() == numel * st_dtype_size(t.dtype), tw, ": ", t.nbytes(), " bytes stored but ",
-               st_dtype_name(t.dtype), " ", shape_str(t.shape), " needs ", numel * st_dtype_size(t.dtype));
+      uint64_t needed = 0;
+      MC_CHECK(!__builtin_mul_overflow(numel, uint64_t{st_dtype_size(t.dtype)}, &needed), tw, ": shape ",
+               v["shape"].dump(), " has more bytes than a tensor can hold");
+      MC_CHECK(t.nbytes() == needed, tw, ": ", t.nbytes(), " bytes stored but ", st_dtype_name(t.dtype), " ",
+               shape_str(t.shape), " needs ", needed);
       tensors_.push_back(std::move(t));
     }
     std::stable_sort(tensors_.begin(), tensors_.end(), [](const StTensorInfo& a, const StTensorInfo& b) {

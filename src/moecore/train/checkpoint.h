@@ -22,20 +22,10 @@
 #include <vector>
 
 #include "moecore/model/params.h"
+#include "moecore/train/checkpoint_meta.h"
 
 namespace moecore {
 
-struct TrainingState {
-  int64_t iteration = 0;
-  int64_t consumed_samples = 0;
-  int64_t skipped_iterations = 0;
-  int64_t nan_iterations = 0;
-  std::vector<std::pair<std::string, std::string>> args;  // the train flags (meta.json "args")
-  bool model_only = false;  // a "moecore-model-v1" checkpoint: weights without optimizer state
-  // Iterations (less skipped ones) before this run's AdamW moments and learning-rate schedule
-  // began: --no-load-optim starts both afresh at a loaded iteration (meta.json "optimizer_offset").
-  int64_t optimizer_offset = 0;
-};
 
 // True when dir is a checkpoint (iter_* with meta.json) or a save directory that names one or
 // holds a complete iter_* checkpoint.

@@ -76,22 +76,27 @@ void TrainMetrics::start_interval() {
   interval_excluded_ms_ = 0;
 }
 
+StepHealth step_health(const StepResult& step, bool have_previous, double previous_loss) {
+  if (step.skipped) return StepHealth::kLearning;  // reported as a NaN/Inf step
+  if (step.grad_sq == 0.0) return StepHealth::kZeroGradients;
+  if (have_previous && step.lm_loss == previous_loss && step.grad_norm < 1e-8) return StepHealth::kConstantLoss;
+  return StepHealth::kLearning;
+}
+
 void TrainMetrics::check_health(int64_t it, const StepResult& step, bool log_now) {
   if (step.skipped) return;  // reported as a NaN/Inf step
-  // A step that cannot change the model: every gradient exactly zero, or the loss bit-identical to
-  // the previous step's with a vanishing gradient norm (a saturated model, e.g. a huge
-  // --init-method-std). Reported at the first such step and then at each log step while it lasts.
-  const bool zero_grads = step.grad_sq == 0.0;
-  const bool stuck = have_previous_loss_ && step.lm_loss == previous_loss_ && step.grad_norm < 1e-8;
+  // A step that cannot change the model (a saturated model, e.g. a huge --init-method-std):
+  // reported at the first such step and then at each log step while it lasts.
+  const StepHealth health = step_health(step, have_previous_loss_, previous_loss_);
   previous_loss_ = step.lm_loss;
   have_previous_loss_ = true;
-  if (!zero_grads && !stuck) {
+  if (health == StepHealth::kLearning) {
     stalled_steps_ = 0;
     return;
   }
   ++stalled_steps_;
   if (!logger_ || (stalled_steps_ > 1 && !log_now)) return;
-  if (zero_grads)
+  if (health == StepHealth::kZeroGradients)
     std::printf("warning: iteration %lld: every gradient is zero (grad norm 0; %lld such step(s) in a row): the "
                 "model does not learn; check --init-method-std, --lr and the data\n",
                 static_cast<long long>(it), static_cast<long long>(stalled_steps_));

@@ -25,6 +25,13 @@ namespace moecore {
 // Whether step `it` ends a log interval (every --log-interval steps and the last step).
 bool is_log_step(const TrainArgs& args, int64_t it);
 
+// What a step says about training health (TrainMetrics warns about the last two): a step that
+// cannot change the model has every gradient exactly zero, or the loss bit-identical to the
+// previous step's (previous_loss, when have_previous) with a gradient norm below 1e-8.
+// A skipped (NaN/Inf) step is kLearning here: it is reported as such.
+enum class StepHealth { kLearning, kZeroGradients, kConstantLoss };
+StepHealth step_health(const StepResult& step, bool have_previous, double previous_loss);
+
 class TrainMetrics {
  public:
   // Opens the TensorBoard writer and the metrics file on the logging rank (an Error naming
