@@ -20,7 +20,7 @@ struct Watch {
   Clock::time_point since;
   std::atomic<double> timeout_s{0};
   int rank = 0;
-  bool started = false;
+  std::atomic<bool> started{false};  // read without the lock by every wait
 };
 
 Watch& watch() {
