@@ -162,6 +162,55 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionGrad,
                                   std::to_string(i.param.Hkv) + "_D" + std::to_string(i.param.D);
                          });
 
+// A value head dim Dv unlike D (Multi-Latent Attention): the output equals the Dv = D op run
+// with v zero-padded to D, first Dv columns; gradients against f64 finite differences.
+TEST(Attention, ValueHeadDimMayDiffer) {
+  for (const auto& [D, Dv] : std::vector<std::pair<int64_t, int64_t>>{{5, 3}, {3, 6}}) {
+    const Dims d{2, 6, 4, 2, D};
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    Tensor q = random_tensor({d.B, d.S, d.Hq, D}, DType::F64, Device::cpu(), -2, 2);
+    Tensor k = random_tensor({d.B, d.S, d.Hkv, D}, DType::F64, Device::cpu(), -2, 2);
+    Tensor v = random_tensor({d.B, d.S, d.Hkv, Dv}, DType::F64);
+    const Shape out_shape{d.B, d.S, d.Hq, Dv}, lse_shape{d.B, d.Hq, d.S};
+    Tensor out = Tensor::empty(out_shape, DType::F64), lse = Tensor::empty(lse_shape, DType::F64);
+    ops::attention_forward(q, k, v, scale, out, lse);
+    // The reference pads (or truncates) v to D columns; with Dv > D the wide value is split in
+    // two D-wide halves that share P.
+    const std::vector<double> vv = to_doubles(v);
+    std::vector<double> expect(static_cast<size_t>(d.B * d.S * d.Hq * Dv));
+    for (int64_t c0 = 0; c0 < Dv; c0 += D) {
+      std::vector<double> vpad(static_cast<size_t>(d.B * d.S * d.Hkv * D), 0.0);
+      for (int64_t r = 0; r < d.B * d.S * d.Hkv; ++r)
+        for (int64_t i = 0; i < D && c0 + i < Dv; ++i) vpad[r * D + i] = vv[r * Dv + c0 + i];
+      std::vector<double> ref_out, ref_lse;
+      reference_attention(d, to_doubles(q), to_doubles(k), vpad, scale, ref_out, ref_lse);
+      for (int64_t r = 0; r < d.B * d.S * d.Hq; ++r)
+        for (int64_t i = 0; i < D && c0 + i < Dv; ++i) expect[r * Dv + c0 + i] = ref_out[r * D + i];
+      EXPECT_TRUE(allclose(lse, Tensor::from_vector(ref_lse, lse_shape), {1e-12, 1e-12}));
+    }
+    EXPECT_TRUE(allclose(out, Tensor::from_vector(expect, out_shape), {1e-12, 1e-12})) << "D " << D << " Dv " << Dv;
+
+    GradCheckOptions opt;
+    opt.max_elements = 1000;
+    expect_gradients_match(
+        {q, k, v},
+        [&](const std::vector<Tensor>& in) {
+          Tensor o = Tensor::empty(out_shape, DType::F64), l = Tensor::empty(lse_shape, DType::F64);
+          ops::attention_forward(in[0], in[1], in[2], scale, o, l);
+          return std::vector<Tensor>{o};
+        },
+        [&](const std::vector<Tensor>& in, const std::vector<Tensor>& dout) {
+          Tensor o = Tensor::empty(out_shape, DType::F64), l = Tensor::empty(lse_shape, DType::F64);
+          ops::attention_forward(in[0], in[1], in[2], scale, o, l);
+          Tensor dq = poisoned(in[0].shape(), DType::F64), dk = poisoned(in[1].shape(), DType::F64),
+                 dv = poisoned(in[2].shape(), DType::F64);
+          ops::attention_backward(in[0], in[1], in[2], o, l, dout[0], scale, dq, dk, dv);
+          return std::vector<Tensor>{dq, dk, dv};
+        },
+        opt);
+  }
+}
+
 TEST(Attention, LowPrecisionBackwardAgreesWithF64) {
   // f32 and bf16 backward against the f64 one on the same (exactly representable) inputs.
   const Dims d{2, 17, 4, 2, 8};
@@ -217,9 +266,12 @@ TEST(Attention, RejectsBadShapes) {
                "attention_forward: key/value sequence length Sk = 4 must be >= query sequence length Sq = 5");
   expect_error([&] { ops::attention_forward(q, Tensor::zeros({2, 5, 2, 4}, f32), v, 0.3, out, lse); },
                "head dim D differs");
-  // v unlike k, wrong ranks, outputs of the wrong shape or dtype
+  // v unlike k in [B, Sk, Hkv]; out not shaped by v's head dim; wrong ranks; outputs of the
+  // wrong shape or dtype
+  expect_error([&] { ops::attention_forward(q, k, Tensor::zeros({2, 5, 1, 8}, f32), 0.3, out, lse); },
+               "'k' and 'v' must agree in [B, Sk, Hkv]: 'k' has shape (2, 5, 2, 8) but 'v' has shape (2, 5, 1, 8)");
   expect_error([&] { ops::attention_forward(q, k, Tensor::zeros({2, 5, 2, 7}, f32), 0.3, out, lse); },
-               "'k' has shape (2, 5, 2, 8) but 'v' has shape (2, 5, 2, 7)");
+               "argument 'out' has shape (2, 5, 4, 8); expected (2, 5, 4, 7)");
   expect_error([&] { ops::attention_forward(Tensor::zeros({10, 4, 8}, f32), k, v, 0.3, out, lse); },
                "'q' must be [B, S, Hq, D]");
   Tensor bad_lse = Tensor::zeros({2, 5, 4}, f32);

@@ -1,7 +1,10 @@
 // Causal scaled-dot-product attention with grouped-query heads (GQA), forward and backward.
 //
 // Shapes (row-major, contiguous):
-//   q, out, dout, dq  [B, Sq, Hq, D]     k, v, dk, dv  [B, Sk, Hkv, D]     lse  [B, Hq, Sq]
+//   q, dq  [B, Sq, Hq, D]   k, dk  [B, Sk, Hkv, D]   v, dv  [B, Sk, Hkv, Dv]
+//   out, dout  [B, Sq, Hq, Dv]   lse  [B, Hq, Sq]
+// The value head dim Dv may differ from the query/key head dim D (Multi-Latent Attention:
+// D = 192, Dv = 128); ordinary attention has Dv = D.
 // with Sk >= Sq. Hq % Hkv == 0; query head h reads kv head h / (Hq / Hkv) (a group of Hq / Hkv
 // query heads shares one kv head).
 // Causal with bottom-right alignment (flash-attention's): the Sq queries are the LAST Sq
@@ -23,8 +26,8 @@
 // (CPU only, for gradient checks). lse is f32 (f64 for f64 inputs). Arithmetic is fp32 (f64
 // for f64); bf16 rounding happens only when outputs are stored.
 //
-// Backends: the CPU evaluates the formulas row by row (OpenMP over (b, head, s)), any D.
-// CUDA has three paths, all deterministic (no atomics):
+// Backends: the CPU evaluates the formulas row by row (OpenMP over (b, head, s)), any D and Dv.
+// CUDA (Dv = D only, for now) has three paths, all deterministic (no atomics):
 //   flash (default where supported: bf16, D in {64, 128}; any Sq <= Sk, any group) fused
 //         flash-attention kernels on tensor cores (mma.sync m16n8k16 bf16 -> fp32, ldmatrix):
 //         forward per (b, q head, 128-query tile) with online softmax over the 64-key tiles up
@@ -73,10 +76,12 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 // Sizes as validated by the public functions. `seq` is the query length Sq; `kv_seq` the key /
 // value length Sk >= Sq (the public functions always set it; 0, the default of a five-value
-// initializer, means Sk = Sq).
+// initializer, means Sk = Sq); `v_head_dim` likewise (0 means Dv = D).
 struct AttentionDims {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
   int64_t kv_seq = 0;
+  int64_t v_head_dim = 0;
+  int64_t value_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }  // Dv
   int64_t group() const { return q_heads / kv_heads; }      // query heads per kv head
   int64_t keys() const { return kv_seq > 0 ? kv_seq : seq; }  // Sk
   int64_t offset() const { return keys() - seq; }            // o = Sk - Sq: query s sees keys t <= s + o
