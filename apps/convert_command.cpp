@@ -16,6 +16,8 @@ int run_convert(const std::vector<std::string>& argv) {
   flags.add_string("input", &o.input, "source: an HF model directory or a moecore checkpoint directory");
   flags.add_string("output", &o.output, "target directory");
   flags.add_string("max-shard-size", &o.max_shard_size, "largest safetensors shard written for --to hf (e.g. 500MB, 5GB)");
+  flags.add_double("progress-interval", &o.progress_interval_s,
+                   "seconds between progress lines on stderr (bytes read and written, rate, ETA; 0: none)");
   flags.parse(argv);
   if (flags.help_requested()) {
     std::printf("%s", flags.help().c_str());

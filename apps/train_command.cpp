@@ -195,8 +195,8 @@ void register_parallel_flags(cli::FlagSet& f, TrainArgs& a) {
              "with the distributed optimizer: all-gather the updated parameters layer by layer on the communication "
              "stream; the next forward waits for each layer's just before using it (needs --overlap-grad-reduce)");
   f.add_double("distributed-timeout-minutes", &a.distributed_timeout_minutes,
-               "a collective that waits longer ends every rank with a message naming it and its group (MPI ranks; "
-               "fractions allowed)");
+               "a collective that waits longer ends every rank with a message naming it and its group (fractions "
+               "allowed; GPU ranks are watched only when the flag is given)");
   f.add_choice("moe-token-dispatcher-type", &a.token_dispatcher, {"allgather", "alltoall", "flex"},
                "expert-parallel token dispatch: allgather (default) or alltoall");
 }
@@ -721,9 +721,7 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   if (use.before_finalize) use.before_finalize(a);
   finalize_train_args(a);  // first: flags refused by name (features not available) say so
   check_moe_flags_need_experts(flags, a);
-  MC_CHECK(!flags.given("distributed-timeout-minutes") || !a.device.is_cuda() || a.world == 1,
-           "--distributed-timeout-minutes: in this version the watchdog watches MPI (CPU) ranks; NCCL collectives on "
-           "GPUs are not watched; drop the flag");
+  a.watch_nccl_collectives = flags.given("distributed-timeout-minutes");
   return a;
 }
 

@@ -3,7 +3,9 @@
 # throughput table. Usage: scripts/gpu-dist.sh [build-dir] [all|check|perf]
 #   check: the dist test binary under mpirun -np 2 (CommNccl.* incl. the token dispatchers on
 #          device tensors); tests/gpu/train_parallel_gpu.sh (fp32 tiny MoE: DP=2, EP=2 and PP=2
-#          layouts print the one-GPU losses); tests/gpu/train_torchrun_gpu.sh (the same under
+#          layouts print the one-GPU losses); tests/gpu/train_nccl_timeout_gpu.sh
+#          (--distributed-timeout-minutes: a stopped GPU rank ends the job with the watchdog's
+#          message); tests/gpu/train_torchrun_gpu.sh (the same under
 #          torchrun, NCCL bootstrapped over TCP)
 #   perf:  bench_comm (NCCL all-to-all / all-reduce / all-gather bus bandwidth at dispatch sizes)
 #          on 2 and, with 4+ GPUs, 4 ranks; mixtral-small (bf16, global batch 16) on one GPU,
@@ -46,6 +48,9 @@ if [ "$what" != perf ]; then
   step train_bf16_sharded_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_bf16_sharded_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "same|differ" "$build/train_bf16_sharded_gpu.log" || true
+  step train_nccl_timeout_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_nccl_timeout_gpu.sh "$build/moecore" . \
+    "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
+  grep -E "same losses|waited|PASS" "$build/train_nccl_timeout_gpu.log" || true
   step train_torchrun_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_torchrun_gpu.sh "$build/moecore" .
   grep -E "same|differ|torchrun" "$build/train_torchrun_gpu.log" | tail -8 || true
 fi

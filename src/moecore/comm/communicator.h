@@ -92,6 +92,17 @@ class Communicator {
 
   virtual void group_start() = 0;
   virtual void group_end() = 0;
+
+  // The roles this communicator plays ("dp", "ep", ...; parallel::ProcessGroups adds them), so that
+  // the collective watchdog names "the dp group of world ranks 0,1". Only before collectives start.
+  void add_role(const std::string& role);
+  const std::string& roles() const { return roles_; }  // "dp/edp"; "" when none
+
+ protected:
+  virtual void roles_changed() {}
+
+ private:
+  std::string roles_;
 };
 
 // A duplicate of MPI_COMM_WORLD (errors returned). Needs moecore::mpi_init first.
@@ -123,6 +134,8 @@ void check_all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts,
 // split: non-empty, in range, no duplicates, contains `rank`.
 void check_split(const std::vector<int64_t>& ranks, int rank, int size);
 std::string dtypes_str(const std::vector<DType>& ds);  // "f32, bf16, i32"
+// "the dp group of world ranks 0,2,4,6" (roles "" -> "the group of ..."; the first 16 ranks listed).
+std::string describe_group(const std::string& roles, const std::vector<int>& world_ranks);
 }  // namespace detail
 
 }  // namespace moecore::comm

@@ -100,7 +100,24 @@ void check_split(const std::vector<int64_t>& ranks, int rank, int size) {
            ") is not in the rank list, expected only members of the new group to call split");
 }
 
+std::string describe_group(const std::string& roles, const std::vector<int>& world_ranks) {
+  std::string text = "the " + (roles.empty() ? std::string() : roles + " ") + "group of ";
+  if (world_ranks.empty()) return text + "ranks unknown to MPI";
+  text += "world ranks ";
+  for (size_t i = 0; i < world_ranks.size() && i < 16; ++i) {
+    if (i > 0) text += ',';
+    text += std::to_string(world_ranks[i]);
+  }
+  if (world_ranks.size() > 16) text += ",... (" + std::to_string(world_ranks.size()) + " ranks)";
+  return text;
+}
 }  // namespace detail
+
+void Communicator::add_role(const std::string& role) {
+  if (("/" + roles_ + "/").find("/" + role + "/") != std::string::npos) return;
+  roles_ += (roles_.empty() ? "" : "/") + role;
+  roles_changed();
+}
 
 // ---- MPI backend ------------------------------------------------------------------------
 namespace {
@@ -180,33 +197,26 @@ void divide(const Tensor& t, int n) {
 
 }  // namespace
 
-namespace {
-// "the group of world ranks 0,2,4,6" (the first 16 listed), as the watchdog names a group.
-std::string describe_group(MPI_Comm comm, int size) {
+std::vector<int> mpi_world_ranks(MPI_Comm comm, int size) {
   MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
   std::vector<int> mine(static_cast<size_t>(size)), in_world(static_cast<size_t>(size), -1);
   for (int i = 0; i < size; ++i) mine[static_cast<size_t>(i)] = i;
-  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS || MPI_Comm_group(MPI_COMM_WORLD, &world) != MPI_SUCCESS)
-    return "a group of " + std::to_string(size) + " ranks";
+  if (MPI_Comm_group(comm, &group) != MPI_SUCCESS || MPI_Comm_group(MPI_COMM_WORLD, &world) != MPI_SUCCESS) return {};
   MPI_Group_translate_ranks(group, size, mine.data(), world, in_world.data());
   MPI_Group_free(&group);
   MPI_Group_free(&world);
-  std::string text = "the group of world ranks ";
-  for (int i = 0; i < size && i < 16; ++i) {
-    if (i > 0) text += ',';
-    text += std::to_string(in_world[static_cast<size_t>(i)]);
-  }
-  if (size > 16) text += ",... (" + std::to_string(size) + " ranks)";
-  return text;
+  return in_world;
 }
-}  // namespace
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm) : comm_(comm) {
   MC_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   MC_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   MC_MPI_CHECK(MPI_Comm_size(comm_, &size_));
-  group_name_ = describe_group(comm_, size_);
+  world_ranks_ = mpi_world_ranks(comm_, size_);
+  roles_changed();
 }
+
+void MpiCommunicator::roles_changed() { group_name_ = detail::describe_group(roles(), world_ranks_); }
 
 MpiCommunicator::~MpiCommunicator() {
   int finalized = 0;

@@ -54,6 +54,7 @@ class MpiCommunicator final : public Communicator {
     std::function<void()> finish;    // runs after the request completes (may be empty)
     const char* collective = "";     // its name, for the watchdog (collective_watchdog.h)
   };
+  void roles_changed() override;
   void issue(Pending p, const char* collective);  // registers p; completes everything when not in a group
   void complete_all();
 
@@ -61,7 +62,11 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   int group_depth_ = 0;
   std::vector<Pending> pending_;
-  std::string group_name_;  // the world ranks of this group, as the watchdog names it
+  std::vector<int> world_ranks_;  // of each rank of this group
+  std::string group_name_;        // its roles and world ranks, as the watchdog names it
 };
+
+// The MPI_COMM_WORLD rank of each rank of `comm` (empty if MPI cannot tell).
+std::vector<int> mpi_world_ranks(MPI_Comm comm, int size);
 
 }  // namespace moecore::comm

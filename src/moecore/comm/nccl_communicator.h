@@ -21,6 +21,13 @@
 // pair per peer with a non-zero count. Avg uses ncclAvg. A communicator destroyed while an
 // exception unwinds is aborted (ncclCommAbort) instead of destroyed, so a failing rank does
 // not wait for peers that will never join its last collective.
+// Watchdog (--distributed-timeout-minutes): a communicator created after set_collective_timeout
+// (collective_watchdog.h) records a CUDA event behind each collective it enqueues (behind a whole
+// group at the outermost group_end) through NcclInFlight (nccl_in_flight.h), whose watchdog thread
+// ends the job, after ncclCommAbort, when one runs longer than the timeout or NCCL reports an
+// asynchronous error; the host's part of each call is watched too (WatchedWait: NCCL connects to
+// peers lazily inside the first call). A communicator created before set_collective_timeout, or
+// without it, records nothing.
 #pragma once
 
 #if MOECORE_WITH_CUDA
@@ -31,6 +38,7 @@
 #include <vector>
 
 #include "moecore/comm/communicator.h"
+#include "moecore/comm/nccl_in_flight.h"
 
 namespace moecore::comm {
 
@@ -67,8 +75,16 @@ class NcclCommunicator final : public Communicator {
 
  private:
   struct Adopt {};
-  NcclCommunicator(Adopt, ncclComm_t comm, Device device);  // takes over a split's ncclComm_t
+  // Takes over a split's ncclComm_t; world_ranks: the world rank of each of its ranks.
+  NcclCommunicator(Adopt, ncclComm_t comm, Device device, std::vector<int> world_ranks);
   void* stream() const;  // cudaStream_t of the current stream of device_
+  void start_watch();    // creates in_flight_ when the watchdog runs
+  void roles_changed() override;
+  // After `collective` was enqueued: tracked now, or at the outermost group_end inside a group.
+  void issued(const char* collective) {
+    if (in_flight_) track(collective);
+  }
+  void track(const char* collective);
   std::unique_ptr<Communicator> split_without_mpi(const std::vector<int64_t>& ranks);
 
   MPI_Comm mpi_ = MPI_COMM_NULL;
@@ -76,6 +92,10 @@ class NcclCommunicator final : public Communicator {
   Device device_;
   int rank_ = 0, size_ = 1;
   int group_depth_ = 0;
+  std::vector<int> world_ranks_;            // of each rank of this communicator
+  std::unique_ptr<NcclInFlight> in_flight_;  // null unless the watchdog runs
+  std::string group_name_;                  // its roles and world ranks (set while watched)
+  const char* grouped_ = nullptr;           // the collective(s) issued in the open group
 };
 
 }  // namespace moecore::comm

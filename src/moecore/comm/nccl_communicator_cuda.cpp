@@ -4,8 +4,11 @@
 #include <cstring>
 #include <exception>
 #include <numeric>
+#include <optional>
 
 #include "moecore/comm/bootstrap.h"
+#include "moecore/comm/collective_watchdog.h"
+#include "moecore/comm/mpi_communicator.h"
 #include "moecore/comm/tcp_rendezvous.h"
 #include "moecore/core/cuda_check.h"
 #include "moecore/core/mpi_check.h"
@@ -55,20 +58,47 @@ NcclCommunicator::NcclCommunicator(MPI_Comm mpi_comm, Device device) : mpi_(mpi_
     MPI_Comm_free(&mpi_);
     throw;
   }
+  world_ranks_ = mpi_world_ranks(mpi_, size_);
+  start_watch();
 }
 
 NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int rank, int size, Device device)
     : device_(device), rank_(rank), size_(size) {
   set_current_device(device_);
   MC_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+  for (int r = 0; r < size_; ++r) world_ranks_.push_back(r);  // the world itself
+  start_watch();
 }
 
-NcclCommunicator::NcclCommunicator(Adopt, ncclComm_t comm, Device device) : comm_(comm), device_(device) {
+NcclCommunicator::NcclCommunicator(Adopt, ncclComm_t comm, Device device, std::vector<int> world_ranks)
+    : comm_(comm), device_(device), world_ranks_(std::move(world_ranks)) {
   MC_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
   MC_NCCL_CHECK(ncclCommCount(comm_, &size_));
+  start_watch();
+}
+
+void NcclCommunicator::start_watch() {
+  if (!collective_watchdog_started()) return;
+  group_name_ = detail::describe_group(roles(), world_ranks_);
+  in_flight_ = std::make_unique<NcclInFlight>(comm_, device_.index, group_name_);
+}
+
+void NcclCommunicator::roles_changed() {
+  if (!in_flight_) return;
+  group_name_ = detail::describe_group(roles(), world_ranks_);
+  in_flight_->set_group(group_name_);
+}
+
+void NcclCommunicator::track(const char* collective) {
+  if (group_depth_ > 0) {  // recorded behind the whole group at the outermost group_end
+    grouped_ = grouped_ ? "a group of collectives" : collective;
+    return;
+  }
+  in_flight_->issued(collective, static_cast<cudaStream_t>(stream()));
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  in_flight_.reset();  // the watchdog stops polling comm_ before it goes
   // Unwinding from an error: the peers may never join this rank's last collectives, and
   // ncclCommDestroy would wait for them; ncclCommAbort does not.
   if (comm_) std::uncaught_exceptions() > 0 ? ncclCommAbort(comm_) : ncclCommDestroy(comm_);
@@ -81,12 +111,19 @@ NcclCommunicator::~NcclCommunicator() {
 void* NcclCommunicator::stream() const { return current_stream(device_).handle(); }
 
 #define MC_NCCL_STREAM static_cast<cudaStream_t>(stream())
+// With the watchdog on, the host's part of a call is watched too (WatchedWait): NCCL connects to
+// the peers lazily inside the first collective with them, and a group's end may wait for them.
+#define MC_NCCL_WATCH_HOST(collective)  \
+  std::optional<WatchedWait> host_wait_; \
+  if (in_flight_) host_wait_.emplace(collective, group_name_)
 
 void NcclCommunicator::all_reduce(Tensor& t, ReduceOp op) {
   detail::check_tensor("all_reduce", "t", t, device_, kNcclDtypes);
   detail::check_reduce_op("all_reduce", t.dtype(), op);
+  MC_NCCL_WATCH_HOST("all_reduce");
   MC_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), count(t), nccl_type(t.dtype()), nccl_op(op), comm_,
                               MC_NCCL_STREAM));
+  issued("all_reduce");
 }
 
 void NcclCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
@@ -95,8 +132,10 @@ void NcclCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op
   detail::check_same_dtype("reduce_scatter", in, out);
   detail::check_rows_multiple("reduce_scatter", "in", in, "out", out, size_);
   detail::check_reduce_op("reduce_scatter", in.dtype(), op);
+  MC_NCCL_WATCH_HOST("reduce_scatter");
   MC_NCCL_CHECK(ncclReduceScatter(in.data_ptr(), out.data_ptr(), count(out), nccl_type(in.dtype()), nccl_op(op), comm_,
                                   MC_NCCL_STREAM));
+  issued("reduce_scatter");
 }
 
 void NcclCommunicator::all_gather(const Tensor& in, Tensor& out) {
@@ -104,7 +143,9 @@ void NcclCommunicator::all_gather(const Tensor& in, Tensor& out) {
   detail::check_tensor("all_gather", "out", out, device_, kNcclDtypes);
   detail::check_same_dtype("all_gather", in, out);
   detail::check_rows_multiple("all_gather", "out", out, "in", in, size_);
+  MC_NCCL_WATCH_HOST("all_gather");
   MC_NCCL_CHECK(ncclAllGather(in.data_ptr(), out.data_ptr(), count(in), nccl_type(in.dtype()), comm_, MC_NCCL_STREAM));
+  issued("all_gather");
 }
 
 void NcclCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
@@ -119,6 +160,7 @@ void NcclCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& 
   const cudaStream_t s = MC_NCCL_STREAM;
   char* src = static_cast<char*>(in.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
+  MC_NCCL_WATCH_HOST("all_to_all");
   MC_NCCL_CHECK(ncclGroupStart());
   for (int r = 0; r < size_; ++r) {
     if (send_counts[r] > 0)
@@ -129,6 +171,7 @@ void NcclCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& 
     dst += recv_counts[r] * row_bytes;
   }
   MC_NCCL_CHECK(ncclGroupEnd());
+  issued("all_to_all");
 }
 
 void NcclCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
@@ -136,14 +179,18 @@ void NcclCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
   detail::check_peer("reduce", "root", root, size_);
   detail::check_reduce_op("reduce", t.dtype(), op);
   // In place at the root; NCCL reads sendbuff everywhere and writes recvbuff only at the root.
+  MC_NCCL_WATCH_HOST("reduce");
   MC_NCCL_CHECK(ncclReduce(t.data_ptr(), t.data_ptr(), count(t), nccl_type(t.dtype()), nccl_op(op), root, comm_,
                            MC_NCCL_STREAM));
+  issued("reduce");
 }
 
 void NcclCommunicator::broadcast(Tensor& t, int root) {
   detail::check_tensor("broadcast", "t", t, device_, kNcclDtypes);
   detail::check_peer("broadcast", "root", root, size_);
+  MC_NCCL_WATCH_HOST("broadcast");
   MC_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), count(t), nccl_type(t.dtype()), root, comm_, MC_NCCL_STREAM));
+  issued("broadcast");
 }
 
 void NcclCommunicator::send(const Tensor& t, int peer) {
@@ -151,7 +198,9 @@ void NcclCommunicator::send(const Tensor& t, int peer) {
   detail::check_peer("send", "peer", peer, size_);
   MC_CHECK(peer != rank_ || group_depth_ > 0, "comm send: peer ", peer,
            " is this rank, expected another rank (sending to itself needs group_start/group_end)");
+  MC_NCCL_WATCH_HOST("send");
   MC_NCCL_CHECK(ncclSend(t.data_ptr(), count(t), nccl_type(t.dtype()), peer, comm_, MC_NCCL_STREAM));
+  issued("send");
 }
 
 void NcclCommunicator::recv(Tensor& t, int peer) {
@@ -159,20 +208,25 @@ void NcclCommunicator::recv(Tensor& t, int peer) {
   detail::check_peer("recv", "peer", peer, size_);
   MC_CHECK(peer != rank_ || group_depth_ > 0, "comm recv: peer ", peer,
            " is this rank, expected another rank (receiving from itself needs group_start/group_end)");
+  MC_NCCL_WATCH_HOST("recv");
   MC_NCCL_CHECK(ncclRecv(t.data_ptr(), count(t), nccl_type(t.dtype()), peer, comm_, MC_NCCL_STREAM));
+  issued("recv");
 }
 
 void NcclCommunicator::barrier() {
   MC_CHECK(group_depth_ == 0, "comm barrier: called inside group_start/group_end, expected it outside a group");
   if (mpi_ == MPI_COMM_NULL) {  // TCP bootstrap: a 1-element all-reduce stands in for MPI_Barrier
     Tensor token = Tensor::zeros({1}, DType::I32, device_);
+    MC_NCCL_WATCH_HOST("barrier");
     MC_NCCL_CHECK(ncclAllReduce(token.data_ptr(), token.data_ptr(), 1, ncclInt32, ncclSum, comm_, MC_NCCL_STREAM));
+    issued("barrier");
     count_host_synchronization();
     MC_CUDA_CHECK(cudaStreamSynchronize(MC_NCCL_STREAM));
     return;
   }
   count_host_synchronization();
   MC_CUDA_CHECK(cudaStreamSynchronize(MC_NCCL_STREAM));
+  MC_NCCL_WATCH_HOST("barrier");
   MC_MPI_CHECK(MPI_Barrier(mpi_));
 }
 
@@ -183,7 +237,9 @@ std::unique_ptr<Communicator> NcclCommunicator::split_without_mpi(const std::vec
   const int key = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
   ncclComm_t sub = nullptr;
   MC_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
-  auto out = std::unique_ptr<NcclCommunicator>(new NcclCommunicator(Adopt{}, sub, device_));
+  std::vector<int> world_ranks;
+  for (int64_t r : ranks) world_ranks.push_back(world_ranks_[static_cast<size_t>(r)]);
+  auto out = std::unique_ptr<NcclCommunicator>(new NcclCommunicator(Adopt{}, sub, device_, std::move(world_ranks)));
   MC_CHECK(out->size() == static_cast<int>(ranks.size()) && out->rank() == key, "comm split: NCCL made a group of ",
            out->size(), " ranks in which this rank (", rank_, ") is rank ", out->rank(), ", expected ", ranks.size(),
            " ranks with this rank at position ", key, ": without MPI (torchrun) every rank of the parent must call "
@@ -219,7 +275,13 @@ void NcclCommunicator::group_start() {
 void NcclCommunicator::group_end() {
   MC_CHECK(group_depth_ > 0, "comm group_end: no open group, expected a group_start() before it");
   --group_depth_;
+  MC_NCCL_WATCH_HOST(group_depth_ == 0 && grouped_ ? grouped_ : "a group of collectives");
   MC_NCCL_CHECK(ncclGroupEnd());
+  if (group_depth_ == 0 && grouped_) {
+    const char* collective = grouped_;
+    grouped_ = nullptr;
+    issued(collective);
+  }
 }
 
 std::unique_ptr<Communicator> make_nccl_world(Device device) {

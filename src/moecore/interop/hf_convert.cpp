@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -14,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moecore/core/error.h"
+#include "moecore/core/progress.h"
 #include "moecore/data/tokenizer.h"
 #include "moecore/interop/safetensors.h"
 #include "moecore/train/arguments.h"
@@ -279,7 +281,31 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
   };
 }
 
-void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir, const TrainFlagCodec& codec) {
+namespace {
+// One progress line over a conversion's bytes: those read (each source tensor), then those written
+// (each target tensor); the total is both, so the ETA covers the whole conversion.
+class ConvertMeter {
+ public:
+  ConvertMeter(const ConvertProgress& p, uint64_t read_bytes, size_t read_tensors, uint64_t write_bytes,
+               size_t write_tensors)
+      : line_("convert", static_cast<double>(read_bytes + write_bytes), "B", p.out, p.interval_s),
+        read_tensors_(read_tensors), write_tensors_(write_tensors) {}
+  void read(uint64_t bytes) { step(bytes, "reading", ++read_, read_tensors_); }
+  void wrote(uint64_t bytes) { step(bytes, "writing", ++written_, write_tensors_); }
+
+ private:
+  void step(uint64_t bytes, const char* what, size_t n, size_t of) {
+    done_ += static_cast<double>(bytes);
+    line_.update(done_, std::string(what) + " tensor " + std::to_string(n) + "/" + std::to_string(of));
+  }
+  ProgressLine line_;
+  size_t read_tensors_, write_tensors_, read_ = 0, written_ = 0;
+  double done_ = 0;
+};
+}  // namespace
+
+void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir, const TrainFlagCodec& codec,
+                           const ConvertProgress& progress) {
   const std::string origin = "HF checkpoint '" + hf_dir + "'";
   const json cfg = read_json_file(fs::path(hf_dir) / "config.json");
   const Arch arch = arch_of(cfg, origin);
@@ -302,6 +328,16 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
     MC_CHECK(expected.count(n), origin, " has tensor '", n, "' that a ", arch_name(arch),
              " with this config.json does not (unexpected tensor; not converted)");
 
+  uint64_t read_bytes = 0, write_bytes = 0;
+  size_t read_tensors = 0;
+  for (const Mapped& m : mapping) {
+    write_bytes += static_cast<uint64_t>(shape_numel(m.shape)) * 4;
+    for (const Part& p : m.parts) {
+      read_bytes += reader.has(p.hf) ? reader.info(p.hf).nbytes() : 0;
+      ++read_tensors;
+    }
+  }
+  ConvertMeter meter(progress, read_bytes, read_tensors, write_bytes, mapping.size());
   std::vector<NamedTensor> out;
   json dtypes = json::object(), order = json::array();
   for (const Mapped& m : mapping) {
@@ -319,6 +355,7 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
       dst += src.numel();
       dtypes[p.hf] = st_dtype_name(info.dtype);
       order.push_back(p.hf);
+      meter.read(info.nbytes());
     }
     out.push_back({m.ours, t});
   }
@@ -328,7 +365,7 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
     std::printf("tokenizer: %s, copied to %s\n", tok.type.c_str(), (fs::path(ckpt_dir) / "tokenizer" / name).c_str());
   }
   // The resolved values (as `moecore train` records them), so that a resuming run compares equal.
-  save_model_checkpoint(ckpt_dir, out, args.flag_values, source.dump());
+  save_model_checkpoint(ckpt_dir, out, args.flag_values, source.dump(), [&](uint64_t n) { meter.wrote(n); });
 }
 
 namespace {
@@ -424,7 +461,7 @@ std::vector<StWriteTensor> export_hf_f32(const ModelConfig& c, const std::string
 }
 
 void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes,
-                           const TrainFlagCodec& codec) {
+                           const TrainFlagCodec& codec, const ConvertProgress& progress) {
   const std::string origin = "checkpoint '" + ckpt_dir + "'";
   const TrainingState meta = read_checkpoint_meta(ckpt_dir);
   MC_CHECK(!meta.args.empty(), origin, " does not record the flags it was trained with");
@@ -443,6 +480,19 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
              " equivalent");
   }
   const json dtypes = source.value("dtypes", json::object());
+  const auto hf_dtype = [&](const std::string& hf) {
+    return dtypes.contains(hf) ? parse_st_dtype(dtypes[hf].get<std::string>(), origin) : StDType::F32;
+  };
+  uint64_t read_bytes = 0, write_bytes = 0;
+  size_t write_tensors = 0;
+  for (const Mapped& m : mapping) {
+    read_bytes += static_cast<uint64_t>(shape_numel(m.shape)) * 4;
+    for (const Part& p : m.parts) {
+      write_bytes += static_cast<uint64_t>(shape_numel(p.shape)) * st_dtype_size(hf_dtype(p.hf));
+      ++write_tensors;
+    }
+  }
+  ConvertMeter meter(progress, read_bytes, mapping.size(), write_bytes, write_tensors);
   std::vector<StWriteTensor> out;
   for (const Mapped& m : mapping) {
     const StTensorInfo& info = file.info(m.ours);
@@ -455,15 +505,16 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
       aligned.assign(n, 0.f);
       std::memcpy(aligned.data(), src, n * 4);
       src += n;
-      const StDType dt = dtypes.contains(p.hf) ? parse_st_dtype(dtypes[p.hf].get<std::string>(), origin) : StDType::F32;
+      const StDType dt = hf_dtype(p.hf);
       out.push_back({p.hf, dt, p.shape, f32_to_st_bytes(aligned.data(), n, dt)});
     }
+    meter.read(info.nbytes());
   }
   json cfg = source.contains("config") ? source["config"] : config_from_args(c, arch);
   std::error_code ec;
   fs::create_directories(hf_dir, ec);
   MC_CHECK(!ec, "cannot create '", hf_dir, "': ", ec.message());
-  write_safetensors_checkpoint(hf_dir, out, max_shard_bytes);
+  write_safetensors_checkpoint(hf_dir, out, max_shard_bytes, [&](uint64_t n) { meter.wrote(n); });
   std::ofstream f(fs::path(hf_dir) / "config.json", std::ios::trunc);
   f << cfg.dump(2) << "\n";
   f.close();
@@ -481,10 +532,12 @@ int convert(const ConvertOptions& o, const TrainFlagCodec& codec) {
   const std::string &from = o.from, &to = o.to, &input = o.input, &output = o.output;
   MC_CHECK(!input.empty() && !output.empty(), "moecore convert needs --input and --output");
   const uint64_t max_shard = parse_size(o.max_shard_size);
+  MC_CHECK(o.progress_interval_s >= 0, "--progress-interval ", o.progress_interval_s, " must be >= 0 seconds");
+  const ConvertProgress progress{&std::cerr, o.progress_interval_s};
   if (from == "hf" && to == "moecore") {
-    convert_hf_to_moecore(input, output, codec);
+    convert_hf_to_moecore(input, output, codec, progress);
   } else if (from == "moecore" && to == "hf") {
-    convert_moecore_to_hf(input, output, max_shard, codec);
+    convert_moecore_to_hf(input, output, max_shard, codec, progress);
   } else {
     MC_FAIL("moecore convert: --from '", from, "' --to '", to, "': expected --from hf --to moecore or --from moecore --to hf");
   }

@@ -42,6 +42,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <iosfwd>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,14 +57,25 @@ namespace moecore::interop {
 struct ConvertOptions {
   std::string from, to, input, output;
   std::string max_shard_size = "5GB";  // largest safetensors shard for --to hf ("500MB", "5GB")
+  double progress_interval_s = 1.0;    // --progress-interval: seconds between progress lines (0: none)
 };
-// Runs one conversion (hf -> moecore or moecore -> hf) and prints a line saying so. Returns 0;
-// errors throw. `codec` turns recorded train flags into a model config (train/arguments.h).
+// Runs one conversion (hf -> moecore or moecore -> hf) and prints a line saying so, with progress
+// lines on stderr while it runs. Returns 0; errors throw. `codec` turns recorded train flags into a
+// model config (train/arguments.h).
 int convert(const ConvertOptions& options, const TrainFlagCodec& codec);
 
-void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir, const TrainFlagCodec& codec);
+// Progress of one conversion (core/progress.h): a line about every interval_s seconds (none before
+// the first interval, so quick conversions stay quiet) over the bytes read and then written
+// ("convert: 1.2G/2.8G B (43.0%), 310.5M B/s, ETA 5s, reading tensor 120/291"). out == nullptr or
+// interval_s <= 0: silent.
+struct ConvertProgress {
+  std::ostream* out = nullptr;
+  double interval_s = 0;
+};
+void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_dir, const TrainFlagCodec& codec,
+                           const ConvertProgress& progress = {});
 void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_dir, uint64_t max_shard_bytes,
-                           const TrainFlagCodec& codec);
+                           const TrainFlagCodec& codec, const ConvertProgress& progress = {});
 
 // Our named tensors (parameters, or their gradients) -> F32 HF tensors of `architecture`
 // ("MixtralForCausalLM", ...) by the mapping above, in mapping order; get(ours) returns a

@@ -367,7 +367,8 @@ void SafetensorsStreamWriter::close() {
 }
 
 void write_safetensors_file(const std::string& path, const std::vector<StWriteTensor>& tensors,
-                            const std::map<std::string, std::string>& metadata) {
+                            const std::map<std::string, std::string>& metadata,
+                            const std::function<void(uint64_t bytes)>& wrote) {
   std::vector<StTensorSpec> specs;
   for (const StWriteTensor& t : tensors) {
     uint64_t numel = 1;
@@ -377,12 +378,16 @@ void write_safetensors_file(const std::string& path, const std::vector<StWriteTe
     specs.push_back({t.name, t.dtype, t.shape});
   }
   SafetensorsStreamWriter out(path, specs, metadata);
-  for (const StWriteTensor& t : tensors) out.write(t.name, t.bytes.data(), t.bytes.size());
+  for (const StWriteTensor& t : tensors) {
+    out.write(t.name, t.bytes.data(), t.bytes.size());
+    if (wrote) wrote(t.bytes.size());
+  }
   out.close();
 }
 
 std::vector<std::string> write_safetensors_checkpoint(const std::string& dir, const std::vector<StWriteTensor>& tensors,
-                                                      uint64_t max_shard_bytes) {
+                                                      uint64_t max_shard_bytes,
+                                                      const std::function<void(uint64_t bytes)>& wrote) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   MC_CHECK(!ec, "cannot create '", dir, "': ", ec.message());
@@ -409,7 +414,7 @@ std::vector<std::string> write_safetensors_checkpoint(const std::string& dir, co
   std::vector<std::string> written;
   if (shards.size() == 1) {
     const std::string path = (fs::path(dir) / "model.safetensors").string();
-    write_safetensors_file(path, tensors, {{"format", "pt"}});
+    write_safetensors_file(path, tensors, {{"format", "pt"}}, wrote);
     return {path};
   }
   nlohmann::ordered_json map = nlohmann::ordered_json::object();
@@ -422,7 +427,7 @@ std::vector<std::string> write_safetensors_checkpoint(const std::string& dir, co
       map[tensors[i].name] = name;
     }
     const std::string path = (fs::path(dir) / name).string();
-    write_safetensors_file(path, part, {{"format", "pt"}});
+    write_safetensors_file(path, part, {{"format", "pt"}}, wrote);
     written.push_back(path);
   }
   const nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};

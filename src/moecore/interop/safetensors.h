@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -99,9 +100,11 @@ struct StWriteTensor {
   std::vector<uint8_t> bytes;
 };
 
-// Writes one file (tensors in the given order, header space-padded to a multiple of 8).
+// Writes one file (tensors in the given order, header space-padded to a multiple of 8); wrote(n),
+// when given, is called after each tensor with its byte count (progress lines).
 void write_safetensors_file(const std::string& path, const std::vector<StWriteTensor>& tensors,
-                            const std::map<std::string, std::string>& metadata = {});
+                            const std::map<std::string, std::string>& metadata = {},
+                            const std::function<void(uint64_t bytes)>& wrote = {});
 
 // One file written tensor by tensor: the header (every tensor's name, dtype and shape, in file
 // order) goes first, then each tensor's bytes are written at their offset, in any order, each
@@ -134,9 +137,10 @@ class SafetensorsStreamWriter {
 // Writes `dir`/model.safetensors, or, when the tensors exceed max_shard_bytes, shards
 // model-0000i-of-0000K.safetensors (each at most max_shard_bytes unless one tensor is larger)
 // and model.safetensors.index.json, after removing such files left in `dir` by an earlier write.
-// Returns the files written (shards first).
+// Returns the files written (shards first). wrote: as for write_safetensors_file.
 std::vector<std::string> write_safetensors_checkpoint(const std::string& dir, const std::vector<StWriteTensor>& tensors,
-                                                      uint64_t max_shard_bytes);
+                                                      uint64_t max_shard_bytes,
+                                                      const std::function<void(uint64_t bytes)>& wrote = {});
 // "5GB", "500MB", "10KB", "123" (bytes); decimal units as HF (1GB = 1e9), "GiB"/"MiB" binary.
 uint64_t parse_size(const std::string& text);
 

@@ -14,22 +14,22 @@ ProcessGroups::ProcessGroups(std::unique_ptr<comm::Communicator> world, const Pa
            " ranks needs a world communicator");
   const ProcessGroupLayout& layout = layout_;
   // Every rank creates its groups in the same order (NCCL bootstraps them collectively).
-  dp_ = group(layout.dp, false);
-  pp_ = group(layout.pp, true);
+  dp_ = group(layout.dp, false, "dp");
+  pp_ = group(layout.pp, true, "pp");
   // Tensor and context parallelism: their own communicators (sequence-parallel and attention
   // collectives run on the compute stream); dense gradients reduce over DP x CP.
-  tp_ = group(layout.tp, true);
-  cp_ = group(layout.cp, true);
-  dp_cp_ = config.cp > 1 ? group(layout.dp_cp, false) : dp_;
+  tp_ = group(layout.tp, true, "tp");
+  cp_ = group(layout.cp, true, "cp");
+  dp_cp_ = config.cp > 1 ? group(layout.dp_cp, false, "dp_cp") : dp_;
   // The ranks sharing each sequence (MoE balancing counts): TP x CP.
-  token_group_ = config.tp > 1 && config.cp > 1 ? group(layout.tp_cp, true) : (tp_ ? tp_ : cp_);
-  ep_ = group(layout.ep, true);
-  edp_ = group(layout.expt_dp, false);
-  etp_ = group(layout.expt_tp, true);
-  tp_ep_ = config.etp > 1 ? group(layout.tp_ep, true) : nullptr;
+  token_group_ = config.tp > 1 && config.cp > 1 ? group(layout.tp_cp, true, "tp_cp") : (tp_ ? tp_ : cp_);
+  ep_ = group(layout.ep, true, "ep");
+  edp_ = group(layout.expt_dp, false, "edp");
+  etp_ = group(layout.expt_tp, true, "etp");
+  tp_ep_ = config.etp > 1 ? group(layout.tp_ep, true, "tp_ep") : nullptr;
   if (options.overlap_param_gather) {  // the parameter gathers' own communicators (optimizer.h)
-    dp_gather_ = group(config.cp > 1 ? layout.dp_cp : layout.dp, true);
-    edp_gather_ = group(layout.expt_dp, true);
+    dp_gather_ = group(config.cp > 1 ? layout.dp_cp : layout.dp, true, "dp_gather");
+    edp_gather_ = group(layout.expt_dp, true, "edp_gather");
   }
   // Tied embeddings across pipeline stages: the first and last stage of each pipeline group sum
   // their word-embedding gradients (Megatron's embedding group). Every rank splits (NCCL over TCP
@@ -38,16 +38,23 @@ ProcessGroups::ProcessGroups(std::unique_ptr<comm::Communicator> world, const Pa
     const int64_t first_rank = layout.pp.front(), last_rank = layout.pp.back();
     const bool member = rank == first_rank || rank == last_rank;
     owned_.push_back(world_->split(member ? std::vector<int64_t>{first_rank, last_rank} : std::vector<int64_t>{rank}));
-    if (member) embedding_ = owned_.back().get();
+    if (member) {
+      embedding_ = owned_.back().get();
+      embedding_->add_role("embedding");
+    }
   }
 }
 
 ProcessGroups::~ProcessGroups() = default;
 
-comm::Communicator* ProcessGroups::group(const std::vector<int64_t>& ranks, bool own) {
+comm::Communicator* ProcessGroups::group(const std::vector<int64_t>& ranks, bool own, const char* role) {
   if (ranks.size() <= 1) return nullptr;
-  if (!own && static_cast<int64_t>(ranks.size()) == world_size_) return world_.get();
+  if (!own && static_cast<int64_t>(ranks.size()) == world_size_) {
+    world_->add_role(role);
+    return world_.get();
+  }
   owned_.push_back(world_->split(ranks));
+  owned_.back()->add_role(role);
   return owned_.back().get();
 }
 

@@ -92,7 +92,7 @@ class ProcessGroups {
   // own: a communicator of its own even when the group is the whole world (EP all-to-alls run on
   // the compute stream while --overlap-grad-reduce uses the world on the communication stream;
   // pipeline transfers interleave with both).
-  comm::Communicator* group(const std::vector<int64_t>& ranks, bool own);
+  comm::Communicator* group(const std::vector<int64_t>& ranks, bool own, const char* role);  // role: "dp", ... (messages)
 
   std::unique_ptr<comm::Communicator> world_;
   std::vector<std::unique_ptr<comm::Communicator>> owned_;  // destroyed before world_

@@ -93,8 +93,10 @@ struct TrainArgs {
   // --decoder-first/last-pipeline-num-layers: uneven stages (0: not given; stage_layers in pipeline.h)
   int64_t first_stage_layers = 0, last_stage_layers = 0;
   bool use_distributed_optimizer = false;
-  // --distributed-timeout-minutes: a collective waiting longer ends the job (MPI ranks; Megatron's default)
+  // --distributed-timeout-minutes: a collective waiting longer ends the job (MPI ranks always, with
+  // Megatron's default; NCCL ranks only when the flag is given: watch_nccl_collectives)
   double distributed_timeout_minutes = 10;
+  bool watch_nccl_collectives = false;
   bool overlap_grad_reduce = false;  // --overlap-grad-reduce: reduce layer gradients during the backward
   std::string token_dispatcher = "allgather";  // --moe-token-dispatcher-type (Megatron's default)
   DispatcherType dispatcher = DispatcherType::AllGather;

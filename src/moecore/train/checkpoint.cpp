@@ -71,7 +71,8 @@ void write_text_atomically(const fs::path& path, const std::string& text) {
 
 // The checkpoint's tensors go through interop/safetensors (the one safetensors implementation);
 // these wrappers keep moecore dtypes on both sides and flush the file before it is renamed.
-void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors) {
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::function<void(uint64_t bytes)>& wrote) {
   std::vector<interop::StWriteTensor> out;
   out.reserve(tensors.size());
   for (const NamedTensor& nt : tensors) {
@@ -80,7 +81,7 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     out.push_back({nt.name, interop::parse_st_dtype(st_dtype(t.dtype()), path), t.shape(),
                    std::vector<uint8_t>(p, p + t.nbytes())});
   }
-  interop::write_safetensors_file(path, out, {{"format", "moecore-checkpoint"}});
+  interop::write_safetensors_file(path, out, {{"format", "moecore-checkpoint"}}, wrote);
   sync_path(path);
 }
 
@@ -376,7 +377,8 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
 }
 
 void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
-                           const std::vector<std::pair<std::string, std::string>>& args, const std::string& source_json) {
+                           const std::vector<std::pair<std::string, std::string>>& args, const std::string& source_json,
+                           const std::function<void(uint64_t bytes)>& wrote) {
   nlohmann::json source;
   try {
     source = nlohmann::json::parse(source_json);
@@ -391,7 +393,7 @@ void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor
     const fs::path tmp_dir = fs::path(dir) / (iter_name(0) + ".tmp-" + std::to_string(getpid()));
     fs::remove_all(tmp_dir);
     fs::create_directories(tmp_dir);
-    write_safetensors((tmp_dir / "model_optim.safetensors").string(), tensors);
+    write_safetensors((tmp_dir / "model_optim.safetensors").string(), tensors, wrote);
     std::map<std::string, uint32_t> checksums;
     for (const NamedTensor& t : tensors) {
       const Tensor host = t.tensor.to(Device::cpu()).contiguous();

@@ -88,9 +88,11 @@ TrainingState load_checkpoint(const std::string& dir,
 // with the fp32 masters only (no "<name>.exp_avg"/".exp_avg_sq"), meta.json "format":
 // "moecore-model-v1", "args" = the train flags, and `source_json` (a JSON object as text, e.g. the
 // HF config and each tensor's original dtype) stored as meta.json "source" for a later export.
+// wrote: as for write_safetensors.
 void save_model_checkpoint(const std::string& dir, const std::vector<NamedTensor>& tensors,
                            const std::vector<std::pair<std::string, std::string>>& args,
-                           const std::string& source_json = "{}");
+                           const std::string& source_json = "{}",
+                           const std::function<void(uint64_t bytes)>& wrote = {});
 // meta.json "source" of the latest checkpoint under dir as JSON text ("{}" when absent).
 std::string read_checkpoint_source(const std::string& dir);
 // The safetensors file of the latest checkpoint under dir.
@@ -127,7 +129,9 @@ struct NamedTensor {
   std::string name;
   Tensor tensor;  // CPU, contiguous
 };
-void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors);
+// wrote(n), when given, is called after each tensor with its byte count (progress lines).
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::function<void(uint64_t bytes)>& wrote = {});
 std::vector<NamedTensor> read_safetensors(const std::string& path);
 
 }  // namespace moecore

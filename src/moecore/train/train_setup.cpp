@@ -72,7 +72,10 @@ void TrainingRun::open_groups() {
   // Data parallelism: every launched rank trains its share of each global batch; gradients,
   // losses and MoE statistics are averaged (or summed) over the ranks.
   std::unique_ptr<comm::Communicator> world;
-  if (args.world > 1 && !dev.is_cuda()) comm::set_collective_timeout(args.distributed_timeout_minutes * 60.0, args.rank);
+  // The watchdog runs before the world exists, so that every communicator is watched (NCCL ones
+  // only with --distributed-timeout-minutes given: each collective then records a CUDA event).
+  if (args.world > 1 && (!dev.is_cuda() || args.watch_nccl_collectives))
+    comm::set_collective_timeout(args.distributed_timeout_minutes * 60.0, args.rank);
   if (args.world > 1) world = dev.is_cuda() ? comm::make_nccl_world(dev) : comm::make_mpi_world();
   check_same_flags(world.get(), args);
   // Process groups (Parallel Folding): the dense generator gives this rank's data-parallel and
