@@ -2,9 +2,10 @@
 # Multi-token prediction (--mtp-num-layers) on the tiny MoE preset (untied output layer), CPU:
 # - one rank: each depth's loss in the log line ("mtp_1 loss") and metrics.jsonl ("mtp_1_loss");
 # - TP2+SP, CP2, PP2 (the modules on the last stage, the word embedding's copy there summed with
-#   the first stage's), EP2 (alltoall and allgather), TP2+SP CP2 PP2 EP2 on 8 ranks, and the
-#   distributed optimizer with overlap on PP2: the single-rank run's lm loss, every depth's MTP
-#   loss, load_balancing_loss and grad norm (2e-5 relative) for 3 iterations, with 2 depths;
+#   the first stage's; tied or not; virtual stages), EP2 (alltoall and allgather), TP2+SP CP2
+#   PP2 EP2 on 8 ranks, and the distributed optimizer with overlap on PP2: the single-rank run's
+#   lm loss, every depth's MTP loss, load_balancing_loss and grad norm (2e-5 relative) for 3
+#   iterations, with 2 depths;
 # - a checkpoint saved at iteration 2 resumes bit-identically on one rank, and a PP2 one on one
 #   rank to the uninterrupted losses; `moecore generate` reads an MTP checkpoint; the HF export
 #   refuses its MTP tensors.
@@ -62,6 +63,10 @@ tied=("${moe[@]/"$tiny"/"$dir/tied.yaml"}")
 run single 1 "${tied[@]}"
 run ranks 2 "${tied[@]}" --pipeline-model-parallel-size 2
 check "tied embeddings, np 2 --pipeline-model-parallel-size 2"
+# virtual pipeline stages (4 layers, PP2 x 2 chunks: the modules in rank 1's second chunk)
+run single 1 "${moe[@]}" --num-layers 4
+run ranks 2 "${moe[@]}" --num-layers 4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2
+check "4 layers, np 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"
 
 # checkpoints: one rank saves at 2 and resumes to 4 bit-identically; PP2 saves, one rank resumes
 sched=(--lr-decay-iters 4 --train-iters 4)
