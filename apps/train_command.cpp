@@ -60,6 +60,9 @@ void register_model_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("untie-embeddings-and-output-weights", &m.untie_embeddings, "separate output head");
   f.add_double("init-method-std", &m.init_method_std, "std of the normal weight initialisation");
   f.add_bool("qk-layernorm", &m.qk_layernorm, "normalise queries and keys per head");
+  f.add_int("mtp-num-layers", &m.mtp_num_layers, "multi-token prediction: D modules predicting tokens 2..D+1 ahead (0: off)");
+  f.add_double("mtp-loss-scaling-factor", &m.mtp_loss_scaling_factor,
+               "weight of the MTP loss (mean over the depths) in the objective");
 }
 
 // MoE layers: experts, the router, balancing, capacity, shared experts, recomputation.
@@ -227,7 +230,6 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("overlap-p2p-comm", &a.overlap_p2p_comm, "not available: pipeline sends overlapped with compute (refused)");
   f.add_string("pipeline-model-parallel-layout", &a.pipeline_layout,
                "not available: custom pipeline layouts; --decoder-first/last-pipeline-num-layers are (refused)");
-  f.add_int("mtp-num-layers", &a.mtp_num_layers, "not available: multi-token prediction (refused unless 0)");
   f.add_int("num-distributed-optimizer-instances", &a.distributed_optimizer_instances,
             "not available: hybrid-sharded data parallelism (refused unless 1)");
   f.add_bool("fine-grained-activation-offloading", &a.fine_grained_activation_offloading,
@@ -544,8 +546,6 @@ void check_feature_flags(TrainArgs& a) {
            "are not overlapped with computation; drop the flag");
   MC_CHECK(a.pipeline_layout.empty(), "--pipeline-model-parallel-layout is not available in this version; give uneven "
            "stages with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers");
-  MC_CHECK(a.mtp_num_layers == 0, "--mtp-num-layers ", a.mtp_num_layers,
-           ": multi-token prediction is not available in this version; drop the flag");
   MC_CHECK(a.distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances ",
            a.distributed_optimizer_instances, ": hybrid-sharded data parallelism is not available in this version "
            "(the distributed optimizer shards over the whole data-parallel group); drop the flag");

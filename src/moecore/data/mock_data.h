@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "moecore/core/tensor.h"
 
@@ -20,6 +21,10 @@ struct Batch {
   // Labelled tokens of the whole micro-batch when it was checked on the host before the upload
   // (check_batch_on_host: GPTModel::Ctx::checked_num_labels); -1: not checked.
   int64_t num_labels = -1;
+  // Multi-token prediction (model/mtp.h, filled by the trainer for the stage with the output
+  // layer): each depth's shifted tokens and labels, and its labelled tokens.
+  std::vector<Tensor> mtp_tokens{}, mtp_labels{};
+  std::vector<int64_t> mtp_num_labels{};
 };
 
 class MockData {

@@ -79,6 +79,12 @@ void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
     MC_CHECK(c.kv_channels % 2 == 0, "rope needs an even head dim; got --kv-channels ", c.kv_channels);
   MC_CHECK(c.norm_epsilon > 0, "--norm-epsilon ", c.norm_epsilon, " must be > 0");
   MC_CHECK(c.init_method_std > 0, "--init-method-std ", c.init_method_std, " must be > 0");
+  MC_CHECK(c.mtp_num_layers >= 0, "--mtp-num-layers ", c.mtp_num_layers, " must be >= 0 (0: no multi-token prediction)");
+  MC_CHECK(std::isfinite(c.mtp_loss_scaling_factor) && c.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor ",
+           c.mtp_loss_scaling_factor, " must be a finite number >= 0 (Megatron's default 0.1)");
+  MC_CHECK(c.mtp_num_layers == 0 || c.position_embedding_type != "learned_absolute", "--mtp-num-layers ",
+           c.mtp_num_layers, " with --position-embedding-type learned_absolute is not available: the MTP modules "
+           "take the token embeddings only; use rope or none");
 
   MoeConfig& m = c.moe;
   MC_CHECK(m.num_experts >= 0, "--num-experts ", m.num_experts, " must be >= 0");

@@ -56,12 +56,19 @@ struct ModelConfig {
   bool untie_embeddings = false;        // --untie-embeddings-and-output-weights
   double init_method_std = 0.02;
   bool qk_layernorm = false;
+  // Multi-token prediction (model/mtp.h): --mtp-num-layers D sequential modules after the last
+  // layer, their mean loss times --mtp-loss-scaling-factor added to the objective (training only).
+  int64_t mtp_num_layers = 0;
+  double mtp_loss_scaling_factor = 0.1;
   MoeConfig moe;
   std::vector<bool> moe_layer;          // per layer: MoE (true) or dense MLP
 
   int64_t head_dim() const { return kv_channels; }
   int64_t kv_heads() const { return num_query_groups; }
   bool is_moe(int64_t layer) const { return moe.num_experts > 0 && moe_layer[static_cast<size_t>(layer)]; }
+  // The stage with the output layer holds the word embedding too: tied to the output layer, or
+  // read by the MTP modules (with pipeline stages a copy, its gradient summed with the first's).
+  bool head_stage_has_embedding() const { return !untie_embeddings || mtp_num_layers > 0; }
 };
 
 // Fills derived defaults and checks every combination, raising one Error per problem that names

@@ -52,9 +52,10 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
   if (store.master_dtype() == DType::F64) compute_ = DType::F64;
   const int64_t h = cfg.hidden_size;
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
-  // Tied embeddings: the last pipeline stage keeps its own copy for the output layer (same name,
-  // so the same Philox draw; the trainer sums both copies' gradients over the embedding group).
-  if (stage_.has_embedding || (stage_.has_head && !cfg.untie_embeddings)) {
+  // Tied embeddings (or MTP): the last pipeline stage keeps its own copy for the output layer or
+  // the MTP modules (same name, so the same Philox draw; the trainer sums both copies' gradients
+  // over the embedding group).
+  if (stage_.has_embedding || (stage_.has_head && cfg.head_stage_has_embedding())) {
     word_embeddings_ = &store.add("embedding.word_embeddings.weight", {cfg.vocab_size / tp, h}, Init::Normal, std, true);
     word_embeddings_->part_size = tp;  // this rank's vocabulary rows
     word_embeddings_->part_rank = dense_.tp_rank();
@@ -91,6 +92,8 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
     sequence_parallel({final_norm_.weight, final_norm_.bias});
     head_ = Linear(store, "output_layer", h, cfg.vocab_size, false, std, cfg.untie_embeddings ? nullptr : word_embeddings_,
                    vocab_split);
+    for (int64_t k = 0; k < cfg.mtp_num_layers; ++k)
+      mtp_.emplace_back(store, "mtp.layers." + std::to_string(k), cfg, moe_par, dense_);
   }
 }
 
@@ -98,6 +101,8 @@ std::vector<MoeLayer*> GPTModel::moe_layers() {
   std::vector<MoeLayer*> out;
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i)
     if (cfg_.is_moe(i)) out.push_back(&moe_[static_cast<size_t>(i)]);
+  for (MtpLayer& m : mtp_)
+    if (m.moe_layer()) out.push_back(m.moe_layer());
   return out;
 }
 
@@ -105,6 +110,8 @@ std::vector<int64_t> GPTModel::moe_layer_numbers() const {
   std::vector<int64_t> out;
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i)
     if (cfg_.is_moe(i)) out.push_back(i);
+  for (int64_t k = 0; k < static_cast<int64_t>(mtp_.size()); ++k)
+    if (cfg_.is_moe(cfg_.num_layers - 1)) out.push_back(cfg_.num_layers + k);
   return out;
 }
 
@@ -340,28 +347,37 @@ Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bo
     ctx.num_labels = 0;
     return Tensor();
   }
-  // With the fused output layer (training) this region holds the output layer's backward too.
-  const TimedRegion timed("output-layer", 2, h.device());
-  wait_params(cfg_.num_layers);
-  h = final_norm_.forward(h, ctx.final_norm);
-  ctx.labels = labels.view({labels.numel()});
-  ctx.label_seq = !dense_.cp && labels.ndim() == 2 ? labels.size(1) : 0;  // CP: this rank's chunks only
-  // Training with fused_head_scale: loss and backward chunk by chunk; evaluation: the loss chunk
-  // by chunk (no backward will come); MOECORE_FUSED_HEAD=0: the plain path (logits kept).
-  const bool chunked = fused_head_enabled() && (!training || ctx.fused_head_scale > 0);
-  Tensor sum = chunked ? head_forward_chunked(h, training ? ctx.fused_head_scale : 0.0, ctx) : head_forward(h, ctx);
-  if (!chunked || !training) ctx.fused_head_scale = 0;
-  if (dense_.cp) dense_.cp->all_reduce(sum, comm::ReduceOp::Sum);  // the whole sequences' loss, on the device
+  const Tensor decoder_out = h;  // the MTP modules' input
+  Tensor sum;
+  {
+    // With the fused output layer (training) this region holds the output layer's backward too.
+    const TimedRegion timed("output-layer", 2, h.device());
+    wait_params(cfg_.num_layers);
+    h = final_norm_.forward(h, ctx.final_norm);
+    ctx.labels = labels.view({labels.numel()});
+    ctx.label_seq = !dense_.cp && labels.ndim() == 2 ? labels.size(1) : 0;  // CP: this rank's chunks only
+    // Training with fused_head_scale: loss and backward chunk by chunk; evaluation: the loss chunk
+    // by chunk (no backward will come); MOECORE_FUSED_HEAD=0: the plain path (logits kept).
+    const bool chunked = fused_head_enabled() && (!training || ctx.fused_head_scale > 0);
+    sum = chunked ? head_forward_chunked(h, training ? ctx.fused_head_scale : 0.0, ctx) : head_forward(h, ctx);
+    if (!chunked || !training) ctx.fused_head_scale = 0;
+    if (dense_.cp) dense_.cp->all_reduce(sum, comm::ReduceOp::Sum);  // the whole sequences' loss, on the device
+  }
+  if (training && !mtp_.empty()) mtp_forward(decoder_out, tokens, labels, rng_seed, ctx);
   return sum;
 }
 
 Tensor GPTModel::head_backward(double grad_scale, Ctx& ctx) {
+  return final_norm_.backward(head_input_grad(grad_scale, ctx), ctx.final_norm);
+}
+
+Tensor GPTModel::head_input_grad(double grad_scale, Ctx& ctx) {
   if (ctx.d_head_input.defined()) {  // fused: the output layer's backward ran in the forward
     MC_CHECK(grad_scale == ctx.fused_head_scale, "GPTModel::backward: grad_scale ", grad_scale,
              " differs from the fused output layer's ", ctx.fused_head_scale, " given before the forward");
     const Tensor dx = ctx.d_head_input;
     ctx.d_head_input = Tensor();
-    return final_norm_.backward(dx, ctx.final_norm);
+    return dx;
   }
   MC_CHECK(ctx.logits.defined(), "GPTModel::backward without a forward");
   const ops::TargetsValidated checked;  // count_labels checked them in the forward
@@ -369,15 +385,109 @@ Tensor GPTModel::head_backward(double grad_scale, Ctx& ctx) {
                      ctx.num_labels > 0 ? grad_scale / static_cast<double>(ctx.num_labels) : 0.0);
   const Tensor dx = dense_.enter_backward(head_.backward(ctx.logits, ctx.head), ctx.batch);
   ctx.logits = ctx.lse = Tensor();
-  return final_norm_.backward(dx, ctx.final_norm);
+  return dx;
+}
+
+Tensor GPTModel::embed_words(const Tensor& ids, int64_t batch) const {
+  Tensor x = Tensor::empty({ids.numel(), cfg_.hidden_size}, compute_, ids.device());
+  if (!dense_.tp) {
+    ops::embedding_forward(word_embeddings_->weight, ids, x);
+    return x;
+  }
+  ops::embedding_forward(word_embeddings_->weight, ids, x, vocab_start_, cfg_.vocab_size);
+  return dense_.exit_forward(x, batch);
+}
+
+void GPTModel::embed_words_backward(const Tensor& ids, const Tensor& dx, int64_t batch) const {
+  if (!dense_.tp) {
+    ops::embedding_backward(ids, dx, word_embeddings_->grad_to_accumulate());
+    return;
+  }
+  ops::embedding_backward(ids, dense_.exit_backward(dx, batch), word_embeddings_->grad_to_accumulate(), vocab_start_,
+                          cfg_.vocab_size);
+}
+
+void GPTModel::mtp_forward(const Tensor& h0, const Tensor& tokens, const Tensor& labels, uint64_t rng_seed, Ctx& ctx) {
+  const TimedRegion timed("mtp-forward", 2, h0.device());
+  const int64_t depths = static_cast<int64_t>(mtp_.size());
+  MC_CHECK(word_embeddings_, "multi-token prediction: the stage with the output layer lacks the word embedding");
+  if (ctx.mtp_inputs.empty()) {  // built here from the whole sequences (one read of each)
+    MC_CHECK(!dense_.cp, "multi-token prediction under context parallelism needs Ctx::mtp_inputs from the whole "
+             "sequences (make_mtp_batch before the split)");
+    const MtpBatch host = make_mtp_batch(tokens.to(Device::cpu()).contiguous(), labels.to(Device::cpu()).contiguous(),
+                                         depths);
+    ctx.mtp_inputs.num_labels = host.num_labels;
+    for (int64_t k = 0; k < depths; ++k) {
+      ctx.mtp_inputs.tokens.push_back(host.tokens[static_cast<size_t>(k)].to(tokens.device()));
+      ctx.mtp_inputs.labels.push_back(host.labels[static_cast<size_t>(k)].to(tokens.device()));
+    }
+  }
+  const MtpBatch& in = ctx.mtp_inputs;
+  MC_CHECK(static_cast<int64_t>(in.tokens.size()) == depths && static_cast<int64_t>(in.labels.size()) == depths &&
+               static_cast<int64_t>(in.num_labels.size()) == depths,
+           "multi-token prediction: Ctx::mtp_inputs holds ", in.tokens.size(), " depths, the model has ", depths);
+  const double per_depth = cfg_.mtp_loss_scaling_factor / static_cast<double>(depths);
+  ctx.mtp_layers.assign(static_cast<size_t>(depths), MtpLayer::Ctx{});
+  ctx.mtp_heads.assign(static_cast<size_t>(depths), Ctx{});
+  ctx.mtp_loss_sums.assign(static_cast<size_t>(depths), Tensor());
+  ctx.mtp_num_labels = in.num_labels;
+  // The shifted ids are the checked tokens and labels moved (the filler 0 and -1 are in range).
+  const ops::EmbeddingIdsValidated ids_checked;
+  const ops::TargetsValidated targets_checked;
+  Tensor h = h0;
+  for (int64_t k = 0; k < depths; ++k) {
+    const size_t kk = static_cast<size_t>(k);
+    const Tensor& ids = in.tokens[kk];
+    MC_CHECK(ids.shape() == tokens.shape() && in.labels[kk].shape() == tokens.shape(), "multi-token prediction: depth ",
+             k + 1, "'s tokens ", ids.describe(), " and labels ", in.labels[kk].describe(), " must match the tokens ",
+             tokens.describe());
+    const Tensor emb = embed_words(ids.view({ids.numel()}), ctx.batch);
+    h = mtp_[kk].forward(h, emb, ctx.batch, true, rng_seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(cfg_.num_layers + k + 1),
+                         ctx.mtp_layers[kk]);
+    const Tensor normed = mtp_[kk].final_norm.forward(h, ctx.mtp_layers[kk].final_norm);
+    Ctx& head = ctx.mtp_heads[kk];
+    head.batch = ctx.batch;
+    head.labels = in.labels[kk].view({in.labels[kk].numel()});
+    head.checked_num_labels = in.num_labels[kk];
+    const double scale = ctx.fused_head_scale * per_depth;
+    Tensor sum = fused_head_enabled() && scale > 0 ? head_forward_chunked(normed, scale, head) : head_forward(normed, head);
+    if (dense_.cp) dense_.cp->all_reduce(sum, comm::ReduceOp::Sum);
+    ctx.mtp_loss_sums[kk] = sum;
+  }
+}
+
+Tensor GPTModel::mtp_backward(double grad_scale, Ctx& ctx) {
+  const TimedRegion timed("mtp-backward", 2, ctx.labels.device());
+  const int64_t depths = static_cast<int64_t>(mtp_.size());
+  MC_CHECK(static_cast<int64_t>(ctx.mtp_layers.size()) == depths, "GPTModel::backward: the MTP forward ran ",
+           ctx.mtp_layers.size(), " depths, the model has ", depths);
+  const double per_depth = cfg_.mtp_loss_scaling_factor / static_cast<double>(depths);
+  const ops::EmbeddingIdsValidated ids_checked;  // the forward's embedding read these ids
+  const ops::TargetsValidated targets_checked;
+  Tensor d_next;  // the gradient of this depth's output from the next depth
+  for (int64_t k = depths - 1; k >= 0; --k) {
+    const size_t kk = static_cast<size_t>(k);
+    MtpLayer::Ctx& lc = ctx.mtp_layers[kk];
+    Tensor dh = mtp_[kk].final_norm.backward(head_input_grad(grad_scale * per_depth, ctx.mtp_heads[kk]), lc.final_norm);
+    if (d_next.defined()) add_into(dh, d_next);
+    Tensor d_prev, d_emb;
+    mtp_[kk].backward(dh, grad_scale, lc, d_prev, d_emb);
+    const Tensor& ids = ctx.mtp_inputs.tokens[kk];
+    embed_words_backward(ids.view({ids.numel()}), d_emb, ctx.batch);
+    d_next = d_prev;
+  }
+  return d_next;
 }
 
 Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done,
                           const Tensor& d_hidden_out) {
   Tensor dh;
   if (stage_.has_head) {
-    const TimedRegion timed("output-layer-backward", 2, ctx.labels.device());
-    dh = head_backward(grad_scale, ctx);
+    {
+      const TimedRegion timed("output-layer-backward", 2, ctx.labels.device());
+      dh = head_backward(grad_scale, ctx);
+    }
+    if (!ctx.mtp_layers.empty()) add_into(dh, mtp_backward(grad_scale, ctx));
   } else {
     MC_CHECK(ctx.hidden_out.defined() && d_hidden_out.defined() && d_hidden_out.shape() == ctx.hidden_out.shape(),
              "pipeline stage backward needs the gradient of its output ", ctx.hidden_out.describe());

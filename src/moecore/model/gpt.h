@@ -1,7 +1,8 @@
 // The GPT-style decoder: embedding (+ learned positions), layers of
 //   h = h + attention(norm(h));  h = h + mlp_or_moe(norm(h))
 // a final norm, the output head (tied to the embedding unless untied) and the cross-entropy
-// loss. Parameter names follow Megatron-Core (embedding.word_embeddings.weight,
+// loss; in training, with --mtp-num-layers, the multi-token prediction modules (model/mtp.h) after
+// the last layer, sharing the embedding and the output head. Parameter names follow Megatron-Core (embedding.word_embeddings.weight,
 // decoder.layers.N.self_attention.linear_q.weight, decoder.layers.N.mlp.experts...,
 // decoder.final_layernorm.weight, output_layer.weight).
 #pragma once
@@ -11,6 +12,7 @@
 
 #include "moecore/model/attention_block.h"
 #include "moecore/model/layers.h"
+#include "moecore/model/mtp.h"
 #include "moecore/moe/moe_layer.h"
 
 namespace moecore {
@@ -71,6 +73,19 @@ class GPTModel {
     // loss chunk by chunk as well. MOECORE_FUSED_HEAD=0 turns both off.
     double fused_head_scale = 0;
     Tensor d_head_input;
+    // Multi-token prediction (training on the stage with the head, cfg.mtp_num_layers > 0).
+    // mtp_inputs: the shifted tokens and labels of each depth on the model's device (CP: this
+    // rank's chunks of make_mtp_batch on the whole sequences; counts over the whole sequences);
+    // empty: the forward builds them from tokens and labels (one read; not under CP).
+    MtpBatch mtp_inputs;
+    // Set by the forward: each depth's summed token losses ([1] on the device, as the main
+    // loss's; CP: over the whole sequences) and its labelled tokens.
+    std::vector<Tensor> mtp_loss_sums;
+    std::vector<int64_t> mtp_num_labels;
+    // Each depth's module, and its output layer and loss in a Ctx of their own (only the head's
+    // fields used: labels, counts, logits or the fused head's gradient).
+    std::vector<MtpLayer::Ctx> mtp_layers;
+    std::vector<Ctx> mtp_heads;
   };
 
   // tokens and labels [B, S] i32 on the model's device (labels < 0 are ignored). Returns the mean
@@ -125,8 +140,11 @@ class GPTModel {
   // Rows of the hidden states passed between pipeline stages for these (CP-local) tokens.
   int64_t hidden_rows(const Tensor& tokens) const { return dense_.local_tokens(tokens.numel()); }
 
+  // The MoE layers of this stage, the MTP modules' after the decoder's.
   std::vector<MoeLayer*> moe_layers();
-  std::vector<int64_t> moe_layer_numbers() const;  // decoder layer index of each moe_layers() entry
+  // Decoder layer index of each moe_layers() entry (MTP module k: num_layers + k - 1, as
+  // Megatron counts them for the MoE logging and DeepSeek-V3 numbers them).
+  std::vector<int64_t> moe_layer_numbers() const;
   const ModelConfig& config() const { return cfg_; }
   const PipelineStage& stage() const { return stage_; }
   DType compute_dtype() const { return compute_; }
@@ -143,6 +161,17 @@ class GPTModel {
   // the gradient of the final norm's output), with 0 the loss only (evaluation).
   Tensor head_forward_chunked(const Tensor& h, double grad_scale, Ctx& ctx);
   Tensor head_backward(double grad_scale, Ctx& ctx);
+  // The output layer's and loss's backward up to the gradient of their input (the final norm's
+  // output); head_backward adds the final norm's backward.
+  Tensor head_input_grad(double grad_scale, Ctx& ctx);
+  // The word embedding of ids [T] (this rank's CP-local tokens) -> [T_local, H] (after the TP
+  // exit region: summed, or this rank's SP slice), and its backward into the weight's gradient.
+  Tensor embed_words(const Tensor& ids, int64_t batch) const;
+  void embed_words_backward(const Tensor& ids, const Tensor& dx, int64_t batch) const;
+  // Multi-token prediction: from h0, the decoder's output before the final norm, every depth's
+  // loss into ctx.mtp_loss_sums; the backward returns the gradient of h0.
+  void mtp_forward(const Tensor& h0, const Tensor& tokens, const Tensor& labels, uint64_t rng_seed, Ctx& ctx);
+  Tensor mtp_backward(double grad_scale, Ctx& ctx);
   // Per-token loss and logsumexp of logits rows (vocabulary-parallel under TP), and its backward
   // in place (dloss_value: d(objective)/d(each labelled token's loss)).
   void loss_rows(const Tensor& logits, const Tensor& labels, Tensor& loss, Tensor& lse) const;
@@ -164,6 +193,7 @@ class GPTModel {
   std::vector<MoeLayer> moe_;
   Norm final_norm_;
   Linear head_;
+  std::vector<MtpLayer> mtp_;  // on the stage with the head
   DType compute_;
   std::function<void(int64_t)> param_wait_;
   void wait_params(int64_t unit) const {

@@ -14,6 +14,7 @@ bool contains(const std::string& s, const char* part) { return s.find(part) != s
 // The part a parameter belongs to, from its Megatron-Core name (model/gpt.h).
 const char* part_of(const Param& p) {
   const std::string& n = p.name;
+  if (n.rfind("mtp.", 0) == 0) return "mtp";  // every weight of the MTP modules (model/mtp.h)
   if (p.expert) return "routed_experts";
   if (contains(n, "embedding.")) return "embedding";
   if (contains(n, "output_layer.")) return "output_layer";
@@ -38,7 +39,7 @@ ParamCount count_parameters(const ModelConfig& cfg) {
   const GPTModel model(cfg, store);  // one rank, every layer: registers the whole model
   ParamCount c;
   for (const char* name : {"embedding", "attention", "norms", "router", "routed_experts", "shared_experts", "dense_mlp",
-                           "output_layer"})
+                           "output_layer", "mtp"})
     c.parts.emplace_back(name, 0);
   const int64_t k = cfg.moe.router.topk, e = cfg.moe.num_experts;
   for (const auto& p : store.all()) {
@@ -46,8 +47,10 @@ ParamCount count_parameters(const ModelConfig& cfg) {
     const int64_t n = shape_numel(p->full_shape());
     c.total += n;
     // Routed experts [E, ...]: a token uses k of the E experts' weights.
-    c.active += p->expert ? n / p->full_rows * k : n;
+    const int64_t active = p->expert ? n / p->full_rows * k : n;
+    c.active += active;
     const std::string part = part_of(*p);
+    if (part == "mtp") c.mtp_active += active;
     for (auto& [name, v] : c.parts)
       if (name == part) v += n;
   }

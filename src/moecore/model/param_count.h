@@ -7,6 +7,8 @@
 // active: the parameters one token passes through, Megatron's definition: embeddings, attention
 //         (with QK-layernorm), every norm, the router, the shared experts, dense MLPs, the output
 //         layer, and of each MoE layer's routed experts top-k of the E (expert weights x k / E).
+// Both include the MTP modules (--mtp-num-layers; their own part "mtp", active mtp_active);
+// DeepSeek-V3's published 671B / 37B leave them out: subtract part("mtp") and mtp_active.
 #pragma once
 
 #include <cstdint>
@@ -21,8 +23,9 @@ namespace moecore {
 struct ParamCount {
   int64_t total = 0;
   int64_t active = 0;
+  int64_t mtp_active = 0;  // the MTP modules' share of active
   // (part, total elements), in a fixed order: embedding, attention, norms, router,
-  // routed_experts, shared_experts, dense_mlp, output_layer (zero parts included).
+  // routed_experts, shared_experts, dense_mlp, output_layer, mtp (zero parts included).
   std::vector<std::pair<std::string, int64_t>> parts;
   int64_t part(const std::string& name) const;
 };

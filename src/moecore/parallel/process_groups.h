@@ -47,7 +47,7 @@ enum class DispatcherType;  // moe/token_dispatcher.h
 namespace moecore::parallel {
 
 struct ProcessGroupOptions {
-  bool tied_embeddings = false;       // the word embedding is tied to the output layer
+  bool tied_embeddings = false;       // the last stage holds a word-embedding copy (tied output layer or MTP)
   bool overlap_param_gather = false;  // --overlap-param-gather: dp_gather and edp_gather
 };
 

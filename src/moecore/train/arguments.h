@@ -86,7 +86,7 @@ struct TrainArgs {
   std::vector<std::string> cuda_graph_scope, offload_modules;
   bool external_cuda_graph = false, te_rng_track = false, overlap_p2p_comm = false,
        fine_grained_activation_offloading = false, optimizer_cpu_offload = false, fake_init_process_group = false;
-  int64_t mtp_num_layers = 0, distributed_optimizer_instances = 1, manual_gc_interval = 0;
+  int64_t distributed_optimizer_instances = 1, manual_gc_interval = 0;
   std::string recompute_granularity;
   std::vector<std::string> recompute_modules;
   int64_t layers_per_virtual_stage = 0, virtual_stages_per_rank = 0;  // 0: no virtual stages

@@ -16,10 +16,10 @@ bool owns_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::str
     const int64_t i = std::stoll(name.substr(layers.size()));
     return i >= st.first_layer && i < st.end_layer;
   }
-  // Tied embeddings: the last stage holds a copy of the word embedding (loaded, never saved).
-  if (name.rfind("embedding.word_embeddings.", 0) == 0) return st.has_embedding || (!cfg.untie_embeddings && st.has_head);
+  // Tied embeddings (or MTP): the last stage holds a copy of the word embedding (loaded, never saved).
+  if (name.rfind("embedding.word_embeddings.", 0) == 0) return st.has_embedding || (cfg.head_stage_has_embedding() && st.has_head);
   if (name.rfind("embedding.", 0) == 0) return st.has_embedding;
-  return st.has_head;  // final norm, output layer
+  return st.has_head;  // final norm, output layer, MTP modules
 }
 
 bool saves_tensor(const PipelineStage& st, const ModelConfig& cfg, const std::string& name) {

@@ -130,6 +130,8 @@ bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step
   if (!step.skipped) {
     interval_loss_ += step.lm_loss;
     interval_aux_ += step.aux;
+    interval_mtp_.resize(step.mtp_losses.size(), 0.0);
+    for (size_t k = 0; k < step.mtp_losses.size(); ++k) interval_mtp_[k] += step.mtp_losses[k];
     interval_z_ += step.z;
     interval_loss_steps_++;
   }
@@ -140,6 +142,7 @@ bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step
   if (logger_ && log_now) {
     write_log_step(run, it, step, v);
     interval_loss_ = interval_aux_ = interval_z_ = 0;
+    interval_mtp_.assign(interval_mtp_.size(), 0.0);
     interval_steps_ = interval_skipped_ = interval_nan_ = interval_loss_steps_ = 0;
     interval_syncs_ = 0;
   }
@@ -163,6 +166,11 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
   const double avg_loss = interval_loss_steps_ > 0 ? interval_loss_ / steps_in : nan;
   const double avg_aux = interval_loss_steps_ > 0 ? interval_aux_ / steps_in : nan;
   const double avg_z = interval_loss_steps_ > 0 ? interval_z_ / steps_in : nan;
+  std::vector<double> avg_mtp;  // "mtp_<k> loss", k = 1..D
+  for (int64_t k = 0; k < cfg.mtp_num_layers; ++k)
+    avg_mtp.push_back(interval_loss_steps_ > 0 && static_cast<size_t>(k) < interval_mtp_.size()
+                          ? interval_mtp_[static_cast<size_t>(k)] / steps_in
+                          : nan);
   const double logged_lr = learning_rate(args, it - state.skipped_iterations - state.optimizer_offset);  // the next step's, as Megatron logs
   const double tflops = run.flops_per_step / (avg_ms * 1e-3) / 1e12 / static_cast<double>(args.world);  // per GPU
   const double tokens_per_s = static_cast<double>(run.tokens_per_step) / (avg_ms * 1e-3);
@@ -173,6 +181,7 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
               timestamp().c_str(), static_cast<long long>(it), static_cast<long long>(args.train_iters),
               static_cast<long long>(state.consumed_samples), avg_ms, tflops, logged_lr,
               static_cast<long long>(args.global_batch_size), avg_loss);
+  for (size_t k = 0; k < avg_mtp.size(); ++k) std::printf(" mtp_%zu loss: %.6E |", k + 1, avg_mtp[k]);
   if (moe) std::printf(" load_balancing_loss: %.6E | z_loss: %.6E |", avg_aux, avg_z);
   std::printf(" loss scale: 1.0 | grad norm: %.3f | params norm: %.3f | number of skipped iterations: %3lld | "
               "number of nan iterations: %3lld | tokens/s: %.0f |",
@@ -210,6 +219,7 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
     for (const RegionTime& r : v.timers) t[r.name] = r.ms / static_cast<double>(interval_steps_);
     j["timers_ms_per_iteration"] = t;
   }
+  for (size_t k = 0; k < avg_mtp.size(); ++k) j["mtp_" + std::to_string(k + 1) + "_loss"] = avg_mtp[k];
   if (moe) {
     j["load_balancing_loss"] = avg_aux;
     j["z_loss"] = avg_z;
@@ -224,6 +234,7 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
     tb_->add_scalar("learning-rate", logged_lr, it);
     tb_->add_scalar("batch-size", static_cast<double>(args.global_batch_size), it);
     tb_->add_scalar("lm loss", avg_loss, it);
+    for (size_t k = 0; k < avg_mtp.size(); ++k) tb_->add_scalar("mtp_" + std::to_string(k + 1) + " loss", avg_mtp[k], it);
     tb_->add_scalar("grad-norm", grad_norm, it);
     tb_->add_scalar("iteration-time", avg_ms / 1000.0, it);
     tb_->add_scalar("throughput", tflops, it);

@@ -66,6 +66,7 @@ class TrainMetrics {
   int64_t interval_loss_steps_ = 0;  // steps whose loss enters the average (not the skipped ones)
   uint64_t interval_syncs_ = 0;      // host synchronisations in the interval's steps (core/device.h)
   double interval_aux_ = 0, interval_z_ = 0;  // balancing losses, averaged over the interval like lm loss
+  std::vector<double> interval_mtp_;  // each MTP depth's loss, averaged like lm loss
   Clock::time_point interval_start_ = Clock::now();
   double interval_excluded_ms_ = 0;
   double previous_loss_ = 0;  // check_health: the last step's loss

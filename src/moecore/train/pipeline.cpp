@@ -11,19 +11,31 @@ struct InFlight {  // a micro-batch between its forward and its backward
   Tensor output;  // hidden_out (not the last stage)
 };
 
-// The micro-batch's host check (trainer) for its forward.
-GPTModel::Ctx& checked(GPTModel::Ctx& ctx, const Batch& b) {
-  ctx.checked_num_labels = b.num_labels;
-  return ctx;
-}
+GPTModel::Ctx& checked(GPTModel::Ctx& ctx, const Batch& b) { return with_checked_batch(ctx, b); }
 
 void add_loss(const PipelineStep& step, const Tensor& sum, const GPTModel::Ctx& ctx) {
   if (!sum.defined()) return;  // not the stage with the head
   MC_CHECK(step.losses, "pipeline step: the stage with the output layer needs PipelineStep::losses");
-  step.losses->add(sum, ctx.num_labels);
+  add_micro_batch_losses(*step.losses, step.mtp_losses, sum, ctx);
 }
 
 }  // namespace
+
+GPTModel::Ctx& with_checked_batch(GPTModel::Ctx& ctx, const Batch& b) {
+  ctx.checked_num_labels = b.num_labels;
+  ctx.mtp_inputs = MtpBatch{b.mtp_tokens, b.mtp_labels, b.mtp_num_labels};
+  return ctx;
+}
+
+void add_micro_batch_losses(LossAccumulator& main, std::vector<LossAccumulator>* mtp, const Tensor& sum,
+                            const GPTModel::Ctx& ctx) {
+  if (!sum.defined()) return;
+  main.add(sum, ctx.num_labels);
+  if (!mtp) return;
+  MC_CHECK(mtp->size() == ctx.mtp_loss_sums.size(), "training step: ", mtp->size(), " MTP loss accumulators for ",
+           ctx.mtp_loss_sums.size(), " MTP depths");
+  for (size_t k = 0; k < mtp->size(); ++k) (*mtp)[k].add(ctx.mtp_loss_sums[k], ctx.mtp_num_labels[k]);
+}
 
 std::vector<PipelineStage> stage_layers(int64_t num_layers, int64_t pp, int64_t vpp, int64_t first, int64_t last,
                                         int64_t pp_rank) {

@@ -34,7 +34,16 @@ struct PipelineStep {
   std::function<uint64_t(int64_t m)> rng;      // its random seed
   std::function<void(int64_t)> last_layer_done;  // gradient-overlap hook for the last backward
   LossAccumulator* losses = nullptr;  // the micro-batch losses of the stage with the head
+  std::vector<LossAccumulator>* mtp_losses = nullptr;  // and each MTP depth's (--mtp-num-layers)
 };
+
+// The trainer's host checks of micro-batch b for its forward: its label count
+// (Ctx::checked_num_labels) and the MTP depths' shifted inputs (Ctx::mtp_inputs).
+GPTModel::Ctx& with_checked_batch(GPTModel::Ctx& ctx, const Batch& b);
+// A micro-batch's losses after its forward: the main one into `main`, each MTP depth's into
+// mtp[k] (when given). Nothing for an undefined sum (a stage without the head).
+void add_micro_batch_losses(LossAccumulator& main, std::vector<LossAccumulator>* mtp, const Tensor& sum,
+                            const GPTModel::Ctx& ctx);
 
 // Layer assignment (Megatron's get_num_layers_to_build / get_transformer_layer_offset): the model
 // chunks of pipeline rank pp_rank, chunk c = virtual stage c * pp + pp_rank (vpp chunks per rank,

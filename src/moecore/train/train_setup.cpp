@@ -81,7 +81,7 @@ void TrainingRun::open_groups() {
   // Process groups (Parallel Folding): the dense generator gives this rank's data-parallel and
   // pipeline groups, the expert generator its expert-parallel and expert-data-parallel groups.
   parallel::ProcessGroupOptions options;
-  options.tied_embeddings = !cfg.untie_embeddings;
+  options.tied_embeddings = cfg.head_stage_has_embedding();  // tied, or read by the MTP modules
   options.overlap_param_gather = args.overlap_param_gather;
   groups = std::make_unique<parallel::ProcessGroups>(std::move(world), args.parallel_config(), args.rank, options);
   const parallel::ProcessGroupLayout& layout = groups->layout();
@@ -137,15 +137,32 @@ void TrainingRun::build_model() {
 Batch TrainingRun::context_parallel_batch(Batch b) const {
   if (args.cp == 1) return b;
   const int64_t cp_rank = groups->layout().cp_rank;
-  return Batch{context_parallel_slice(b.tokens, args.cp, cp_rank), context_parallel_slice(b.labels, args.cp, cp_rank),
-               b.num_labels};
+  Batch local;
+  local.tokens = context_parallel_slice(b.tokens, args.cp, cp_rank);
+  local.labels = context_parallel_slice(b.labels, args.cp, cp_rank);
+  local.num_labels = b.num_labels;
+  return local;
 }
 
 Batch TrainingRun::checked_upload(Batch host) {
   host.num_labels = check_batch_on_host(host.tokens, host.labels, cfg.vocab_size);
   const Batch local = context_parallel_batch(host);
-  return Batch{uploader_.upload(local.tokens.contiguous(), dev), uploader_.upload(local.labels.contiguous(), dev),
-               host.num_labels};
+  Batch up;
+  up.tokens = uploader_.upload(local.tokens.contiguous(), dev);
+  up.labels = uploader_.upload(local.labels.contiguous(), dev);
+  up.num_labels = host.num_labels;
+  if (cfg.mtp_num_layers > 0 && has_head) {
+    const MtpBatch mtp = make_mtp_batch(host.tokens.contiguous(), host.labels.contiguous(), cfg.mtp_num_layers);
+    const int64_t cp_rank = groups->layout().cp_rank;
+    for (size_t k = 0; k < mtp.tokens.size(); ++k) {
+      const Tensor tokens = args.cp > 1 ? context_parallel_slice(mtp.tokens[k], args.cp, cp_rank) : mtp.tokens[k];
+      const Tensor labels = args.cp > 1 ? context_parallel_slice(mtp.labels[k], args.cp, cp_rank) : mtp.labels[k];
+      up.mtp_tokens.push_back(uploader_.upload(tokens.contiguous(), dev));
+      up.mtp_labels.push_back(uploader_.upload(labels.contiguous(), dev));
+    }
+    up.mtp_num_labels = mtp.num_labels;
+  }
+  return up;
 }
 
 void print_run_summary(const TrainingRun& run) {

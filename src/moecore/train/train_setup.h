@@ -71,7 +71,8 @@ class TrainingRun {
   Batch context_parallel_batch(Batch b) const;
   // Training micro-batches are checked and their labels counted on the host, then go up through
   // pinned memory: neither the upload nor the forward waits for the GPU (GPTModel::Ctx::
-  // checked_num_labels).
+  // checked_num_labels). With multi-token prediction the stage with the output layer also gets
+  // each depth's shifted tokens and labels, made from the whole sequences before the CP split.
   Batch checked_upload(Batch host);
 
  private:

@@ -18,7 +18,7 @@ namespace {
 
 // Every micro-batch's forward and backward (the loss of each into `losses`), through the pipeline
 // schedule when there are stages.
-void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses) {
+void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses, std::vector<LossAccumulator>* mtp_losses) {
   const TrainArgs& args = run.args;
   const int64_t micro = run.micro, dp_size = run.dp_size, dp_rank = run.dp_rank;
   Optimizer& optimizer = *run.optimizer;
@@ -45,6 +45,7 @@ void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses) {
     step.rng = rng_of;
     step.last_layer_done = layer_done;
     step.losses = &losses;
+    step.mtp_losses = mtp_losses;
     if (run.vstages == 1) {
       run_pipeline_1f1b(run.model(), step);
     } else if (micro % run.stages == 0) {
@@ -58,9 +59,8 @@ void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses) {
       const Batch b = batch_of(m);
       GPTModel::Ctx ctx;
       ctx.fused_head_scale = 1.0 / static_cast<double>(micro);  // the output layer's backward runs in the forward
-      ctx.checked_num_labels = b.num_labels;
-      const Tensor loss_sum = model.forward_loss_sum(b.tokens, b.labels, true, rng_of(m), ctx);
-      losses.add(loss_sum, ctx.num_labels);  // after the forward has set the count
+      const Tensor loss_sum = model.forward_loss_sum(b.tokens, b.labels, true, rng_of(m), with_checked_batch(ctx, b));
+      add_micro_batch_losses(losses, mtp_losses, loss_sum, ctx);  // after the forward has set the counts
       model.backward(1.0 / static_cast<double>(micro), ctx, m == micro - 1 ? layer_done : std::function<void(int64_t)>());
     }
   }
@@ -89,8 +89,11 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   TrainingState& state = run.state;
   const DType loss_dtype = run.compute == DType::F64 ? DType::F64 : DType::F32;
   LossAccumulator losses(micro, dev, loss_dtype);
+  std::vector<LossAccumulator> mtp_losses;  // each MTP depth's, on the stage with the head
+  if (has_head)
+    for (int64_t k = 0; k < run.cfg.mtp_num_layers; ++k) mtp_losses.emplace_back(micro, dev, loss_dtype);
   std::optional<TimedRegion> phase(std::in_place, "forward-backward", 1, dev);  // --timing-log-level
-  forward_backward(run, it, losses);
+  forward_backward(run, it, losses, has_head && !mtp_losses.empty() ? &mtp_losses : nullptr);
   // The MoE layers' statistics start for the host now; the gradient norm's read below waits for
   // them too (same stream), so reading them afterwards waits no more (not once per layer).
   for (MoeLayer* l : run.moe_layers) l->prefetch_stats();
@@ -101,6 +104,11 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   if (dp && has_head) dp->all_reduce(losses.value(), comm::ReduceOp::Avg);
   PendingRead loss_read;
   if (has_head) loss_read.start(losses.value());
+  std::vector<PendingRead> mtp_reads(mtp_losses.size());
+  for (size_t k = 0; k < mtp_losses.size(); ++k) {
+    if (dp) dp->all_reduce(mtp_losses[k].value(), comm::ReduceOp::Avg);
+    mtp_reads[k].start(mtp_losses[k].value());
+  }
   phase.emplace("grad-norm", 1, dev);
   const double grad_sq = optimizer.grad_norm_sq();
   StepResult r;
@@ -109,6 +117,9 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   // The loss lives on the last stage, MoE layers on every stage: sums over the pipeline give
   // every rank the same values (the skip decision must agree everywhere).
   std::vector<double> sums = {has_head ? loss_read.get()[0] : 0.0, 0.0, 0.0, static_cast<double>(r.layer_stats.size())};
+  const size_t mtp_at = sums.size();  // then each MTP depth's loss (0 on the stages without the head)
+  for (int64_t k = 0; k < run.cfg.mtp_num_layers; ++k)
+    sums.push_back(has_head ? mtp_reads[static_cast<size_t>(k)].get()[0] : 0.0);
   for (const MoeStepStats& s : r.layer_stats) {
     sums[1] += s.aux_loss / static_cast<double>(micro);
     sums[2] += s.z_loss / static_cast<double>(micro);
@@ -136,6 +147,7 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   }
   phase.reset();
   r.lm_loss = lm_loss;
+  r.mtp_losses.assign(sums.begin() + static_cast<std::ptrdiff_t>(mtp_at), sums.end());
   r.aux = aux;
   r.z = z;
   r.grad_sq = grad_sq;

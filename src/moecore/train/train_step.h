@@ -22,6 +22,7 @@ namespace moecore {
 struct StepResult {
   double lm_loss = 0;    // the step's loss (averaged over DP, summed over the pipeline stages)
   double aux = 0, z = 0;  // balancing and z-loss / coeff, averaged over micro-batches and MoE layers
+  std::vector<double> mtp_losses;  // each MTP depth's loss, as lm_loss (--mtp-num-layers)
   double grad_sq = 0;    // the squared global gradient norm
   double grad_norm = 0;  // its square root
   bool skipped = false;  // a NaN or Inf in the loss or the gradients: no optimizer step

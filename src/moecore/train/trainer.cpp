@@ -22,7 +22,7 @@ int64_t active_matmul_params(const ModelConfig& c) {
   const int64_t h = c.hidden_size, d = c.head_dim();
   const int64_t attn = h * c.num_attention_heads * d * 2 + h * c.kv_heads() * d * 2;
   int64_t total = c.vocab_size * h;  // output head
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  auto layer = [&](int64_t i) {  // a layer with the MLP or MoE of decoder layer i
     total += attn;
     if (c.is_moe(i)) {
       const int64_t f = c.moe.ffn_hidden_size;
@@ -31,13 +31,19 @@ int64_t active_matmul_params(const ModelConfig& c) {
     } else {
       total += h * c.ffn_hidden_size * (c.swiglu ? 3 : 2);
     }
+  };
+  for (int64_t i = 0; i < c.num_layers; ++i) layer(i);
+  // Each MTP module (training): eh_proj [H, 2H], a layer like the last one, the output head again.
+  for (int64_t k = 0; k < c.mtp_num_layers; ++k) {
+    total += 2 * h * h + c.vocab_size * h;
+    layer(c.num_layers - 1);
   }
   return total;
 }
 
 double model_flops_per_step(const ModelConfig& c, int64_t tokens) {
   return 6.0 * static_cast<double>(active_matmul_params(c)) * static_cast<double>(tokens) +
-         6.0 * static_cast<double>(c.num_layers) * static_cast<double>(c.seq_length) *
+         6.0 * static_cast<double>(c.num_layers + c.mtp_num_layers) * static_cast<double>(c.seq_length) *
              static_cast<double>(c.hidden_size) * static_cast<double>(tokens);
 }
 

@@ -22,7 +22,8 @@
 namespace moecore {
 
 // Model FLOPs per step (the MFU numerator): 6 x active matmul parameters (output head
-// included, input embedding excluded) x tokens + 6 x layers x seq x hidden x tokens.
+// included, input embedding excluded) x tokens + 6 x layers x seq x hidden x tokens; the MTP
+// modules count as layers (with their eh_proj and another pass through the output head).
 double model_flops_per_step(const ModelConfig& cfg, int64_t tokens_per_step);
 int64_t active_matmul_params(const ModelConfig& cfg);
 
