@@ -69,13 +69,18 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
   attn_norm_.resize(static_cast<size_t>(cfg.num_layers));
   mlp_norm_.resize(static_cast<size_t>(cfg.num_layers));
   attention_.resize(static_cast<size_t>(cfg.num_layers));
+  mla_.resize(static_cast<size_t>(cfg.num_layers));
   mlp_.resize(static_cast<size_t>(cfg.num_layers));
   moe_.resize(static_cast<size_t>(cfg.num_layers));
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i) {
     const size_t li = static_cast<size_t>(i);
     const std::string p = "decoder.layers." + std::to_string(i);
     attn_norm_[li] = Norm(store, p + ".input_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
-    attention_[li] = AttentionBlock(store, p + ".self_attention", cfg, dense_);
+    if (cfg.mla.enabled) {
+      mla_[li] = MlaAttention(store, p + ".self_attention", cfg, dense_);
+    } else {
+      attention_[li] = AttentionBlock(store, p + ".self_attention", cfg, dense_);
+    }
     mlp_norm_[li] = Norm(store, p + ".pre_mlp_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
     sequence_parallel({attn_norm_[li].weight, attn_norm_[li].bias, mlp_norm_[li].weight, mlp_norm_[li].bias});
     if (cfg.is_moe(i)) {
@@ -92,6 +97,14 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
     head_ = Linear(store, "output_layer", h, cfg.vocab_size, false, std, cfg.untie_embeddings ? nullptr : word_embeddings_,
                    vocab_split);
   }
+}
+
+Tensor GPTModel::attention_forward(size_t i, const Tensor& x, int64_t batch, LayerCtx& lc) const {
+  return cfg_.mla.enabled ? mla_[i].forward(x, batch, lc.mla) : attention_[i].forward(x, batch, lc.attn);
+}
+
+Tensor GPTModel::attention_backward(size_t i, const Tensor& dy, int64_t batch, LayerCtx& lc) const {
+  return cfg_.mla.enabled ? mla_[i].backward(dy, batch, lc.mla) : attention_[i].backward(dy, batch, lc.attn);
 }
 
 std::vector<MoeLayer*> GPTModel::moe_layers() {
@@ -150,7 +163,7 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
     // New tensors for the residual stream: the norms keep their inputs for the backward.
     {
       const TimedRegion timed("attention-forward", 2, h.device());
-      h = add_tensors(h, attention_[li].forward(attn_norm_[li].forward(h, lc.attn_norm), ctx.batch, lc.attn));
+      h = add_tensors(h, attention_forward(li, attn_norm_[li].forward(h, lc.attn_norm), ctx.batch, lc));
     }
     if (cfg_.is_moe(i)) {
       const TimedRegion timed("moe-forward", 2, h.device());
@@ -394,7 +407,7 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
     }
     {
       const TimedRegion timed("attention-backward", 2, dh.device());
-      add_into(dh, attn_norm_[li].backward(attention_[li].backward(dh, ctx.batch, lc.attn), lc.attn_norm));
+      add_into(dh, attn_norm_[li].backward(attention_backward(li, dh, ctx.batch, lc), lc.attn_norm));
     }
     if (layer_done) layer_done(i);
   }
@@ -433,6 +446,8 @@ GPTModel::KvCache GPTModel::make_kv_cache(int64_t rows, int64_t max_len, Device 
   MC_CHECK(rows > 0 && max_len > 0, "make_kv_cache: ", rows, " rows of ", max_len, " positions");
   MC_CHECK(!position_embeddings_ || max_len <= cfg_.max_position_embeddings, "generation needs ", max_len,
            " positions; the model's learned position embeddings have ", cfg_.max_position_embeddings);
+  MC_CHECK(!cfg_.mla.enabled, "generation with a KV cache is not available for --multi-latent-attention models in "
+           "this version; `moecore generate --no-kv-cache` recomputes the whole window per token and works");
   KvCache cache;
   cache.rows = rows;
   cache.max_len = max_len;

@@ -11,6 +11,7 @@
 
 #include "moecore/model/attention_block.h"
 #include "moecore/model/layers.h"
+#include "moecore/model/mla_attention.h"
 #include "moecore/moe/moe_layer.h"
 
 namespace moecore {
@@ -45,6 +46,7 @@ class GPTModel {
   struct LayerCtx {
     Norm::Ctx attn_norm, mlp_norm;
     AttentionBlock::Ctx attn;
+    MlaAttention::Ctx mla;  // --multi-latent-attention
     Mlp::Ctx mlp;
     MoeLayer::Ctx moe;
   };
@@ -133,6 +135,9 @@ class GPTModel {
 
  private:
   Tensor embed(const Tensor& tokens, Ctx& ctx);
+  // Decoder layer i's attention block (AttentionBlock, or MlaAttention with --multi-latent-attention).
+  Tensor attention_forward(size_t i, const Tensor& x, int64_t batch, LayerCtx& lc) const;
+  Tensor attention_backward(size_t i, const Tensor& dy, int64_t batch, LayerCtx& lc) const;
   // The transformer layers of this stage (without the final norm).
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
@@ -160,6 +165,7 @@ class GPTModel {
   Param* position_embeddings_ = nullptr;
   std::vector<Norm> attn_norm_, mlp_norm_;
   std::vector<AttentionBlock> attention_;
+  std::vector<MlaAttention> mla_;  // --multi-latent-attention: the layers' attention instead
   std::vector<Mlp> mlp_;
   std::vector<MoeLayer> moe_;
   Norm final_norm_;
