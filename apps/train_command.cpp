@@ -375,16 +375,29 @@ void check_moe_flags_need_experts(const cli::FlagSet& flags, const TrainArgs& a)
 }
 
 // The MLA flags without --multi-latent-attention, YaRN's without --rope-type yarn: refused by name
-// rather than ignored.
-void check_mla_flags_need_mla(const cli::FlagSet& flags, const TrainArgs& a) {
-  static const char* const kMla[] = {"q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim"};
-  static const char* const kYarn[] = {"rotary-scaling-factor", "original-max-position-embeddings", "beta-fast",
-                                      "beta-slow", "mscale", "mscale-all-dim"};
-  for (const char* name : kMla)
-    MC_CHECK(a.model.mla.enabled || !flags.given(name), "--", name,
-             " is a Multi-Latent Attention flag: it needs --multi-latent-attention");
-  for (const char* name : kYarn)
-    MC_CHECK(a.model.rope_yarn || !flags.given(name), "--", name, " is a YaRN flag: it needs --rope-type yarn");
+// rather than ignored. `user_given`: the flags the command line or --config gave (a checkpoint's
+// recorded values are not the user's: they hold every flag).
+const char* const kMlaFlags[] = {"q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim"};
+const char* const kYarnFlags[] = {"rotary-scaling-factor", "original-max-position-embeddings", "beta-fast",
+                                  "beta-slow", "mscale", "mscale-all-dim"};
+
+std::vector<std::string> given_mla_flags(const cli::FlagSet& flags) {
+  std::vector<std::string> out;
+  for (const char* name : kMlaFlags)
+    if (flags.given(name)) out.push_back(name);
+  for (const char* name : kYarnFlags)
+    if (flags.given(name)) out.push_back(name);
+  return out;
+}
+
+void check_mla_flags_need_mla(const std::vector<std::string>& user_given, const TrainArgs& a) {
+  for (const std::string& name : user_given) {
+    const bool mla_flag = std::find(std::begin(kMlaFlags), std::end(kMlaFlags), name) != std::end(kMlaFlags);
+    if (mla_flag)
+      MC_CHECK(a.model.mla.enabled, "--", name, " is a Multi-Latent Attention flag: it needs --multi-latent-attention");
+    else
+      MC_CHECK(a.model.rope_yarn, "--", name, " is a YaRN flag: it needs --rope-type yarn");
+  }
 }
 
 // The model flags onto the model config; the data source and the vocabulary; the model checks.
@@ -765,12 +778,13 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   *help_requested = flags.help_requested();
   *help_text = flags.help();
   if (*help_requested) return a;
+  const std::vector<std::string> user_mla_flags = given_mla_flags(flags);
   if (!a.load.empty() && checkpoint_exists(a.load)) take_model_flags_from_checkpoint(flags, a, use.also_from_checkpoint);
   a.flag_values = flags.values();
   if (use.before_finalize) use.before_finalize(a);
   finalize_train_args(a);  // first: flags refused by name (features not available) say so
   check_moe_flags_need_experts(flags, a);
-  check_mla_flags_need_mla(flags, a);
+  check_mla_flags_need_mla(user_mla_flags, a);
   MC_CHECK(!flags.given("distributed-timeout-minutes") || !a.device.is_cuda() || a.world == 1,
            "--distributed-timeout-minutes: in this version the watchdog watches MPI (CPU) ranks; NCCL collectives on "
            "GPUs are not watched; drop the flag");
