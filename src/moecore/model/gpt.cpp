@@ -446,12 +446,16 @@ GPTModel::KvCache GPTModel::make_kv_cache(int64_t rows, int64_t max_len, Device 
   MC_CHECK(rows > 0 && max_len > 0, "make_kv_cache: ", rows, " rows of ", max_len, " positions");
   MC_CHECK(!position_embeddings_ || max_len <= cfg_.max_position_embeddings, "generation needs ", max_len,
            " positions; the model's learned position embeddings have ", cfg_.max_position_embeddings);
-  MC_CHECK(!cfg_.mla.enabled, "generation with a KV cache is not available for --multi-latent-attention models in "
-           "this version; `moecore generate --no-kv-cache` recomputes the whole window per token and works");
   KvCache cache;
   cache.rows = rows;
   cache.max_len = max_len;
   for (const AttentionBlock& a : attention_) {
+    if (cfg_.mla.enabled) {  // every head's K and V after the up projections
+      const int64_t n = cfg_.num_attention_heads;
+      cache.k.push_back(Tensor::empty({rows, max_len, n, cfg_.mla.q_head_dim()}, compute_, device));
+      cache.v.push_back(Tensor::empty({rows, max_len, n, cfg_.mla.v_head_dim}, compute_, device));
+      continue;
+    }
     const Shape shape{rows, max_len, a.kv_heads(), a.head_dim()};
     cache.k.push_back(Tensor::empty(shape, compute_, device));
     cache.v.push_back(Tensor::empty(shape, compute_, device));
@@ -483,8 +487,11 @@ Tensor GPTModel::cached_logits(const Tensor& tokens, int64_t first_row, const st
   for (int64_t i = 0; i < cfg_.num_layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     LayerCtx lc;
-    h = add_tensors(h, attention_[li].forward_cached(attn_norm_[li].forward(h, lc.attn_norm), first_row, start,
-                                                     positions, cache.k[li], cache.v[li]));
+    const Tensor normed_in = attn_norm_[li].forward(h, lc.attn_norm);
+    h = add_tensors(h, cfg_.mla.enabled
+                           ? mla_[li].forward_cached(normed_in, first_row, start, cache.k[li], cache.v[li])
+                           : attention_[li].forward_cached(normed_in, first_row, start, positions, cache.k[li],
+                                                           cache.v[li]));
     const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
     h = add_tensors(h, cfg_.is_moe(i) ? moe_[li].forward(normed, rows, false, 0, lc.moe) : mlp_[li].forward(normed, lc.mlp, rows));
   }

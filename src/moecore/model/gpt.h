@@ -101,7 +101,8 @@ class GPTModel {
   // Logits [B*S, V] in the compute dtype, no loss (generation; one rank).
   Tensor logits(const Tensor& tokens);
   // Generation with a KV cache (one rank, the whole model): each decoder layer's K and V after
-  // RoPE, [rows, max_len, Hkv, D] in the compute dtype, allocated once.
+  // RoPE, [rows, max_len, Hkv, D] in the compute dtype, allocated once (MLA: every head's K
+  // [rows, max_len, heads, qk + RoPE dim] and V [rows, max_len, heads, v dim]).
   struct KvCache {
     std::vector<Tensor> k, v;  // per decoder layer
     int64_t rows = 0, max_len = 0;

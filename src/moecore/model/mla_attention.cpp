@@ -49,7 +49,7 @@ double MlaAttention::scale() const {
   return mscale_ * mscale_ / std::sqrt(static_cast<double>(mla_.q_head_dim()));
 }
 
-void MlaAttention::rotate(Tensor& t, bool inverse) const {
+void MlaAttention::rotate(Tensor& t, bool inverse, int64_t position_offset) const {
   auto apply = [&](Tensor& part, int64_t start) {
     if (inverse) {
       ops::rope_backward(part, part, rotary_base_, rope_scaling_, start);
@@ -58,7 +58,7 @@ void MlaAttention::rotate(Tensor& t, bool inverse) const {
     }
   };
   if (!par_.cp) {
-    apply(t, 0);
+    apply(t, position_offset);
     return;
   }
   const int64_t c = t.size(1) / 2;
@@ -72,13 +72,17 @@ void MlaAttention::rotate(Tensor& t, bool inverse) const {
 void MlaAttention::up_project(const Tensor& q_latent, const Tensor& kv_latent, const Tensor& k_pe, int64_t batch,
                               Linear::Ctx& q_ctx, Linear::Ctx& kv_ctx, Tensor& q, Tensor& k, Tensor& v) const {
   q = q_up_.forward(q_latent, q_ctx);
-  const Tensor kv = kv_up_.forward(kv_latent, kv_ctx);
+  assemble(q, kv_up_.forward(kv_latent, kv_ctx), k_pe, batch, 0, k, v);
+}
+
+void MlaAttention::assemble(Tensor& q, const Tensor& kv, const Tensor& k_pe, int64_t batch, int64_t position_offset,
+                            Tensor& k, Tensor& v) const {
   const int64_t tokens = kv.size(0), seq = tokens / batch, qk = mla_.qk_head_dim, r = mla_.qk_pos_emb_head_dim;
   const int64_t d = qk + r, dv = mla_.v_head_dim;
   // RoPE on each head's last r query channels, in place.
   Tensor q_rows = q.view({tokens * heads_, d});
   Tensor q_pe = q_rows.slice(1, qk, d).contiguous().view({batch, seq, heads_, r});
-  rotate(q_pe, false);
+  rotate(q_pe, false, position_offset);
   q_rows.slice(1, qk, d).copy_from(q_pe.view({tokens * heads_, r}));
   q = q.view({batch, seq, heads_, d});
   // k = [k_nope_h, k_pe] per head; v_h.
@@ -89,6 +93,46 @@ void MlaAttention::up_project(const Tensor& q_latent, const Tensor& kv_latent, c
   const Tensor pe = k_pe.view({tokens, 1, r});
   for (int64_t j = 0; j < heads_; ++j) k3.slice(1, j, j + 1).slice(2, qk, d).copy_from(pe);
   v = kv3.slice(2, qk, qk + dv).contiguous().view({batch, seq, heads_, dv});
+}
+
+Tensor MlaAttention::forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start,
+                                    Tensor& k_cache, Tensor& v_cache) const {
+  MC_CHECK(!par_.cp && par_.tp_size() == 1, "cached attention (generation) runs on one rank: no tensor or context parallelism");
+  const int64_t rows = static_cast<int64_t>(start.size()), tokens = x.size(0), seq = tokens / rows;
+  const int64_t max_len = k_cache.size(1), kl = mla_.kv_lora_rank, r = mla_.qk_pos_emb_head_dim;
+  const int64_t d = mla_.q_head_dim(), dv = mla_.v_head_dim;
+  MC_CHECK(rows > 0 && seq * rows == tokens && first_row >= 0 && first_row + rows <= k_cache.size(0),
+           "forward_cached: ", tokens, " tokens for rows [", first_row, ", ", first_row + rows, ") of a cache of ",
+           k_cache.size(0), " rows");
+  Linear::Ctx lc;
+  Norm::Ctx nc;
+  Tensor q_latent = x;
+  if (mla_.q_lora_rank > 0) {
+    q_latent = q_down_.forward(x, lc);
+    if (latent_norms_) q_latent = q_norm_.forward(q_latent, nc);
+  }
+  const Tensor kv_a = kv_down_.forward(x, lc);
+  Tensor kv_latent = kv_a.slice(1, 0, kl).contiguous();
+  if (latent_norms_) kv_latent = kv_norm_.forward(kv_latent, nc);
+  const Tensor q_all = q_up_.forward(q_latent, lc), kv_all = kv_up_.forward(kv_latent, lc);
+  Tensor out = Tensor::empty({rows, seq, heads_, dv}, x.dtype(), x.device());
+  const DType lse_dt = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  for (int64_t i = 0; i < rows; ++i) {  // each row at its own positions
+    const int64_t pos = start[static_cast<size_t>(i)], keys = pos + seq;
+    MC_CHECK(pos >= 0 && keys <= max_len, "forward_cached: positions [", pos, ", ", keys, ") beyond the cache's ", max_len);
+    Tensor q = q_all.slice(0, i * seq, (i + 1) * seq), k, v;
+    Tensor k_pe = kv_a.slice(0, i * seq, (i + 1) * seq).slice(1, kl, kl + r).contiguous().view({1, seq, 1, r});
+    rotate(k_pe, false, pos);
+    assemble(q, kv_all.slice(0, i * seq, (i + 1) * seq), k_pe, 1, pos, k, v);
+    const Tensor k_row = k_cache.slice(0, first_row + i, first_row + i + 1).view({max_len, heads_, d});
+    const Tensor v_row = v_cache.slice(0, first_row + i, first_row + i + 1).view({max_len, heads_, dv});
+    k_row.slice(0, pos, keys).view(k.shape()).copy_from(k);
+    v_row.slice(0, pos, keys).view(v.shape()).copy_from(v);
+    Tensor out_i = out.slice(0, i, i + 1), lse = Tensor::empty({1, heads_, seq}, lse_dt, x.device());
+    attention_forward_any_value_dim(q, k_row.slice(0, 0, keys).view({1, keys, heads_, d}),
+                                    v_row.slice(0, 0, keys).view({1, keys, heads_, dv}), scale(), out_i, lse);
+  }
+  return o_proj_.forward(out.view({tokens, heads_ * dv}), lc);
 }
 
 Tensor MlaAttention::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) const {
@@ -103,7 +147,7 @@ Tensor MlaAttention::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) con
   Tensor kv_latent = kv_a.slice(1, 0, kl).contiguous();
   if (latent_norms_) kv_latent = kv_norm_.forward(kv_latent, ctx.kv_norm);
   Tensor k_pe = kv_a.slice(1, kl, kl + r).contiguous().view({batch, seq, 1, r});
-  rotate(k_pe, false);
+  rotate(k_pe, false, 0);
   Tensor q, k, v;
   up_project(q_latent, kv_latent, k_pe, batch, ctx.q_up, ctx.kv_up, q, k, v);
   const Tensor out = core_attention_forward(par_.cp, q, k, v, scale(), ctx.core);
@@ -131,7 +175,7 @@ Tensor MlaAttention::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx) c
   // Queries: RoPE backward on each head's last r channels, then the projections.
   Tensor dq_rows = dq.view({tokens * heads_, d});
   Tensor dq_pe = dq_rows.slice(1, qk, d).contiguous().view({batch, seq, heads_, r});
-  rotate(dq_pe, true);
+  rotate(dq_pe, true, 0);
   dq_rows.slice(1, qk, d).copy_from(dq_pe.view({tokens * heads_, r}));
   Tensor dx = q_up_.backward(dq.view({tokens, heads_ * d}), ctx.q_up);
   if (mla_.q_lora_rank > 0) {
@@ -152,7 +196,7 @@ Tensor MlaAttention::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx) c
   }
   if (sum_dt != dt) dk_pe = ops::cast_to(dk_pe, dt);
   dk_pe = dk_pe.view({batch, seq, 1, r});
-  rotate(dk_pe, true);
+  rotate(dk_pe, true, 0);
   Tensor dkv_latent = kv_up_.backward(dkv.view({tokens, heads_ * (qk + dv_dim)}), ctx.kv_up);
   if (latent_norms_) dkv_latent = kv_norm_.backward(dkv_latent, ctx.kv_norm);
   Tensor dkv_a = Tensor::empty({tokens, kl + r}, dt, dev);

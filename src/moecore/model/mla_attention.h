@@ -25,7 +25,7 @@
 // broadcast over the heads before it.
 // --recompute-modules mla_up_proj: q, k and v (the up projections' outputs after RoPE, the
 // largest saved tensors) are not kept but rebuilt in the backward from the saved latents.
-// Generation with a KV cache is refused by name (GPTModel::make_kv_cache).
+// Generation (forward_cached) caches every head's K and V after the up projections (one rank).
 #pragma once
 
 #include "moecore/model/core_attention.h"
@@ -45,15 +45,24 @@ class MlaAttention {
   };
   Tensor forward(const Tensor& x, int64_t batch, Ctx& ctx) const;
   Tensor backward(const Tensor& dy, int64_t batch, Ctx& ctx) const;
+  // Generation, no gradients, one rank (AttentionBlock::forward_cached's contract): the caches
+  // hold each head's K [rows, max_len, N, D] (after RoPE) and V [rows, max_len, N, Dv].
+  Tensor forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start, Tensor& k_cache,
+                        Tensor& v_cache) const;
   double scale() const;
+  int64_t heads() const { return heads_; }
 
  private:
   // The up projections of the latents and the attention's inputs q, k [B, S, N, D] and
   // v [B, S, N, Dv]: each query head's RoPE part rotated, k_pe [B, S, 1, r] (rotated) broadcast.
   void up_project(const Tensor& q_latent, const Tensor& kv_latent, const Tensor& k_pe, int64_t batch,
                   Linear::Ctx& q_ctx, Linear::Ctx& kv_ctx, Tensor& q, Tensor& k, Tensor& v) const;
-  // RoPE (or its backward) of t [B, s, heads, r] in place at this rank's positions.
-  void rotate(Tensor& t, bool inverse) const;
+  // The part of up_project after the projections; q [T, N D] becomes [B, S, N, D].
+  void assemble(Tensor& q, const Tensor& kv, const Tensor& k_pe, int64_t batch, int64_t position_offset, Tensor& k,
+                Tensor& v) const;
+  // RoPE (or its backward) of t [B, s, heads, r] in place at this rank's positions (without CP:
+  // position_offset + s).
+  void rotate(Tensor& t, bool inverse, int64_t position_offset) const;
 
   Linear q_down_, q_up_, kv_down_, kv_up_, o_proj_;
   Norm q_norm_, kv_norm_;
