@@ -32,6 +32,27 @@ std::string state_dtype_hint(const std::string& value) {
   return value == "fp16" || value == "fp8" ? " (moecore does not keep AdamW states in fp16 or fp8)" : "";
 }
 
+// Multi-Latent Attention and YaRN RoPE (Megatron's names; model/mla_attention.h, ops/rope.h).
+void register_mla_flags(cli::FlagSet& f, TrainArgs& a) {
+  ModelConfig& m = a.model;
+  f.add_bool("multi-latent-attention", &m.mla.enabled, "Multi-Latent Attention (DeepSeek-V2/V3)");
+  f.add_int("q-lora-rank", &m.mla.q_lora_rank, "MLA: query latent rank (0: a plain query projection)");
+  f.add_int("kv-lora-rank", &m.mla.kv_lora_rank, "MLA: key/value latent rank");
+  f.add_int("qk-head-dim", &m.mla.qk_head_dim, "MLA: query/key head dim without RoPE");
+  f.add_int("qk-pos-emb-head-dim", &m.mla.qk_pos_emb_head_dim, "MLA: query/key head dim with RoPE (one shared key)");
+  f.add_int("v-head-dim", &m.mla.v_head_dim, "MLA: value head dim");
+  f.add_enum<bool>("rope-type", &m.rope_yarn, {{"rope", false}, {"yarn", true}},
+                   "rope or yarn (YaRN scaling, with --multi-latent-attention)");
+  f.add_double("rotary-scaling-factor", &m.rope_scaling.factor, "YaRN: context scaling factor");
+  f.add_double("original-max-position-embeddings", &m.rope_scaling.original_max_position,
+               "YaRN: the context the RoPE frequencies were trained for");
+  f.add_double("beta-fast", &m.rope_scaling.beta_fast, "YaRN: rotations where interpolation ends");
+  f.add_double("beta-slow", &m.rope_scaling.beta_slow, "YaRN: rotations where interpolation starts");
+  f.add_double("mscale", &m.rope_scaling.mscale, "YaRN: magnitude scale of cos/sin");
+  f.add_double("mscale-all-dim", &m.rope_scaling.mscale_all_dim,
+               "YaRN: magnitude scale divided out of cos/sin and squared into MLA's softmax scale");
+}
+
 // The transformer: sizes, norms, positions, biases.
 void register_model_flags(cli::FlagSet& f, TrainArgs& a) {
   ModelConfig& m = a.model;
@@ -59,10 +80,12 @@ void register_model_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("add-qkv-bias", &m.add_qkv_bias, "biases on the query/key/value projections only, even with --disable-bias-linear (Qwen2)");
   f.add_bool("untie-embeddings-and-output-weights", &m.untie_embeddings, "separate output head");
   f.add_double("init-method-std", &m.init_method_std, "std of the normal weight initialisation");
-  f.add_bool("qk-layernorm", &m.qk_layernorm, "normalise queries and keys per head");
+  f.add_bool("qk-layernorm", &m.qk_layernorm,
+             "normalise queries and keys per head (with --multi-latent-attention: the two latent norms)");
   f.add_int("mtp-num-layers", &m.mtp_num_layers, "multi-token prediction: D modules predicting tokens 2..D+1 ahead (0: off)");
   f.add_double("mtp-loss-scaling-factor", &m.mtp_loss_scaling_factor,
                "weight of the MTP loss (mean over the depths) in the objective");
+  register_mla_flags(f, a);
 }
 
 // MoE layers: experts, the router, balancing, capacity, shared experts, recomputation.
@@ -105,7 +128,8 @@ void register_moe_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_choice("recompute-granularity", &a.recompute_granularity, {"selective", "full"},
                "selective: recompute the --recompute-modules in the backward instead of keeping their outputs");
   f.add_list("recompute-modules", &a.recompute_modules,
-             "with --recompute-granularity selective: moe_act (the experts' activation function)");
+             "with --recompute-granularity selective: moe_act (the experts' activation function), mla_up_proj "
+             "(MLA's up projections)");
 }
 
 // Batches, the learning-rate schedule, AdamW, precision, logging, checkpoints, the device.
@@ -286,6 +310,11 @@ void check_size_bounds(const TrainArgs& a) {
       {"--num-attention-heads", m.num_attention_heads, 4096, "attention heads"},
       {"--num-query-groups", m.num_query_groups, 4096, "key/value heads"},
       {"--kv-channels", m.kv_channels, int64_t{1} << 14, "head dim"},
+      {"--q-lora-rank", m.mla.q_lora_rank, int64_t{1} << 18, "query latent width"},
+      {"--kv-lora-rank", m.mla.kv_lora_rank, int64_t{1} << 18, "key/value latent width"},
+      {"--qk-head-dim", m.mla.qk_head_dim, int64_t{1} << 14, "head dim"},
+      {"--qk-pos-emb-head-dim", m.mla.qk_pos_emb_head_dim, int64_t{1} << 14, "head dim"},
+      {"--v-head-dim", m.mla.v_head_dim, int64_t{1} << 14, "head dim"},
       {"--seq-length", m.seq_length, int64_t{1} << 22, "tokens per sample"},
       {"--max-position-embeddings", m.max_position_embeddings, int64_t{1} << 22, "positions"},
       {"--vocab-size", m.vocab_size, int64_t{1} << 24, "vocabulary entries"},
@@ -344,6 +373,32 @@ void check_moe_flags_need_experts(const cli::FlagSet& flags, const TrainArgs& a)
     if (dense_on_purpose && !flags.given_on_command_line(name)) continue;
     MC_FAIL("--", name, " is an MoE flag, but --num-experts is ", a.model.moe.num_experts,
             " (a dense model); give --num-experts N for MoE layers, or drop the MoE flags");
+  }
+}
+
+// The MLA flags without --multi-latent-attention, YaRN's without --rope-type yarn: refused by name
+// rather than ignored. `user_given`: the flags the command line or --config gave (a checkpoint's
+// recorded values are not the user's: they hold every flag).
+const char* const kMlaFlags[] = {"q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim"};
+const char* const kYarnFlags[] = {"rotary-scaling-factor", "original-max-position-embeddings", "beta-fast",
+                                  "beta-slow", "mscale", "mscale-all-dim"};
+
+std::vector<std::string> given_mla_flags(const cli::FlagSet& flags) {
+  std::vector<std::string> out;
+  for (const char* name : kMlaFlags)
+    if (flags.given(name)) out.push_back(name);
+  for (const char* name : kYarnFlags)
+    if (flags.given(name)) out.push_back(name);
+  return out;
+}
+
+void check_mla_flags_need_mla(const std::vector<std::string>& user_given, const TrainArgs& a) {
+  for (const std::string& name : user_given) {
+    const bool mla_flag = std::find(std::begin(kMlaFlags), std::end(kMlaFlags), name) != std::end(kMlaFlags);
+    if (mla_flag)
+      MC_CHECK(a.model.mla.enabled, "--", name, " is a Multi-Latent Attention flag: it needs --multi-latent-attention");
+    else
+      MC_CHECK(a.model.rope_yarn, "--", name, " is a YaRN flag: it needs --rope-type yarn");
   }
 }
 
@@ -498,10 +553,17 @@ void check_recompute_flags(TrainArgs& a) {
            "Megatron's default core_attn is not needed with flash attention, which keeps no score matrix)");
   for (const std::string& module : a.recompute_modules) {
     MC_CHECK(module != "core_attn" && module != "layernorm" && module != "mlp" && module != "moe" &&
-                 module != "mla_up_proj" && module != "shared_experts",
-             "--recompute-modules ", module, " is not available in this version (moe_act is)");
+                 module != "shared_experts",
+             "--recompute-modules ", module, " is not available in this version (moe_act and mla_up_proj are)");
+    if (module == "mla_up_proj") {
+      MC_CHECK(a.model.mla.enabled, "--recompute-modules mla_up_proj needs --multi-latent-attention");
+      MC_CHECK(a.cp == 1, "--recompute-modules mla_up_proj with --context-parallel-size ", a.cp,
+               " is not available in this version");
+      a.model.mla.recompute_up_proj = true;
+      continue;
+    }
     MC_CHECK(module == "moe_act", "--recompute-modules '", module,
-             "': expected moe_act (Megatron's other modules: core_attn, layernorm, mlp, moe, mla_up_proj)");
+             "': expected moe_act or mla_up_proj (Megatron's other modules: core_attn, layernorm, mlp, moe)");
     MC_CHECK(e.num_experts > 0, "--recompute-modules moe_act needs an MoE model (--num-experts)");
     e.recompute_act = true;
   }
@@ -716,12 +778,14 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   *help_requested = flags.help_requested();
   *help_text = flags.help();
   if (*help_requested) return a;
+  const std::vector<std::string> user_mla_flags = given_mla_flags(flags);
   if (!a.load.empty() && checkpoint_exists(a.load)) take_model_flags_from_checkpoint(flags, a, use.also_from_checkpoint);
   a.flag_values = flags.values();
   if (use.before_finalize) use.before_finalize(a);
   finalize_train_args(a);  // first: flags refused by name (features not available) say so
   check_moe_flags_need_experts(flags, a);
   a.watch_nccl_collectives = flags.given("distributed-timeout-minutes");
+  check_mla_flags_need_mla(user_mla_flags, a);
   return a;
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `moecore generate` with the KV cache against the full recompute (--no-kv-cache), greedy, on the
 # CPU in fp32, for a tiny MoE model trained a few steps (GQA; RoPE and learned positions with
-# q/k norms): the same tokens for one prompt, every row of a batch of prompts of different
+# q/k norms; Multi-Latent Attention with YaRN): the same tokens for one prompt, every row of a batch of prompts of different
 # lengths equals its single-prompt run, top-p -> 0 equals greedy, --eod-id stops a row; bad
 # --prompt-file lines and flags are refused naming them.
 set -euo pipefail
@@ -16,8 +16,11 @@ expect_fail() { local re=$1; shift; if out=$("$@" 2>&1); then echo "FAIL: should
 
 train --save "$dir/rope"
 train --save "$dir/learned" --position-embedding-type learned_absolute --qk-layernorm
+train --save "$dir/mla" --num-query-groups 4 --multi-latent-attention --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 12 \
+  --qk-pos-emb-head-dim 8 --v-head-dim 10 --qk-layernorm --rope-type yarn --rotary-scaling-factor 4 \
+  --original-max-position-embeddings 16 --mscale-all-dim 1
 prompts=("5 9 17" "3" "40 41 42 43 44 45 46" "7 7")
-for m in rope learned; do
+for m in rope learned mla; do
   printf '' > "$dir/$m.jsonl"; : > "$dir/$m.expected"
   for i in "${!prompts[@]}"; do
     p=${prompts[$i]}

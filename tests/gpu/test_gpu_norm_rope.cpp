@@ -157,6 +157,28 @@ TEST_P(GpuRope, ForwardBackwardAndInPlaceMatchCpu) {
   }
 }
 
+// YaRN (DeepSeek-V3's scaling, a cos/sin magnitude != 1): the same table formula on both backends.
+TEST_P(GpuRope, YarnMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  const DType t = GetParam();
+  const Tolerance tol = t == DType::F32 ? Tolerance{1e-6, 0.0} : default_tolerance(t);
+  ops::RopeScaling s;
+  s.factor = 40;
+  s.original_max_position = 4096;
+  s.mscale = 0.9;
+  s.mscale_all_dim = 1;
+  for (const Shape& shape : {Shape{2, 300, 4, 64}, Shape{1, 9, 3, 20}}) {
+    Tensor x = random_tensor(shape, t), dy = random_tensor(shape, t);
+    expect_cuda_matches_cpu({x, dy}, {{shape, t}, {shape, t}},
+                            [&s](const std::vector<Tensor>& in, std::vector<Tensor>& out) {
+                              ops::rope_forward(in[0], out[0], 10000.0, s, 5000);
+                              ops::rope_backward(in[1], out[1], 10000.0, s, 5000);
+                            },
+                            {tol});
+    if (HasFailure()) FAIL() << "shape " << shape_str(shape);
+  }
+}
+
 TEST_P(GpuRope, BackwardOfForwardIsIdentity) {
   MC_REQUIRE_CUDA();
   const DType t = GetParam();

@@ -135,6 +135,104 @@ TEST(ModelGradients, QkvBiasGqaPreSoftmaxGatedSharedExpert) {
   check_model_gradients(c, "[0,1]");
 }
 
+// Multi-Latent Attention (model/mla_attention.h): q-lora with both latent RMSNorms and YaRN
+// (factor 4; base 3, original context 11 and betas 2 / 1 put the ramp at dims 0..2 of the 3 RoPE
+// pairs, so that extrapolated, blended and interpolated frequencies and the mscale of the cos/sin
+// and of the softmax scale all act), sigmoid group-limited routing with a shared expert.
+ModelConfig mla_config() {
+  ModelConfig c = moe_config();
+  c.mla.enabled = true;
+  c.mla.q_lora_rank = 5;
+  c.mla.kv_lora_rank = 4;
+  c.mla.qk_head_dim = 3;
+  c.mla.qk_pos_emb_head_dim = 6;
+  c.mla.v_head_dim = 2;
+  c.qk_layernorm = true;
+  c.rope_yarn = true;
+  c.rope_scaling.factor = 4;
+  c.rope_scaling.original_max_position = 11;
+  c.rope_scaling.beta_fast = 2;
+  c.rope_scaling.beta_slow = 1;
+  c.rope_scaling.mscale = 0.8;
+  c.rope_scaling.mscale_all_dim = 0.5;
+  c.rotary_base = 3;
+  return c;
+}
+
+TEST(ModelGradients, MlaQLoraLatentNormsYarnSigmoidSharedExpert) {
+  ModelConfig c = mla_config();
+  c.moe.router.score = ops::RouterScore::Sigmoid;
+  c.moe.router.num_groups = 2;
+  c.moe.router.group_topk = 1;
+  c.moe.shared_expert_size = 5;
+  check_model_gradients(c, "[0,1]");
+}
+
+// DeepSeek-V2-Lite's form: a plain query projection (--q-lora-rank 0), no latent norms; with
+// biases (so a dense model: experts have none), LayerNorm, plain RoPE.
+TEST(ModelGradients, MlaPlainQueryProjectionBiasesLayernormRope) {
+  ModelConfig c = mla_config();
+  c.moe = MoeConfig{};
+  c.mla.q_lora_rank = 0;
+  c.qk_layernorm = false;
+  c.add_bias_linear = true;
+  c.rmsnorm = false;
+  c.rope_yarn = false;
+  c.rope_scaling = {};
+  check_model_gradients(c);
+}
+
+// --recompute-modules mla_up_proj: the same loss and bit-identical gradients, with q, k and v
+// not kept after the forward.
+TEST(ModelGradients, MlaUpProjectionRecomputationChangesNothing) {
+  std::vector<std::vector<double>> grads[2];
+  double losses[2];
+  for (int recompute = 0; recompute < 2; ++recompute) {
+    ModelConfig c = mla_config();
+    c.mla.recompute_up_proj = recompute == 1;
+    finalize_model_config(c, "1");
+    ParamStore store(Device::cpu(), DType::F64, DType::F64, 42);
+    GPTModel model(c, store);
+    store.initialize();
+    const MockData data(c.vocab_size, c.seq_length, 3, "train");
+    const Batch b = data.batch(0, 2, Device::cpu());
+    GPTModel::Ctx ctx;
+    losses[recompute] = model.forward(b.tokens, b.labels, true, 7, ctx);
+    EXPECT_EQ(ctx.layers[0].mla.core.q.defined(), recompute == 0);
+    EXPECT_EQ(ctx.layers[0].mla.core.v.defined(), recompute == 0);
+    model.backward(1.0, ctx);
+    for (const auto& p : store.all())
+      if (p->trainable) grads[recompute].push_back(p->grad.to_vector<double>());
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_EQ(grads[0][i], grads[1][i]) << "parameter " << i;
+}
+
+// The MLA parameters under Megatron-Core's names and shapes.
+TEST(ModelGradients, MlaParameterNamesAndShapes) {
+  for (int64_t q_lora : {int64_t{0}, int64_t{5}}) {
+    ModelConfig c = mla_config();
+    c.mla.q_lora_rank = q_lora;
+    finalize_model_config(c, "1");
+    ParamStore store(Device::cpu(), DType::F64, DType::F64, 1);
+    GPTModel model(c, store);
+    const std::string a = "decoder.layers.1.self_attention.";
+    const int64_t n = c.num_attention_heads, h = c.hidden_size;
+    if (q_lora > 0) {
+      EXPECT_EQ(store.get(a + "linear_q_down_proj.weight").shape, (Shape{5, h}));
+      EXPECT_EQ(store.get(a + "q_layernorm.weight").shape, (Shape{5}));
+      EXPECT_EQ(store.get(a + "linear_q_up_proj.weight").shape, (Shape{n * 9, 5}));
+    } else {
+      EXPECT_EQ(store.get(a + "linear_q_proj.weight").shape, (Shape{n * 9, h}));
+    }
+    EXPECT_EQ(store.get(a + "linear_kv_down_proj.weight").shape, (Shape{4 + 6, h}));
+    EXPECT_EQ(store.get(a + "kv_layernorm.weight").shape, (Shape{4}));
+    EXPECT_EQ(store.get(a + "linear_kv_up_proj.weight").shape, (Shape{n * (3 + 2), 4}));
+    EXPECT_EQ(store.get(a + "linear_proj.weight").shape, (Shape{h, n * 2}));
+  }
+}
+
 TEST(ModelGradients, MoeSoftmaxAuxLossAndZLoss) {
   ModelConfig c = moe_config();
   c.moe.z_loss_coeff = 0.05;

@@ -648,7 +648,7 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--recompute-modules", "moe_act"}, "--recompute-modules needs --recompute-granularity selective"},
       {{"--recompute-granularity", "selective"}, "name the modules with --recompute-modules"},
       {{"--recompute-granularity", "selective", "--recompute-modules", "core_attn"},
-       "--recompute-modules core_attn is not available in this version (moe_act is)"},
+       "--recompute-modules core_attn is not available in this version (moe_act and mla_up_proj are)"},
       {{"--recompute-granularity", "selective", "--recompute-modules", "moe_act"},
        "--recompute-modules moe_act needs an MoE model"},
       {{"--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "ring"},

@@ -413,6 +413,7 @@ json config_from_args(const ModelConfig& c, Arch arch) {
 // dense layers: Qwen3-MoE; else Mixtral); then every feature is checked against it.
 Arch export_arch(const ModelConfig& c, const json& source, const std::string& origin) {
   MC_CHECK(c.moe.num_experts > 0, origin, ": a dense model (no --num-experts) has no HF MoE equivalent");
+  MC_CHECK(!c.mla.enabled, origin, ": --multi-latent-attention models (DeepSeek-V2/V3) have no HF export in this version");
   MC_CHECK(c.swiglu && !c.add_bias_linear && c.rmsnorm && c.position_embedding_type == "rope" &&
                !c.moe.enable_expert_bias && c.moe.router.score == ops::RouterScore::Softmax &&
                c.moe.router.num_groups == 0 && c.moe.router.scaling_factor == 0,

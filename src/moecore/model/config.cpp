@@ -75,9 +75,10 @@ void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
   MC_CHECK(c.position_embedding_type == "rope" || c.position_embedding_type == "learned_absolute" ||
                c.position_embedding_type == "none",
            "--position-embedding-type '", c.position_embedding_type, "': expected rope, learned_absolute or none");
-  if (c.position_embedding_type == "rope")
+  if (c.position_embedding_type == "rope" && !c.mla.enabled)
     MC_CHECK(c.kv_channels % 2 == 0, "rope needs an even head dim; got --kv-channels ", c.kv_channels);
   MC_CHECK(c.norm_epsilon > 0, "--norm-epsilon ", c.norm_epsilon, " must be > 0");
+  validate_mla_config(c);
   MC_CHECK(c.init_method_std > 0, "--init-method-std ", c.init_method_std, " must be > 0");
   MC_CHECK(c.mtp_num_layers >= 0, "--mtp-num-layers ", c.mtp_num_layers, " must be >= 0 (0: no multi-token prediction)");
   MC_CHECK(std::isfinite(c.mtp_loss_scaling_factor) && c.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor ",
@@ -95,6 +96,38 @@ void finalize_model_config(ModelConfig& c, const std::string& moe_layer_freq) {
   }
   c.moe_layer = parse_moe_layer_freq(moe_layer_freq.empty() ? "1" : moe_layer_freq, c.num_layers);
   validate_moe_config(m, c.ffn_hidden_size);
+}
+
+void validate_mla_config(const ModelConfig& c) {
+  const ops::RopeScaling& y = c.rope_scaling;
+  if (c.rope_yarn) {
+    MC_CHECK(c.mla.enabled, "--rope-type yarn needs --multi-latent-attention (YaRN is MLA's RoPE, as in Megatron-Core)");
+    MC_CHECK(std::isfinite(y.factor) && y.factor > 0, "--rope-type yarn needs --rotary-scaling-factor > 0, got ",
+             y.factor);
+    MC_CHECK(std::isfinite(y.original_max_position) && y.original_max_position >= 1,
+             "--original-max-position-embeddings ", y.original_max_position, " must be >= 1");
+    MC_CHECK(std::isfinite(y.beta_fast) && y.beta_fast > 0 && std::isfinite(y.beta_slow) && y.beta_slow > 0,
+             "--beta-fast ", y.beta_fast, " and --beta-slow ", y.beta_slow, " must be > 0");
+    MC_CHECK(std::isfinite(y.mscale) && std::isfinite(y.mscale_all_dim) && ops::yarn_mscale(y.factor, y.mscale_all_dim) > 0,
+             "--mscale ", y.mscale, " / --mscale-all-dim ", y.mscale_all_dim, " must be finite, with 0.1 x "
+             "--mscale-all-dim x ln(--rotary-scaling-factor) + 1 > 0");
+  } else {
+    MC_CHECK(!y.yarn(), "--rotary-scaling-factor needs --rope-type yarn");
+  }
+  if (!c.mla.enabled) return;
+  const MlaConfig& m = c.mla;
+  MC_CHECK(m.q_lora_rank >= 0, "--q-lora-rank ", m.q_lora_rank, " must be >= 0 (0: a plain query projection)");
+  MC_CHECK(m.kv_lora_rank >= 1, "--kv-lora-rank ", m.kv_lora_rank, " must be >= 1");
+  MC_CHECK(m.qk_head_dim >= 1, "--qk-head-dim ", m.qk_head_dim, " must be >= 1");
+  MC_CHECK(m.qk_pos_emb_head_dim >= 2 && m.qk_pos_emb_head_dim % 2 == 0, "--qk-pos-emb-head-dim ",
+           m.qk_pos_emb_head_dim, " must be even and >= 2 (RoPE rotates pairs)");
+  MC_CHECK(m.v_head_dim >= 1, "--v-head-dim ", m.v_head_dim, " must be >= 1");
+  MC_CHECK(c.position_embedding_type == "rope", "--multi-latent-attention needs --position-embedding-type rope, got ",
+           c.position_embedding_type);
+  MC_CHECK(c.num_query_groups == c.num_attention_heads, "--multi-latent-attention has one key/value per head: "
+           "--group-query-attention / --num-query-groups do not apply");
+  MC_CHECK(!c.add_qkv_bias, "--add-qkv-bias does not apply to --multi-latent-attention (use --add-bias-linear "
+           "semantics: every projection has a bias unless --disable-bias-linear)");
 }
 
 void validate_router_flags(const ops::RouterConfig& c) {

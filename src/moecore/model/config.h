@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "moecore/ops/permute.h"
+#include "moecore/ops/rope.h"
 #include "moecore/ops/router.h"
 
 namespace moecore {
@@ -35,6 +36,20 @@ struct MoeConfig {
   bool recompute_act = false;           // --recompute-modules moe_act (a memory option, not the model)
 };
 
+// Multi-Latent Attention (--multi-latent-attention; DeepSeek-V2/V3, Megatron-Core's
+// MLASelfAttention): low-rank query and key/value projections, per-head no-RoPE parts and one
+// RoPE key shared by all heads (model/mla_attention.h).
+struct MlaConfig {
+  bool enabled = false;
+  int64_t q_lora_rank = 0;           // 0: a plain query projection (DeepSeek-V2-Lite)
+  int64_t kv_lora_rank = 32;         // Megatron's default
+  int64_t qk_head_dim = 128;         // the no-RoPE part of a query/key head
+  int64_t qk_pos_emb_head_dim = 64;  // the RoPE part
+  int64_t v_head_dim = 128;
+  bool recompute_up_proj = false;    // --recompute-modules mla_up_proj (a memory option, not the model)
+  int64_t q_head_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }  // D of the attention
+};
+
 struct ModelConfig {
   int64_t num_layers = 2;
   int64_t hidden_size = 64;
@@ -49,6 +64,9 @@ struct ModelConfig {
   double norm_epsilon = 1e-5;
   std::string position_embedding_type = "rope";  // rope | learned_absolute | none
   double rotary_base = 10000.0;
+  bool rope_yarn = false;               // --rope-type yarn (else rope)
+  ops::RopeScaling rope_scaling;        // YaRN's parameters (factor 0 unless --rope-type yarn)
+  MlaConfig mla;
   bool swiglu = true;                   // else GELU
   bool add_bias_linear = true;          // --disable-bias-linear turns it off
   bool add_qkv_bias = false;            // --add-qkv-bias: biases on linear_q/k/v only (Qwen2), even
@@ -74,6 +92,9 @@ struct ModelConfig {
 // Fills derived defaults and checks every combination, raising one Error per problem that names
 // the flag(s), what was wrong and what is expected.
 void finalize_model_config(ModelConfig& cfg, const std::string& moe_layer_freq);
+
+// The MLA and YaRN flags' values (called by finalize_model_config); each Error names the flag.
+void validate_mla_config(const ModelConfig& cfg);
 
 // The MoE flags: fills derived values (the expert FFN width, the router's expert count, sinkhorn
 // selection) and checks every combination of them -- the one place they are checked; the router

@@ -70,13 +70,18 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
   attn_norm_.resize(static_cast<size_t>(cfg.num_layers));
   mlp_norm_.resize(static_cast<size_t>(cfg.num_layers));
   attention_.resize(static_cast<size_t>(cfg.num_layers));
+  mla_.resize(static_cast<size_t>(cfg.num_layers));
   mlp_.resize(static_cast<size_t>(cfg.num_layers));
   moe_.resize(static_cast<size_t>(cfg.num_layers));
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i) {
     const size_t li = static_cast<size_t>(i);
     const std::string p = "decoder.layers." + std::to_string(i);
     attn_norm_[li] = Norm(store, p + ".input_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
-    attention_[li] = AttentionBlock(store, p + ".self_attention", cfg, dense_);
+    if (cfg.mla.enabled) {
+      mla_[li] = MlaAttention(store, p + ".self_attention", cfg, dense_);
+    } else {
+      attention_[li] = AttentionBlock(store, p + ".self_attention", cfg, dense_);
+    }
     mlp_norm_[li] = Norm(store, p + ".pre_mlp_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
     sequence_parallel({attn_norm_[li].weight, attn_norm_[li].bias, mlp_norm_[li].weight, mlp_norm_[li].bias});
     if (cfg.is_moe(i)) {
@@ -95,6 +100,14 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
     for (int64_t k = 0; k < cfg.mtp_num_layers; ++k)
       mtp_.emplace_back(store, "mtp.layers." + std::to_string(k), cfg, moe_par, dense_);
   }
+}
+
+Tensor GPTModel::attention_forward(size_t i, const Tensor& x, int64_t batch, LayerCtx& lc) const {
+  return cfg_.mla.enabled ? mla_[i].forward(x, batch, lc.mla) : attention_[i].forward(x, batch, lc.attn);
+}
+
+Tensor GPTModel::attention_backward(size_t i, const Tensor& dy, int64_t batch, LayerCtx& lc) const {
+  return cfg_.mla.enabled ? mla_[i].backward(dy, batch, lc.mla) : attention_[i].backward(dy, batch, lc.attn);
 }
 
 std::vector<MoeLayer*> GPTModel::moe_layers() {
@@ -157,7 +170,7 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
     // New tensors for the residual stream: the norms keep their inputs for the backward.
     {
       const TimedRegion timed("attention-forward", 2, h.device());
-      h = add_tensors(h, attention_[li].forward(attn_norm_[li].forward(h, lc.attn_norm), ctx.batch, lc.attn));
+      h = add_tensors(h, attention_forward(li, attn_norm_[li].forward(h, lc.attn_norm), ctx.batch, lc));
     }
     if (cfg_.is_moe(i)) {
       const TimedRegion timed("moe-forward", 2, h.device());
@@ -504,7 +517,7 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
     }
     {
       const TimedRegion timed("attention-backward", 2, dh.device());
-      add_into(dh, attn_norm_[li].backward(attention_[li].backward(dh, ctx.batch, lc.attn), lc.attn_norm));
+      add_into(dh, attn_norm_[li].backward(attention_backward(li, dh, ctx.batch, lc), lc.attn_norm));
     }
     if (layer_done) layer_done(i);
   }
@@ -547,6 +560,12 @@ GPTModel::KvCache GPTModel::make_kv_cache(int64_t rows, int64_t max_len, Device 
   cache.rows = rows;
   cache.max_len = max_len;
   for (const AttentionBlock& a : attention_) {
+    if (cfg_.mla.enabled) {  // every head's K and V after the up projections
+      const int64_t n = cfg_.num_attention_heads;
+      cache.k.push_back(Tensor::empty({rows, max_len, n, cfg_.mla.q_head_dim()}, compute_, device));
+      cache.v.push_back(Tensor::empty({rows, max_len, n, cfg_.mla.v_head_dim}, compute_, device));
+      continue;
+    }
     const Shape shape{rows, max_len, a.kv_heads(), a.head_dim()};
     cache.k.push_back(Tensor::empty(shape, compute_, device));
     cache.v.push_back(Tensor::empty(shape, compute_, device));
@@ -578,8 +597,11 @@ Tensor GPTModel::cached_logits(const Tensor& tokens, int64_t first_row, const st
   for (int64_t i = 0; i < cfg_.num_layers; ++i) {
     const size_t li = static_cast<size_t>(i);
     LayerCtx lc;
-    h = add_tensors(h, attention_[li].forward_cached(attn_norm_[li].forward(h, lc.attn_norm), first_row, start,
-                                                     positions, cache.k[li], cache.v[li]));
+    const Tensor normed_in = attn_norm_[li].forward(h, lc.attn_norm);
+    h = add_tensors(h, cfg_.mla.enabled
+                           ? mla_[li].forward_cached(normed_in, first_row, start, cache.k[li], cache.v[li])
+                           : attention_[li].forward_cached(normed_in, first_row, start, positions, cache.k[li],
+                                                           cache.v[li]));
     const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
     h = add_tensors(h, cfg_.is_moe(i) ? moe_[li].forward(normed, rows, false, 0, lc.moe) : mlp_[li].forward(normed, lc.mlp, rows));
   }

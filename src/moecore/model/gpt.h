@@ -12,6 +12,7 @@
 
 #include "moecore/model/attention_block.h"
 #include "moecore/model/layers.h"
+#include "moecore/model/mla_attention.h"
 #include "moecore/model/mtp.h"
 #include "moecore/moe/moe_layer.h"
 
@@ -47,6 +48,7 @@ class GPTModel {
   struct LayerCtx {
     Norm::Ctx attn_norm, mlp_norm;
     AttentionBlock::Ctx attn;
+    MlaAttention::Ctx mla;  // --multi-latent-attention
     Mlp::Ctx mlp;
     MoeLayer::Ctx moe;
   };
@@ -114,7 +116,8 @@ class GPTModel {
   // Logits [B*S, V] in the compute dtype, no loss (generation; one rank).
   Tensor logits(const Tensor& tokens);
   // Generation with a KV cache (one rank, the whole model): each decoder layer's K and V after
-  // RoPE, [rows, max_len, Hkv, D] in the compute dtype, allocated once.
+  // RoPE, [rows, max_len, Hkv, D] in the compute dtype, allocated once (MLA: every head's K
+  // [rows, max_len, heads, qk + RoPE dim] and V [rows, max_len, heads, v dim]).
   struct KvCache {
     std::vector<Tensor> k, v;  // per decoder layer
     int64_t rows = 0, max_len = 0;
@@ -151,6 +154,9 @@ class GPTModel {
 
  private:
   Tensor embed(const Tensor& tokens, Ctx& ctx);
+  // Decoder layer i's attention block (AttentionBlock, or MlaAttention with --multi-latent-attention).
+  Tensor attention_forward(size_t i, const Tensor& x, int64_t batch, LayerCtx& lc) const;
+  Tensor attention_backward(size_t i, const Tensor& dy, int64_t batch, LayerCtx& lc) const;
   // The transformer layers of this stage (without the final norm).
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
@@ -189,6 +195,7 @@ class GPTModel {
   Param* position_embeddings_ = nullptr;
   std::vector<Norm> attn_norm_, mlp_norm_;
   std::vector<AttentionBlock> attention_;
+  std::vector<MlaAttention> mla_;  // --multi-latent-attention: the layers' attention instead
   std::vector<Mlp> mlp_;
   std::vector<MoeLayer> moe_;
   Norm final_norm_;

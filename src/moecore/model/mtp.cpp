@@ -43,7 +43,11 @@ MtpLayer::MtpLayer(ParamStore& store, const std::string& prefix, const ModelConf
   hnorm_ = Norm(store, prefix + ".hnorm", h, cfg.rmsnorm, cfg.norm_epsilon);
   eh_proj_ = Linear(store, prefix + ".eh_proj", 2 * h, h, false, std);
   attn_norm_ = Norm(store, layer + ".input_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
-  attention_ = AttentionBlock(store, layer + ".self_attention", cfg, dense);
+  use_mla_ = cfg.mla.enabled;  // the same attention as the decoder layers
+  if (use_mla_)
+    mla_ = MlaAttention(store, layer + ".self_attention", cfg, dense);
+  else
+    attention_ = AttentionBlock(store, layer + ".self_attention", cfg, dense);
   mlp_norm_ = Norm(store, layer + ".pre_mlp_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
   // Megatron builds the MTP layer from the last decoder layer's spec: MoE if that layer is.
   is_moe_ = cfg.is_moe(cfg.num_layers - 1);
@@ -75,7 +79,8 @@ Tensor MtpLayer::forward(const Tensor& h, const Tensor& emb, int64_t batch, bool
   left.copy_from(enorm_.forward(emb, ctx.enorm));
   right.copy_from(hnorm_.forward(h, ctx.hnorm));
   Tensor x = eh_proj_.forward(cat, ctx.eh_proj);
-  x = add_tensors(x, attention_.forward(attn_norm_.forward(x, ctx.attn_norm), batch, ctx.attn));
+  const Tensor attn_in = attn_norm_.forward(x, ctx.attn_norm);
+  x = add_tensors(x, use_mla_ ? mla_.forward(attn_in, batch, ctx.mla) : attention_.forward(attn_in, batch, ctx.attn));
   const Tensor normed = mlp_norm_.forward(x, ctx.mlp_norm);
   return add_tensors(x, is_moe_ ? moe_.forward(normed, batch, training, rng_seed, ctx.moe)
                                 : mlp_.forward(normed, ctx.mlp, batch));
@@ -84,7 +89,9 @@ Tensor MtpLayer::forward(const Tensor& h, const Tensor& emb, int64_t batch, bool
 void MtpLayer::backward(Tensor dy, double loss_grad_scale, Ctx& ctx, Tensor& dh, Tensor& demb) {
   const Tensor d_normed = is_moe_ ? moe_.backward(dy, loss_grad_scale, ctx.moe) : mlp_.backward(dy, ctx.mlp);
   add_into(dy, mlp_norm_.backward(d_normed, ctx.mlp_norm));
-  add_into(dy, attn_norm_.backward(attention_.backward(dy, ctx.batch, ctx.attn), ctx.attn_norm));
+  const Tensor d_attn_in =
+      use_mla_ ? mla_.backward(dy, ctx.batch, ctx.mla) : attention_.backward(dy, ctx.batch, ctx.attn);
+  add_into(dy, attn_norm_.backward(d_attn_in, ctx.attn_norm));
   const Tensor dcat = eh_proj_.backward(dy, ctx.eh_proj);
   demb = enorm_.backward(dcat.slice(1, 0, hidden_).contiguous(), ctx.enorm);
   dh = hnorm_.backward(dcat.slice(1, hidden_, 2 * hidden_).contiguous(), ctx.hnorm);

@@ -31,6 +31,7 @@
 
 #include "moecore/model/attention_block.h"
 #include "moecore/model/layers.h"
+#include "moecore/model/mla_attention.h"
 #include "moecore/moe/moe_layer.h"
 
 namespace moecore {
@@ -59,6 +60,7 @@ class MtpLayer {
     Norm::Ctx enorm, hnorm, attn_norm, mlp_norm, final_norm;
     Linear::Ctx eh_proj;
     AttentionBlock::Ctx attn;
+    MlaAttention::Ctx mla;  // --multi-latent-attention
     Mlp::Ctx mlp;
     MoeLayer::Ctx moe;
     int64_t batch = 1;
@@ -76,6 +78,8 @@ class MtpLayer {
   Norm enorm_, hnorm_, attn_norm_, mlp_norm_;
   Linear eh_proj_;
   AttentionBlock attention_;
+  MlaAttention mla_;  // --multi-latent-attention: the layer's attention instead
+  bool use_mla_ = false;
   Mlp mlp_;
   MoeLayer moe_;
   bool is_moe_ = false;

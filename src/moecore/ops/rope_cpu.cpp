@@ -8,7 +8,7 @@
 
 namespace moecore::ops::cpu {
 
-void rope(const Tensor& in, Tensor& out, double base, int64_t position_offset, bool inverse) {
+void rope(const Tensor& in, Tensor& out, const RopeFrequencies& f, int64_t position_offset, bool inverse) {
   const int64_t B = in.size(0), S = in.size(1), N = in.size(2), D = in.size(3), h = D / 2;
   dispatch_floating(in.dtype(), "rope", [&](auto tag) {
     using T = decltype(tag);
@@ -18,10 +18,11 @@ void rope(const Tensor& in, Tensor& out, double base, int64_t position_offset, b
     for (int64_t s = 0; s < S; ++s) {
       const double pos = static_cast<double>(s + position_offset);
       for (int64_t i = 0; i < h; ++i) {
-        const double inv_freq = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-        const double angle = pos * inv_freq;
-        cos_t[static_cast<size_t>(s * h + i)] = static_cast<C>(std::cos(angle));
-        sin_t[static_cast<size_t>(s * h + i)] = static_cast<C>(inverse ? -std::sin(angle) : std::sin(angle));
+        const double angle = pos * rope_inv_freq(f, i);
+        double c = std::cos(angle), sn = std::sin(angle);
+        if (f.yarn) c *= f.attention, sn *= f.attention;  // YaRN's magnitude (plain RoPE: untouched)
+        cos_t[static_cast<size_t>(s * h + i)] = static_cast<C>(c);
+        sin_t[static_cast<size_t>(s * h + i)] = static_cast<C>(inverse ? -sn : sn);
       }
     }
     const T* pin = in.data<T>();

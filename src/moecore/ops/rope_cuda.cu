@@ -11,15 +11,15 @@ namespace moecore::ops::cuda {
 
 namespace {
 
-__global__ void rope_table_kernel(float* cos_t, float* sin_t, int64_t S, int64_t h, int64_t D, double base,
+__global__ void rope_table_kernel(float* cos_t, float* sin_t, int64_t S, int64_t h, RopeFrequencies f,
                                   int64_t position_offset, bool inverse) {
   const int64_t n = S * h;
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n; k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t s = k / h, i = k % h;
-    const double inv_freq = pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-    const double angle = static_cast<double>(s + position_offset) * inv_freq;
+    const double angle = static_cast<double>(s + position_offset) * rope_inv_freq(f, i);
     double sn, cs;
     sincos(angle, &sn, &cs);
+    if (f.yarn) cs *= f.attention, sn *= f.attention;  // YaRN's magnitude (plain RoPE: untouched)
     cos_t[k] = static_cast<float>(cs);
     sin_t[k] = static_cast<float>(inverse ? -sn : sn);
   }
@@ -75,7 +75,7 @@ __global__ void rope_bf16x8_kernel(const bf16* in, bf16* out, const float* cos_t
 
 }  // namespace
 
-void rope(const Tensor& in, Tensor& out, double base, int64_t position_offset, bool inverse) {
+void rope(const Tensor& in, Tensor& out, const RopeFrequencies& f, int64_t position_offset, bool inverse) {
   const int64_t B = in.size(0), S = in.size(1), N = in.size(2), D = in.size(3), h = D / 2;
   const int64_t pairs = B * S * N * h;
   if (pairs == 0) return;
@@ -84,7 +84,7 @@ void rope(const Tensor& in, Tensor& out, double base, int64_t position_offset, b
   Tensor table = Tensor::empty({2, S, h}, DType::F32, in.device());
   float* cos_t = table.data<float>();
   float* sin_t = cos_t + S * h;
-  rope_table_kernel<<<grid_for(S * h), 256, 0, s>>>(cos_t, sin_t, S, h, D, base, position_offset, inverse);
+  rope_table_kernel<<<grid_for(S * h), 256, 0, s>>>(cos_t, sin_t, S, h, f, position_offset, inverse);
   MC_CUDA_CHECK_LAUNCH();
   // The tables are a fresh allocation (256-byte aligned) of rows of h floats: with h % 8 == 0 each
   // thread's 8 cos / sin values start on a 32-byte boundary, so their float4 reads are aligned too.

@@ -18,7 +18,10 @@ const std::vector<std::string>& checkpoint_model_flags() {
       "moe-router-load-balancing-type", "moe-aux-loss-coeff", "moe-z-loss-coeff", "moe-router-enable-expert-bias",
       "moe-router-bias-update-rate", "moe-expert-capacity-factor", "moe-token-drop-policy",
       "moe-pad-expert-input-to-capacity", "moe-input-jitter-eps", "moe-shared-expert-intermediate-size",
-      "moe-shared-expert-gate", "tokenizer-type", "tokenizer-model", "make-vocab-size-divisible-by"};
+      "moe-shared-expert-gate", "tokenizer-type", "tokenizer-model", "make-vocab-size-divisible-by",
+      "multi-latent-attention", "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim",
+      "rope-type", "rotary-scaling-factor", "original-max-position-embeddings", "beta-fast", "beta-slow", "mscale",
+      "mscale-all-dim", "mtp-num-layers"};
   return names;
 }
 
@@ -31,7 +34,10 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
       "untie-embeddings-and-output-weights", "qk-layernorm", "num-experts", "moe-layer-freq", "moe-ffn-hidden-size",
       "moe-router-topk", "moe-router-score-function", "moe-router-pre-softmax", "moe-router-num-groups",
       "moe-router-group-topk", "moe-router-topk-scaling-factor", "moe-router-enable-expert-bias",
-      "moe-shared-expert-intermediate-size", "moe-shared-expert-gate", "tokenizer-type"};
+      "moe-shared-expert-intermediate-size", "moe-shared-expert-gate", "tokenizer-type",
+      "multi-latent-attention", "q-lora-rank", "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim",
+      "rope-type", "rotary-scaling-factor", "original-max-position-embeddings", "beta-fast", "beta-slow", "mscale",
+      "mscale-all-dim", "mtp-num-layers"};
   static const std::vector<std::string> schedule = {"lr", "min-lr", "lr-decay-style", "lr-decay-iters",
                                                     "lr-warmup-iters", "lr-wsd-decay-iters", "lr-wsd-decay-style"};
   static const std::vector<std::string> per_run = {"config", "load", "save", "save-interval", "metrics-file",

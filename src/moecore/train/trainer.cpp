@@ -20,7 +20,14 @@ namespace moecore {
 
 int64_t active_matmul_params(const ModelConfig& c) {
   const int64_t h = c.hidden_size, d = c.head_dim();
-  const int64_t attn = h * c.num_attention_heads * d * 2 + h * c.kv_heads() * d * 2;
+  int64_t attn = h * c.num_attention_heads * d * 2 + h * c.kv_heads() * d * 2;
+  if (c.mla.enabled) {  // the down and up projections and linear_proj (model/mla_attention.h)
+    const MlaConfig& m = c.mla;
+    const int64_t n = c.num_attention_heads, q = n * m.q_head_dim();
+    attn = (m.q_lora_rank > 0 ? h * m.q_lora_rank + m.q_lora_rank * q : h * q) +
+           h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim) +
+           n * m.v_head_dim * h;
+  }
   int64_t total = c.vocab_size * h;  // output head
   auto layer = [&](int64_t i) {  // a layer with the MLP or MoE of decoder layer i
     total += attn;
@@ -42,9 +49,14 @@ int64_t active_matmul_params(const ModelConfig& c) {
 }
 
 double model_flops_per_step(const ModelConfig& c, int64_t tokens) {
+  // The attention products' width: hidden (q.k and p.v at heads x head dim); MLA's q.k at
+  // heads x (qk + rope dim) and p.v at heads x v dim, averaged.
+  const double width = c.mla.enabled ? 0.5 * static_cast<double>(c.num_attention_heads) *
+                                           static_cast<double>(c.mla.q_head_dim() + c.mla.v_head_dim)
+                                     : static_cast<double>(c.hidden_size);
   return 6.0 * static_cast<double>(active_matmul_params(c)) * static_cast<double>(tokens) +
-         6.0 * static_cast<double>(c.num_layers + c.mtp_num_layers) * static_cast<double>(c.seq_length) *
-             static_cast<double>(c.hidden_size) * static_cast<double>(tokens);
+         6.0 * static_cast<double>(c.num_layers + c.mtp_num_layers) * static_cast<double>(c.seq_length) * width *
+             static_cast<double>(tokens);
 }
 
 namespace {

@@ -1,0 +1,37 @@
+// The attention core shared by the attention blocks: causal attention of this rank's queries
+// over the keys, with context parallelism (the CP all-gather of K and V and the reduce-scatter of
+// their gradients), for any value head dim Dv (Multi-Latent Attention: D = 192, Dv = 128).
+//   q [B, s, Hq, D], k [B, s, Hkv, D], v [B, s, Hkv, Dv]: this rank's tokens (under CP its two
+//   chunks of every sequence, tensor_parallel.h), already rotated (RoPE) by the caller.
+// Without CP it is ops::attention_forward / backward. With CP each query chunk attends the keys
+// before it, gathered from the CP group; dK and dV reduce-scatter back to their owners.
+// Saved ("core_attn"): q, k, v, the output and its logsumexp (CP: per query chunk, and the
+// gathered K/V).
+#pragma once
+
+#include "moecore/model/tensor_parallel.h"
+
+namespace moecore {
+
+struct CoreAttentionCtx {
+  Tensor q, k, v, out, lse;
+  Tensor chunk_q[2], chunk_out[2], chunk_lse[2], full_k, full_v;  // context parallelism
+};
+
+// cp: the context-parallel group (null: one rank). Returns out [B, s, Hq, Dv].
+Tensor core_attention_forward(comm::Communicator* cp, const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                              CoreAttentionCtx& ctx);
+// dout [B, s, Hq, Dv] -> dq, dk, dv of this rank's tokens (before the caller's RoPE backward).
+void core_attention_backward(comm::Communicator* cp, const Tensor& dout, double scale, CoreAttentionCtx& ctx,
+                             Tensor& dq, Tensor& dk, Tensor& dv);
+
+// ops::attention_forward / backward for any Dv: where the CUDA kernels refuse Dv != D, V is
+// zero-padded to D and the output sliced back (exact: the padded columns of the output are 0 and
+// their gradient never reaches V). Delete once the CUDA kernels take Dv != D.
+void attention_forward_any_value_dim(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
+                                     Tensor& lse);
+void attention_backward_any_value_dim(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                      const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk,
+                                      Tensor& dv);
+
+}  // namespace moecore
