@@ -11,6 +11,7 @@
 
 #include "moecore/model/gpt.h"
 #include "moecore/ops/argmax.h"
+#include "moecore/ops/elementwise.h"
 #include "moecore/train/decode_step.h"
 #include "moecore/train/generation.h"
 #include "op_harness.h"

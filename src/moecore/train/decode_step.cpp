@@ -71,8 +71,9 @@ DecodeStep::DecodeStep(GPTModel& model, GPTModel::KvCache& cache, Device device,
 #endif
   std::optional<StreamGuard> guard;
   if (graph_) guard.emplace(graph_->stream);
-  tokens_ = Tensor::empty({rows_, 1}, DType::I32, device);
-  positions_ = Tensor::empty({rows_}, DType::I32, device);
+  inputs_ = Tensor::empty({2 * rows_}, DType::I32, device);  // one upload per step: tokens, then positions
+  tokens_ = inputs_.slice(0, 0, rows_).view({rows_, 1});
+  positions_ = inputs_.slice(0, rows_, 2 * rows_);
   logits_ = Tensor::empty({rows_, vocab_}, DType::F32, device);
   if (greedy_) ids_ = Tensor::empty({rows_}, DType::I32, device);
 }
@@ -86,7 +87,7 @@ DecodeStep::~DecodeStep() {
   }
   if (graph_->exec) cudaGraphExecDestroy(graph_->exec);
   if (graph_->graph) cudaGraphDestroy(graph_->graph);
-  tokens_ = positions_ = logits_ = ids_ = Tensor();  // back to the stream's cache
+  inputs_ = tokens_ = positions_ = logits_ = ids_ = Tensor();  // back to the stream's cache
   release_graph_stream(device_);
 #endif
 }
@@ -150,18 +151,18 @@ void DecodeStep::capture_and_replay() {
 void DecodeStep::run(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions) {
   MC_CHECK(static_cast<int64_t>(tokens.size()) == rows_ && static_cast<int64_t>(positions.size()) == rows_,
            "DecodeStep::run: ", tokens.size(), " tokens and ", positions.size(), " positions for ", rows_, " rows");
-  std::vector<int32_t> pos(positions.size());
+  std::vector<int32_t> inputs(tokens.begin(), tokens.end());
+  inputs.resize(2 * tokens.size());
   for (size_t r = 0; r < positions.size(); ++r) {
     MC_CHECK(positions[r] >= 0 && positions[r] < cache_.max_len, "DecodeStep::run: row ", r, " at position ",
              positions[r], " outside the cache's ", cache_.max_len);
     MC_CHECK(tokens[r] >= 0 && tokens[r] < vocab_, "DecodeStep::run: token ", tokens[r], " of row ", r,
              " is not in the vocabulary [0, ", vocab_, ")");
-    pos[r] = static_cast<int32_t>(positions[r]);
+    inputs[tokens.size() + r] = static_cast<int32_t>(positions[r]);
   }
   std::optional<StreamGuard> guard;
   if (graph_) guard.emplace(graph_->stream);
-  tokens_.copy_from(Tensor::from_vector(tokens, {rows_, 1}));
-  positions_.copy_from(Tensor::from_vector(pos, {rows_}));
+  inputs_.copy_from(Tensor::from_vector(inputs, {2 * rows_}));
 #if MOECORE_WITH_CUDA
   if (graph_ && graph_->exec) {
     MC_CUDA_CHECK(cudaGraphLaunch(graph_->exec, static_cast<cudaStream_t>(graph_->stream.handle())));

@@ -57,7 +57,7 @@ class DecodeStep {
   Device device_;
   bool greedy_;
   int64_t rows_, vocab_;
-  Tensor tokens_, positions_, logits_, ids_;  // fixed device buffers
+  Tensor inputs_, tokens_, positions_, logits_, ids_;  // fixed device buffers (tokens_, positions_: views of inputs_)
   std::vector<int32_t> host_ids_;
   std::vector<float> host_logits_;
   std::string status_;
