@@ -49,7 +49,7 @@ TEST(DecodeStepCpu, GreedyTokensAreTheLogitsArgmax) {
   EXPECT_EQ(greedy.graph_status(), "eager");  // no graphs on the CPU
   std::vector<int32_t> tokens{3, 17};
   for (int64_t step = 0; step < 5; ++step) {
-    const std::vector<int64_t> positions{step, step + 1};
+    const std::vector<int64_t> positions{step, step};  // every key a row attends to was written
     greedy.run(tokens, positions);
     sample.run(tokens, positions);
     const std::vector<float>& l = sample.logits();
