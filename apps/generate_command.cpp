@@ -23,6 +23,8 @@ int run_generate(const std::vector<std::string>& argv) {
   flags.add_double("top-p", &g.top_p, "nucleus sampling: the most likely tokens up to this probability (1: off)");
   flags.add_int("eod-id", &g.eod_id, "a prompt stops after this token (-2: the tokenizer's end of document; -1: never)");
   flags.add_bool("no-kv-cache", &g.no_kv_cache, "re-run the model over the whole sequence for every token (the reference)");
+  flags.add_bool("no-cuda-graph", &g.no_cuda_graph,
+                 "on a GPU, launch every decoding step's kernels one by one instead of replaying a CUDA graph");
   flags.add_int("seed", &g.seed, "sampling seed");
   flags.add_string("device", &g.device, "cpu, cuda or cuda:N (default: cuda when present)");
   flags.parse(argv);

@@ -4,6 +4,7 @@
 // layer), random weights (Philox initialisation, no checkpoint), bf16 compute, on GPU 0.
 // Greedy decoding of --new-tokens tokens (default 512) after a --prompt-len token prompt
 // (default 128), for one prompt and for --batch prompts (default 16) decoded together; no eod.
+// Each decoding step replays a CUDA graph (train/decode_step.h) unless --no-cuda-graph.
 // Prints tokens/s of the decode (prefill separately) and, for one prompt, the memory bound:
 //   weight bytes one token reads = per layer (q, k, v, o projections + router + top-k experts'
 //   three matrices) + the output layer, bf16 (norms, the embedding row and the KV cache left out)
@@ -75,13 +76,14 @@ struct Run {
   double prefill_tps() const { return out.prefill_seconds > 0 ? out.prefill_tokens / out.prefill_seconds : 0; }
 };
 
-Run run(GPTModel& model, Device dev, int64_t prompts, int64_t prompt_len, int64_t new_tokens) {
+Run run(GPTModel& model, Device dev, int64_t prompts, int64_t prompt_len, int64_t new_tokens, bool cuda_graph) {
   std::vector<std::vector<int32_t>> p(static_cast<size_t>(prompts));
   for (int64_t r = 0; r < prompts; ++r)
     for (int64_t i = 0; i < prompt_len; ++i) p[static_cast<size_t>(r)].push_back(static_cast<int32_t>((r * 7919 + i * 104729) % 32768));
   GenerationOptions opt;
   opt.temperature = 0;
   opt.max_new_tokens = new_tokens;
+  opt.cuda_graph = cuda_graph;
   generate_tokens(model, dev, p, [&] { GenerationOptions w = opt; w.max_new_tokens = 8; return w; }());  // warm-up
   return {prompts, generate_tokens(model, dev, p, opt)};
 }
@@ -91,10 +93,12 @@ Run run(GPTModel& model, Device dev, int64_t prompts, int64_t prompt_len, int64_
 int main(int argc, char** argv) {
   try {
     int64_t prompt_len = 128, new_tokens = 512, batch = 16;
+    bool no_cuda_graph = false;
     cli::FlagSet flags("bench_generate", "Decoding tokens/s with the KV cache at mixtral-small's shapes.");
     flags.add_int("prompt-len", &prompt_len, "prompt tokens");
     flags.add_int("new-tokens", &new_tokens, "tokens decoded per prompt");
     flags.add_int("batch", &batch, "prompts decoded together in the batched run");
+    flags.add_bool("no-cuda-graph", &no_cuda_graph, "launch each decoding step's kernels one by one (no CUDA graph)");
     flags.parse(std::vector<std::string>(argv + 1, argv + argc));
     if (flags.help_requested()) {
       std::printf("%s", flags.help().c_str());
@@ -115,18 +119,21 @@ int main(int argc, char** argv) {
                                        {"weight_bytes_per_token", bytes}, {"bound_tokens_per_s", bound}}
                             .dump()
                             .c_str());
-    std::vector<Run> runs = {run(model, dev, 1, prompt_len, new_tokens), run(model, dev, batch, prompt_len, new_tokens)};
+    std::vector<Run> runs = {run(model, dev, 1, prompt_len, new_tokens, !no_cuda_graph),
+                             run(model, dev, batch, prompt_len, new_tokens, !no_cuda_graph)};
     for (const Run& r : runs)
       std::printf("%s\n", nlohmann::json{{"bench", "generate"}, {"prompts", r.prompts}, {"prompt_len", prompt_len},
                                          {"new_tokens", new_tokens}, {"prefill_tokens_per_s", r.prefill_tps()},
                                          {"decode_tokens_per_s", r.decode_tps()},
                                          {"decode_ms_per_step", r.out.decode_seconds * 1e3 * r.prompts /
-                                                                    std::max<int64_t>(1, r.out.decode_tokens)}}
+                                                                    std::max<int64_t>(1, r.out.decode_tokens)},
+                                         {"decode_path", r.out.decode_path}}
                               .dump()
                               .c_str());
     const double one = runs[0].decode_tps(), many = runs[1].decode_tps();
     std::printf("\nGeneration, mixtral-small shapes, bf16, greedy, prompt %lld + %lld new tokens, on %s\n",
                 static_cast<long long>(prompt_len), static_cast<long long>(new_tokens), card.c_str());
+    std::printf("decoding steps: %s\n", runs[1].out.decode_path.c_str());
     std::printf("copy bandwidth %.0f GB/s; weights per token %.1f MB -> bound %.0f tokens/s\n", bandwidth / 1e9, bytes / 1e6, bound);
     std::printf("%-10s %14s %14s %14s %14s\n", "prompts", "prefill tok/s", "decode tok/s", "vs bound", "vs 1 prompt");
     for (const Run& r : runs)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `moecore generate` with the KV cache against the full recompute (--no-kv-cache), greedy, on the
 # CPU in fp32, for a tiny MoE model trained a few steps (GQA; RoPE and learned positions with
-# q/k norms; Multi-Latent Attention with YaRN): the same tokens for one prompt, every row of a batch of prompts of different
-# lengths equals its single-prompt run, top-p -> 0 equals greedy, --eod-id stops a row; bad
+# q/k norms; Multi-Latent Attention with YaRN): the same tokens for one prompt, every row of a
+# batch of prompts of different lengths equals its single-prompt run, top-p -> 0 equals greedy,
+# --no-cuda-graph changes nothing on the CPU (the summary's decode_path), --eod-id stops a row; bad
 # --prompt-file lines and flags are refused naming them.
 set -euo pipefail
 bin=$1; src=$2
@@ -39,6 +40,12 @@ for m in rope learned mla; do
   done
   echo "$m: KV cache = full recompute, batch rows = single runs, top-p -> 0 = greedy"
 done
+# --no-cuda-graph (GPU only: the CPU decodes eagerly either way): the same tokens; the summary names the path
+gen --load "$dir/rope" --prompt-file "$dir/rope.jsonl" --max-new-tokens 12 --no-cuda-graph > "$dir/out"
+grep -v summary "$dir/out" | diff - "$dir/rope.expected" || { echo "FAIL: --no-cuda-graph changed the tokens"; exit 1; }
+grep -q '"decode_path": "eager"}' "$dir/out" || { cat "$dir/out"; echo "FAIL: no decode_path eager"; exit 1; }
+gen --load "$dir/rope" --prompt-file "$dir/rope.jsonl" --max-new-tokens 12 --no-kv-cache > "$dir/out"
+grep -q '"decode_path": "full-recompute"}' "$dir/out" || { cat "$dir/out"; echo "FAIL: no decode_path full-recompute"; exit 1; }
 # --eod-id: a row stops after its first eod (kept), the others run on
 ref=$(gen --load "$dir/rope" --prompt-ids "5 9 17" --max-new-tokens 12 --no-kv-cache | ids)
 eod=$(echo $ref | cut -d' ' -f4)

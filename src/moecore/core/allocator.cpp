@@ -147,7 +147,15 @@ CachingAllocator& cuda_allocator(int device_index) {
         [device_index](size_t n) -> void* {
           void* p = nullptr;
           MC_CUDA_CHECK(cudaSetDevice(device_index));
-          if (cudaMalloc(&p, n) != cudaSuccess) {
+          // A block first needed while a stream is captured into a CUDA graph (train/decode_step.h):
+          // cudaMalloc is not part of the graph, and the block stays with the capturing stream's
+          // cache, so the graph's replays find it at the same address. The relaxed mode lets the
+          // call through a capture that refuses other unsafe calls; the previous mode comes back.
+          cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+          MC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+          const cudaError_t err = cudaMalloc(&p, n);
+          MC_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+          if (err != cudaSuccess) {
             cudaGetLastError();
             return nullptr;
           }

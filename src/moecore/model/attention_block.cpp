@@ -110,6 +110,8 @@ Tensor AttentionBlock::forward_cached(const Tensor& x, int64_t first_row, const 
   MC_CHECK(rows > 0 && seq * rows == tokens && first_row >= 0 && first_row + rows <= k_cache.size(0),
            "forward_cached: ", tokens, " tokens for rows [", first_row, ", ", first_row + rows, ") of a cache of ",
            k_cache.size(0), " rows");
+  if (seq == 1 && first_row == 0 && rows == k_cache.size(0) && x.dtype() != DType::F64)
+    return forward_decode(x, positions, k_cache, v_cache);
   Linear::Ctx qc, kc, vc, oc;
   Norm::Ctx qn, kn;
   Tensor q = q_proj_.forward(x, qc), k = k_proj_.forward(x, kc), v = v_proj_.forward(x, vc);
@@ -122,10 +124,6 @@ Tensor AttentionBlock::forward_cached(const Tensor& x, int64_t first_row, const 
   v = v.view({rows, seq, kv_heads_, head_dim_});
   Tensor out = Tensor::empty(q.shape(), x.dtype(), x.device());
   Tensor lse = Tensor::empty({rows, heads_, seq}, x.dtype() == DType::F64 ? DType::F64 : DType::F32, x.device());
-  if (seq == 1 && first_row == 0 && rows == k_cache.size(0) && x.dtype() != DType::F64) {
-    ops::decode_attention(q, k, v, k_cache, v_cache, positions, rope_, rotary_base_, scale(), out, lse);
-    return o_proj_.forward(out.view({tokens, heads_ * head_dim_}), oc);
-  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = start[static_cast<size_t>(r)], keys = pos + seq;
     MC_CHECK(pos >= 0 && keys <= max_len, "forward_cached: positions [", pos, ", ", keys, ") beyond the cache's ", max_len);
@@ -145,6 +143,31 @@ Tensor AttentionBlock::forward_cached(const Tensor& x, int64_t first_row, const 
                            out_r, lse_r);
   }
   return o_proj_.forward(out.view({tokens, heads_ * head_dim_}), oc);
+}
+
+Tensor AttentionBlock::forward_decode(const Tensor& x, const Tensor& positions, Tensor& k_cache, Tensor& v_cache) const {
+  MC_CHECK(!par_.cp && par_.tp_size() == 1, "cached attention (generation) runs on one rank: no tensor or context parallelism");
+  const int64_t rows = x.size(0);
+  MC_CHECK(x.ndim() == 2 && rows == k_cache.size(0) && positions.shape() == Shape({rows}), "forward_decode: ",
+           x.describe(), " for a cache of ", k_cache.size(0), " rows with positions ", positions.describe());
+  if (x.dtype() == DType::F64) {  // the row-by-row path (the CPU's f64)
+    const std::vector<int32_t> pos = positions.to_vector<int32_t>();
+    return forward_cached(x, 0, std::vector<int64_t>(pos.begin(), pos.end()), positions, k_cache, v_cache);
+  }
+  Linear::Ctx qc, kc, vc, oc;
+  Norm::Ctx qn, kn;
+  Tensor q = q_proj_.forward(x, qc), k = k_proj_.forward(x, kc), v = v_proj_.forward(x, vc);
+  if (qk_norm_) {
+    q = q_norm_.forward(q.view({rows * heads_, head_dim_}), qn);
+    k = k_norm_.forward(k.view({rows * kv_heads_, head_dim_}), kn);
+  }
+  q = q.view({rows, 1, heads_, head_dim_});
+  k = k.view({rows, 1, kv_heads_, head_dim_});
+  v = v.view({rows, 1, kv_heads_, head_dim_});
+  Tensor out = Tensor::empty(q.shape(), x.dtype(), x.device());
+  Tensor lse = Tensor::empty({rows, heads_, 1}, DType::F32, x.device());
+  ops::decode_attention(q, k, v, k_cache, v_cache, positions, rope_, rotary_base_, scale(), out, lse);
+  return o_proj_.forward(out.view({rows, heads_ * head_dim_}), oc);
 }
 
 // Context parallelism. Rank r of n holds chunks g0 = r and g1 = 2n - 1 - r (c tokens each) of

@@ -41,6 +41,10 @@ class AttentionBlock {
   // `positions` (start as i32 on the model's device): one launch for every row on a GPU.
   Tensor forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start, const Tensor& positions,
                         Tensor& k_cache, Tensor& v_cache) const;
+  // One decoding step of every cache row: x [R, H] (R = the cache's rows), positions [R] i32 on
+  // x's device. Reads nothing back to the host on a GPU (CUDA graphs capture it); f64 (CPU) takes
+  // forward_cached's row-by-row path.
+  Tensor forward_decode(const Tensor& x, const Tensor& positions, Tensor& k_cache, Tensor& v_cache) const;
   int64_t kv_heads() const { return kv_heads_; }
   int64_t head_dim() const { return head_dim_; }
 

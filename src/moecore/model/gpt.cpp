@@ -579,6 +579,10 @@ Tensor GPTModel::cached_logits(const Tensor& tokens, int64_t first_row, const st
   MC_CHECK(tokens.ndim() == 2 && tokens.dtype() == DType::I32 && (rows == 1 || seq == 1) &&
                static_cast<int64_t>(start.size()) == rows && cache.rows > 0,
            "cached_logits: tokens must be [1, S] or [R, 1] i32 with one start per row, got ", tokens.describe());
+  if (seq == 1 && first_row == 0 && rows == cache.rows) {
+    const std::vector<int32_t> pos(start.begin(), start.end());
+    return decode_logits(tokens, Tensor::from_vector(pos, {rows}, tokens.device()), cache);
+  }
   Tensor h = Tensor::empty({n, cfg_.hidden_size}, compute_, tokens.device());
   ops::embedding_forward(word_embeddings_->weight, tokens.view({n}), h);
   if (position_embeddings_) {
@@ -606,6 +610,38 @@ Tensor GPTModel::cached_logits(const Tensor& tokens, int64_t first_row, const st
     h = add_tensors(h, cfg_.is_moe(i) ? moe_[li].forward(normed, rows, false, 0, lc.moe) : mlp_[li].forward(normed, lc.mlp, rows));
   }
   if (seq > 1) h = h.slice(0, n - 1, n);  // one prompt: its last token
+  Norm::Ctx norm_ctx;
+  Linear::Ctx head_ctx;
+  return head_.forward(final_norm_.forward(h, norm_ctx), head_ctx);
+}
+
+Tensor GPTModel::decode_logits(const Tensor& tokens, const Tensor& positions, KvCache& cache) {
+  const int64_t rows = tokens.size(0);
+  MC_CHECK(tokens.ndim() == 2 && tokens.size(1) == 1 && tokens.dtype() == DType::I32 && rows == cache.rows &&
+               positions.shape() == Shape({rows}) && positions.dtype() == DType::I32 &&
+               positions.device() == tokens.device(),
+           "decode_logits: tokens must be [", cache.rows, ", 1] i32 and positions [", cache.rows,
+           "] i32 on one device, got ", tokens.describe(), " and ", positions.describe());
+  std::vector<int64_t> host_start;  // MLA's cached attention takes each row's position on the host
+  if (cfg_.mla.enabled)
+    for (int32_t p : positions.to_vector<int32_t>()) host_start.push_back(p);
+  Tensor h = Tensor::empty({rows, cfg_.hidden_size}, compute_, tokens.device());
+  ops::embedding_forward(word_embeddings_->weight, tokens.view({rows}), h);
+  if (position_embeddings_) {
+    Tensor p = Tensor::empty(h.shape(), compute_, tokens.device());
+    ops::embedding_forward(position_embeddings_->weight, positions, p);
+    add_into(h, p);
+  }
+  for (int64_t i = 0; i < cfg_.num_layers; ++i) {
+    const size_t li = static_cast<size_t>(i);
+    LayerCtx lc;
+    const Tensor normed_in = attn_norm_[li].forward(h, lc.attn_norm);
+    h = add_tensors(h, cfg_.mla.enabled
+                           ? mla_[li].forward_cached(normed_in, 0, host_start, cache.k[li], cache.v[li])
+                           : attention_[li].forward_decode(normed_in, positions, cache.k[li], cache.v[li]));
+    const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
+    h = add_tensors(h, cfg_.is_moe(i) ? moe_[li].forward(normed, rows, false, 0, lc.moe) : mlp_[li].forward(normed, lc.mlp, rows));
+  }
   Norm::Ctx norm_ctx;
   Linear::Ctx head_ctx;
   return head_.forward(final_norm_.forward(h, norm_ctx), head_ctx);

@@ -129,6 +129,15 @@ class GPTModel {
   // logits of each sequence's last new token [R, V] in the compute dtype. The MoE layers run
   // in evaluation mode on the new tokens only.
   Tensor cached_logits(const Tensor& tokens, int64_t first_row, const std::vector<int64_t>& start, KvCache& cache);
+  // One decoding step of every cache row from device inputs: tokens [R, 1] i32, positions [R] i32
+  // (each row's new token and its position), R = cache.rows. Returns the logits [R, V] in the
+  // compute dtype. On a GPU nothing is read back to the host where the ops allow it (the MoE
+  // layers with device-side expert offsets): train/decode_graph.h captures it in a CUDA graph.
+  // cached_logits with S == 1 and first_row 0 is this call. With --multi-latent-attention the
+  // positions are read back to the host (MlaAttention::forward_cached takes host positions), so
+  // that step cannot be captured: decode_graphable() is false.
+  Tensor decode_logits(const Tensor& tokens, const Tensor& positions, KvCache& cache);
+  bool decode_graphable() const { return !cfg_.mla.enabled; }
   // --overlap-param-gather: wait(-1) runs before the embedding reads its weights, wait(i) before
   // decoder layer i's forward, wait(num_layers) before the final norm and the output layer (the
   // optimizer's gathers of those weights may still be running on the communication stream).

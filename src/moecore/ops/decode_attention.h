@@ -14,7 +14,7 @@
 // two kernels for the whole batch, whatever the rows' lengths: one rotates q and k and writes
 // the cache (angles in double as the RoPE op's table), one block per (row, query head) holds
 // the row's scores in shared memory (softmax over the p + 1 keys, then the weighted sum of the
-// values, one thread per output feature); caches longer than kDecodeAttentionMaxKeys, odd or
+// values, its keys split over the block's warps); caches longer than kDecodeAttentionMaxKeys, odd or
 // > 256 head dims fall back to the per-row path (which reads the positions on the host).
 #pragma once
 

@@ -2,7 +2,10 @@
 // each row's position, angles in double and the rotation in explicitly rounded fp32, as
 // rope_cuda.cu) and writes k and v into the caches; then one block per (row, query head): the
 // query in shared memory, one thread per key for the scores (kept in shared memory), block
-// max and sum, and one thread per output feature for the weighted sum of the values.
+// max and sum; the weighted sum of the values split over the block's warps by key (each warp
+// reads a key's row coalesced, lanes by feature), the warps' partial sums added in order.
+#include <algorithm>
+
 #include "moecore/ops/cuda_common.cuh"
 #include "moecore/ops/decode_attention.h"
 
@@ -11,6 +14,8 @@ namespace moecore::ops::cuda {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxFeaturesPerLane = 8;  // head dims up to 256 (decode_attention.cpp falls back above)
 
 template <typename T>
 __global__ void decode_rope_write_kernel(T* q, const T* k, const T* v, T* kc, T* vc, const int32_t* pos, int64_t R,
@@ -45,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
                                                                     int64_t Hkv, int64_t D, int64_t max_len, float scale) {
   extern __shared__ float smem[];
   float* qs = smem;       // D
-  float* sc = smem + D;   // keys
+  float* sc = smem + D;   // keys; then the warps' partial outputs (kWarps x D)
   const int64_t r = blockIdx.x / Hq, hq = blockIdx.x % Hq, kv = hq / (Hq / Hkv);
   const int64_t keys = static_cast<int64_t>(pos[r]) + 1, stride = Hkv * D;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load(q[(r * Hq + hq) * D + d]);
@@ -56,6 +61,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
   for (int64_t t = threadIdx.x; t < keys; t += blockDim.x) {
     const T* kt = krow + t * stride;
     float s = 0.f;
+#pragma unroll 8
     for (int64_t d = 0; d < D; ++d) s += qs[d] * load(kt[d]);
     s *= scale;
     sc[t] = s;
@@ -69,11 +75,34 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
     l += e;
   }
   l = block_sum(l);  // its barriers also order the sc writes before the reads below
+  // The weighted sum of the values: warp w takes keys w, w + kWarps, ...; lane i features
+  // i, i + 32, ... (each key's row read by the warp in coalesced pieces; the loads of several
+  // keys in flight at once), then the kWarps partial sums are added in warp order.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float acc[kMaxFeaturesPerLane] = {};
+#pragma unroll 4
+  for (int64_t t = warp; t < keys; t += kWarps) {
+    const float p = sc[t];
+    const T* vt = vrow + t * stride;
+#pragma unroll
+    for (int j = 0; j < kMaxFeaturesPerLane; ++j) {
+      const int64_t d = lane + 32 * j;
+      if (d < D) acc[j] += p * load(vt[d]);
+    }
+  }
+  __syncthreads();  // every warp has read its probabilities: sc becomes the partial sums
+#pragma unroll
+  for (int j = 0; j < kMaxFeaturesPerLane; ++j) {
+    const int64_t d = lane + 32 * j;
+    if (d < D) sc[warp * D + d] = acc[j];
+  }
+  __syncthreads();
   const float inv = 1.f / l;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.f;
-    for (int64_t t = 0; t < keys; ++t) acc += sc[t] * load(vrow[t * stride + d]);
-    out[(r * Hq + hq) * D + d] = store<T>(acc * inv);
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += sc[w * D + d];
+    out[(r * Hq + hq) * D + d] = store<T>(sum * inv);
   }
   if (threadIdx.x == 0) lse[r * Hq + hq] = m + logf(l);
 }
@@ -92,7 +121,7 @@ void decode_attention(Tensor& q, const Tensor& k_new, const Tensor& v_new, Tenso
                                                                positions.data<int32_t>(), R, Hq, Hkv, D, max_len,
                                                                rope_base, rope);
     MC_CUDA_CHECK_LAUNCH();
-    const size_t shared = static_cast<size_t>(D + max_len) * sizeof(float);
+    const size_t shared = static_cast<size_t>(D + std::max<int64_t>(max_len, kWarps * D)) * sizeof(float);
     decode_attention_kernel<T><<<static_cast<unsigned>(R * Hq), kThreads, shared, s>>>(
         q.data<T>(), k_cache.data<T>(), v_cache.data<T>(), positions.data<int32_t>(), out.data<T>(), lse.data<float>(),
         Hq, Hkv, D, max_len, static_cast<float>(scale));

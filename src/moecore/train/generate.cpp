@@ -122,10 +122,11 @@ void print_json_lines(const std::vector<Prompt>& prompts, const GenerationOutput
   auto rate = [](int64_t n, double s) { return s > 0 ? static_cast<double>(n) / s : 0.0; };
   std::printf("{\"summary\": true, \"prompts\": %zu, \"new_tokens\": %lld, \"prefill_tokens\": %lld, "
               "\"prefill_seconds\": %.6f, \"prefill_tokens_per_s\": %.1f, \"decode_tokens\": %lld, "
-              "\"decode_seconds\": %.6f, \"decode_tokens_per_s\": %.1f}\n",
+              "\"decode_seconds\": %.6f, \"decode_tokens_per_s\": %.1f, \"decode_path\": %s}\n",
               prompts.size(), static_cast<long long>(generated), static_cast<long long>(out.prefill_tokens),
               out.prefill_seconds, rate(out.prefill_tokens, out.prefill_seconds),
-              static_cast<long long>(out.decode_tokens), out.decode_seconds, rate(out.decode_tokens, out.decode_seconds));
+              static_cast<long long>(out.decode_tokens), out.decode_seconds, rate(out.decode_tokens, out.decode_seconds),
+              json_string(out.decode_path.empty() ? "full-recompute" : out.decode_path).c_str());
 }
 
 }  // namespace
@@ -174,6 +175,7 @@ int generate(const GenerateArgs& g, const TrainFlagCodec& codec) {
   opt.seed = static_cast<uint64_t>(g.seed);
   opt.eod = g.eod_id == -2 ? (tokenizer ? tokenizer->eod() : -1) : g.eod_id;
   opt.kv_cache = !g.no_kv_cache;
+  opt.cuda_graph = !g.no_cuda_graph;
   std::vector<std::vector<int32_t>> ids;
   for (const Prompt& p : prompts) ids.push_back(p.ids);
   const GenerationOutput out = generate_tokens(model, args.device, ids, opt);

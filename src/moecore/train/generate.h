@@ -26,6 +26,7 @@ struct GenerateArgs {
   int64_t seed = 1;
   int64_t eod_id = -2;       // -2: the tokenizer's end-of-document id (none without one); -1: none
   bool no_kv_cache = false;
+  bool no_cuda_graph = false;  // GPU decoding steps without CUDA graphs (GenerationOptions::cuda_graph)
 };
 
 // Rebuilds the model from the checkpoint at g.load (its recorded flags, through `codec`), samples

@@ -6,6 +6,7 @@
 
 #include "moecore/core/philox.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/train/decode_step.h"
 
 namespace moecore {
 
@@ -125,19 +126,23 @@ GenerationOutput generate_tokens(GPTModel& model, Device device, const std::vect
   }
   Tensor f32;
   std::vector<float> host;
+  read_logits(logits, f32, host);
+  out.prefill_seconds = seconds_since(t0);
+  const auto t1 = Clock::now();
+  const bool greedy = opt.temperature <= 0;
+  DecodeStep decode(model, cache, device, greedy, opt.cuda_graph);
   std::vector<int32_t> last(rows);
   std::vector<bool> active(rows, true);
-  auto t1 = t0;
   for (int64_t step = 0;; ++step) {
-    read_logits(logits, f32, host);
-    if (step == 0) {
-      out.prefill_seconds = seconds_since(t0);
-      t1 = Clock::now();
-    }
     bool any = false;
     for (size_t r = 0; r < rows; ++r) {
       if (!active[r]) continue;
-      last[r] = sample_token(host.data() + r * static_cast<size_t>(cfg.vocab_size), cfg.vocab_size, opt, row_counter(r, step));
+      if (step > 0 && greedy) {  // the device's argmax: the same first largest logit
+        last[r] = decode.greedy_tokens()[r];
+      } else {
+        const float* row = (step == 0 ? host : decode.logits()).data() + r * static_cast<size_t>(cfg.vocab_size);
+        last[r] = sample_token(row, cfg.vocab_size, opt, row_counter(r, step));
+      }
       out.new_tokens[r].push_back(last[r]);
       out.decode_tokens += step > 0 ? 1 : 0;
       active[r] = last[r] != opt.eod && step + 1 < opt.max_new_tokens;
@@ -145,10 +150,10 @@ GenerationOutput generate_tokens(GPTModel& model, Device device, const std::vect
       any = any || active[r];
     }
     if (!any) break;
-    const Tensor tokens = Tensor::from_vector(last, {static_cast<int64_t>(rows), 1}, device);
-    logits = model.cached_logits(tokens, 0, position, cache);
+    decode.run(last, position);
   }
   out.decode_seconds = seconds_since(t1);
+  out.decode_path = decode.graph_status();
   return out;
 }
 

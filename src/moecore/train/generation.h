@@ -7,8 +7,11 @@
 // batch's R tokens at once; attention reads each row's own cached keys (ops::decode_attention:
 // one kernel for every row on a GPU, row by row on the CPU), so each row keeps its own length
 // and position and no padded position exists to change a row's tokens.
-// The per-step host work is the read of the [R, V] logits for sampling and the upload of the R
-// sampled ids; the cache is allocated once (per layer [R, longest prompt + new tokens, Hkv, D]).
+// The decoding steps run through train/decode_step.h: on a GPU one CUDA graph replay per step
+// (unless cuda_graph is off); the per-step host work is the upload of the R sampled ids and
+// positions and the read of R token ids (greedy: the argmax runs on the device) or of the
+// [R, V] f32 logits (sampling on the host); the cache is allocated once (per layer [R, longest
+// prompt + new tokens, Hkv, D]).
 // Without it (kv_cache = false, the reference) each new token re-runs the model over the last
 // seq-length tokens of its prompt alone.
 // Sampling: greedy (temperature 0: the first largest logit), else softmax(logits / T) over the
@@ -18,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "moecore/model/gpt.h"
@@ -32,6 +36,7 @@ struct GenerationOptions {
   uint64_t seed = 1;
   int64_t eod = -1;          // < 0: none
   bool kv_cache = true;
+  bool cuda_graph = true;    // on a GPU, replay each decoding step as a CUDA graph (train/decode_step.h)
 };
 
 struct GenerationOutput {
@@ -40,6 +45,7 @@ struct GenerationOutput {
   int64_t decode_tokens = 0;    // tokens sampled after each prompt's first one
   double prefill_seconds = 0;   // until the first tokens are sampled
   double decode_seconds = 0;    // the rest
+  std::string decode_path;      // with the KV cache: DecodeStep::graph_status() ("cuda-graph", "eager", ...)
 };
 
 // One token from a row of logits (see the header comment); `counter` selects the random draw.
