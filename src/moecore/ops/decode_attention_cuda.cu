@@ -2,7 +2,9 @@
 // each row's position, angles in double and the rotation in explicitly rounded fp32, as
 // rope_cuda.cu) and writes k and v into the caches; then one block per (row, query head): the
 // query in shared memory, one thread per key for the scores (kept in shared memory), block
-// max and sum, and one thread per output feature for the weighted sum of the values.
+// max and sum, and one thread per output feature (Dv of them) for the weighted sum of the values.
+#include <algorithm>
+
 #include "moecore/ops/cuda_common.cuh"
 #include "moecore/ops/decode_attention.h"
 
@@ -14,7 +16,13 @@ constexpr int kThreads = 128;
 
 template <typename T>
 __global__ void decode_rope_write_kernel(T* q, const T* k, const T* v, T* kc, T* vc, const int32_t* pos, int64_t R,
-                                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, double base, bool rope) {
+                                         int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t max_len, double base,
+                                         bool rope) {
+  const int64_t values = R * Hkv * Dv;  // the value rows go to the cache as they are
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < values; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / (Hkv * Dv), rest = idx % (Hkv * Dv);
+    vc[(r * max_len + pos[r]) * Hkv * Dv + rest] = v[idx];
+  }
   const int64_t h = D / 2, heads = Hq + Hkv, pairs = R * heads * h;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < pairs; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / (heads * h), n = (idx / h) % heads, i = idx % h, p = pos[r];
@@ -31,18 +39,14 @@ __global__ void decode_rope_write_kernel(T* q, const T* k, const T* v, T* kc, T*
     const float a = load(src[i]), b = load(src[i + h]);
     dst[i] = rope ? store<T>(__fadd_rn(__fmul_rn(a, c), -__fmul_rn(b, sn))) : src[i];
     dst[i + h] = rope ? store<T>(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn))) : src[i + h];
-    if (n >= Hq) {  // the value row of this kv head: the same pair of features
-      const int64_t kn = n - Hq, o = ((r * max_len + p) * Hkv + kn) * D;
-      vc[o + i] = v[(r * Hkv + kn) * D + i];
-      vc[o + i + h] = v[(r * Hkv + kn) * D + i + h];
-    }
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, const T* kc, const T* vc,
                                                                     const int32_t* pos, T* out, float* lse, int64_t Hq,
-                                                                    int64_t Hkv, int64_t D, int64_t max_len, float scale) {
+                                                                    int64_t Hkv, int64_t D, int64_t Dv, int64_t max_len,
+                                                                    float scale) {
   extern __shared__ float smem[];
   float* qs = smem;       // D
   float* sc = smem + D;   // keys
@@ -51,7 +55,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load(q[(r * Hq + hq) * D + d]);
   __syncthreads();
   const T* krow = kc + (r * max_len * Hkv + kv) * D;
-  const T* vrow = vc + (r * max_len * Hkv + kv) * D;
+  const T* vrow = vc + (r * max_len * Hkv + kv) * Dv;
   float m = -INFINITY;
   for (int64_t t = threadIdx.x; t < keys; t += blockDim.x) {
     const T* kt = krow + t * stride;
@@ -70,10 +74,10 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
   }
   l = block_sum(l);  // its barriers also order the sc writes before the reads below
   const float inv = 1.f / l;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+  for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
     float acc = 0.f;
-    for (int64_t t = 0; t < keys; ++t) acc += sc[t] * load(vrow[t * stride + d]);
-    out[(r * Hq + hq) * D + d] = store<T>(acc * inv);
+    for (int64_t t = 0; t < keys; ++t) acc += sc[t] * load(vrow[t * Hkv * Dv + d]);
+    out[(r * Hq + hq) * Dv + d] = store<T>(acc * inv);
   }
   if (threadIdx.x == 0) lse[r * Hq + hq] = m + logf(l);
 }
@@ -82,20 +86,20 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
 
 void decode_attention(Tensor& q, const Tensor& k_new, const Tensor& v_new, Tensor& k_cache, Tensor& v_cache,
                       const Tensor& positions, bool rope, double rope_base, double scale, Tensor& out, Tensor& lse) {
-  const int64_t R = q.size(0), Hq = q.size(2), D = q.size(3), max_len = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t R = q.size(0), Hq = q.size(2), D = q.size(3), Dv = v_cache.size(3), max_len = k_cache.size(1),
+                Hkv = k_cache.size(2);
   cudaStream_t s = prepare(q);
   dispatch_cuda_floating(q.dtype(), "decode_attention", [&](auto tag) {
     using T = decltype(tag);
     const int64_t pairs = R * (Hq + Hkv) * (D / 2);
-    decode_rope_write_kernel<T><<<grid_for(pairs), 256, 0, s>>>(q.data<T>(), k_new.data<T>(), v_new.data<T>(),
-                                                               k_cache.data<T>(), v_cache.data<T>(),
-                                                               positions.data<int32_t>(), R, Hq, Hkv, D, max_len,
-                                                               rope_base, rope);
+    decode_rope_write_kernel<T><<<grid_for(std::max(pairs, R * Hkv * Dv)), 256, 0, s>>>(
+        q.data<T>(), k_new.data<T>(), v_new.data<T>(), k_cache.data<T>(), v_cache.data<T>(), positions.data<int32_t>(),
+        R, Hq, Hkv, D, Dv, max_len, rope_base, rope);
     MC_CUDA_CHECK_LAUNCH();
     const size_t shared = static_cast<size_t>(D + max_len) * sizeof(float);
     decode_attention_kernel<T><<<static_cast<unsigned>(R * Hq), kThreads, shared, s>>>(
         q.data<T>(), k_cache.data<T>(), v_cache.data<T>(), positions.data<int32_t>(), out.data<T>(), lse.data<float>(),
-        Hq, Hkv, D, max_len, static_cast<float>(scale));
+        Hq, Hkv, D, Dv, max_len, static_cast<float>(scale));
     MC_CUDA_CHECK_LAUNCH();
   });
 }
