@@ -62,18 +62,19 @@ class ScopedEnv {
 
 // Forward and backward on CUDA (under the current MOECORE_ATTENTION) against the CPU, from
 // random inputs; the backward gets the CPU's out and lse on both devices. Sk: keys (0: S);
-// softmax scale 1 / sqrt(D) unless given.
+// softmax scale 1 / sqrt(D) unless given; Dv: the value head dim (0: D).
 void check_against_cpu(DType t, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t Sk = 0,
-                       std::optional<double> given_scale = std::nullopt) {
+                       std::optional<double> given_scale = std::nullopt, int64_t Dv = 0) {
   if (Sk == 0) Sk = S;
+  if (Dv == 0) Dv = D;
   const double scale = given_scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   Tensor q = random_tensor({B, S, Hq, D}, t, Device::cpu(), -2, 2);
   Tensor k = random_tensor({B, Sk, Hkv, D}, t, Device::cpu(), -2, 2);
-  Tensor v = random_tensor(k.shape(), t), dout = random_tensor(q.shape(), t);
-  Tensor out = Tensor::empty(q.shape(), t), lse = Tensor::empty({B, Hq, S}, DType::F32);
+  Tensor v = random_tensor({B, Sk, Hkv, Dv}, t), dout = random_tensor({B, S, Hq, Dv}, t);
+  Tensor out = Tensor::empty(dout.shape(), t), lse = Tensor::empty({B, Hq, S}, DType::F32);
   ops::attention_forward(q, k, v, scale, out, lse);
   expect_cuda_matches_cpu({q, k, v, out, lse, dout},
-                          {{q.shape(), t}, {lse.shape(), DType::F32}, {q.shape(), t}, {k.shape(), t}, {k.shape(), t}},
+                          {{out.shape(), t}, {lse.shape(), DType::F32}, {q.shape(), t}, {k.shape(), t}, {v.shape(), t}},
                           [&](const std::vector<Tensor>& in, std::vector<Tensor>& o) {
                             ops::attention_forward(in[0], in[1], in[2], scale, o[0], o[1]);
                             ops::attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], scale, o[2], o[3], o[4]);
@@ -166,18 +167,13 @@ TEST(GpuAttentionGroups, BackwardIsDeterministic) {
   for (int i = 0; i < 3; ++i) EXPECT_EQ(runs[0][i], runs[1][i]) << "gradient " << "qkv"[i] << " changed between runs";
 }
 
-TEST(GpuAttentionGroups, UnsupportedHeadDimIsAClearError) {
+// D = 48 was refused on CUDA before the runtime-sized tiled kernels (attention_any_cuda.cu); every
+// head dim now runs (the auto path: gemm for f32 at D % 8 == 0, else tiled).
+TEST(GpuAttentionGroups, HeadDim48MatchesCpu) {
   MC_REQUIRE_CUDA();
-  Tensor q = Tensor::zeros({1, 8, 2, 48}, DType::F32, kCuda), k = Tensor::zeros({1, 8, 1, 48}, DType::F32, kCuda);
-  Tensor out = Tensor::zeros(q.shape(), DType::F32, kCuda), lse = Tensor::zeros({1, 2, 8}, DType::F32, kCuda);
-  try {
-    ops::attention_forward(q, k, k, 0.1, out, lse);
-    FAIL() << "D = 48 on CUDA did not raise";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("head dim D = 48 is not supported on CUDA (supported: 32, 64, 128)"),
-              std::string::npos)
-        << e.what();
-  }
+  ScopedEnv env("MOECORE_ATTENTION", "auto");
+  check_against_cpu(DType::F32, 1, 8, 2, 1, 48);
+  check_against_cpu(DType::BF16, 1, 8, 2, 1, 48);
 }
 
 
@@ -264,7 +260,9 @@ TEST(GpuAttentionFlashPath, ScalesOtherThanOneOverSqrtDMatchCpu) {
     ops::attention_forward(q, k, k, 0.0, out, lse);
     FAIL() << "MOECORE_ATTENTION=flash with softmax scale 0 did not raise";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("softmax scale 0 (bf16 with D = 64 or 128, scale > 0)"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("softmax scale 0 (bf16 with (D, Dv) = (64, 64), (96, 96), (128, 128), "
+                                         "(256, 256) or (192, 128), scale > 0)"),
+              std::string::npos)
         << e.what();
   }
 }
@@ -524,22 +522,59 @@ TEST(GpuAttentionFlashHopperPath, SwitchAndUnsupportedSizes) {
   }
   Tensor q = Tensor::empty({1, 64, 2, 128}, DType::F32, kCuda), k = Tensor::empty({1, 64, 1, 128}, DType::F32, kCuda);
   EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 128, 64}, q, k, k));
+  // MLA's D = 192 / Dv = 128: the Hopper forward (no dout), the mma.sync backward; other pairs
+  // (Dv != 128, or D = 192 with Dv = 192) never take the Hopper kernels.
+  Tensor qb = Tensor::empty({1, 64, 2, 192}, DType::BF16, kCuda), kb = Tensor::empty({1, 64, 1, 192}, DType::BF16, kCuda);
+  Tensor vb = Tensor::empty({1, 64, 1, 128}, DType::BF16, kCuda), ob = Tensor::empty({1, 64, 2, 128}, DType::BF16, kCuda);
+  EXPECT_TRUE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 192, 64, 128}, qb, kb, vb));
+  EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 192, 64, 128}, qb, kb, vb, &ob));
+  EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 192, 64, 192}, qb, kb, kb));
+  EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 256, 64, 256}, qb, kb, kb));
 }
+
+// The Hopper forward at MLA's D = 192 / Dv = 128 against the CPU (its backward, the mma.sync
+// kernels, runs in the same comparison): many tiles, partial tiles, offsets that are not
+// multiples of the tiles, GQA, MQA and MHA, 5 queries against 77 keys.
+class GpuAttentionFlashHopperMla : public ::testing::TestWithParam<FlashCase> {};
+
+TEST_P(GpuAttentionFlashHopperMla, MatchesCpu) {
+  MC_REQUIRE_CUDA();
+  if (!is_hopper_gpu()) GTEST_SKIP() << "the Hopper flash kernels need a compute-capability 9.0 GPU";
+  const FlashCase c = GetParam();
+  ScopedEnv env("MOECORE_ATTENTION", "flash");
+  Tensor q = Tensor::empty({c.B, c.Sq, c.Hq, 192}, DType::BF16, kCuda);
+  Tensor k = Tensor::empty({c.B, c.Sk, c.Hkv, 192}, DType::BF16, kCuda), v = Tensor::empty({c.B, c.Sk, c.Hkv, 128}, DType::BF16, kCuda);
+  ASSERT_TRUE(ops::cuda::flash_hopper::available({c.B, c.Sq, c.Hq, c.Hkv, 192, c.Sk, 128}, q, k, v))
+      << "the Hopper forward declined these sizes";
+  check_against_cpu(DType::BF16, c.B, c.Sq, c.Hq, c.Hkv, 192, c.Sk, std::nullopt, 128);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionFlashHopperMla,
+                         ::testing::Values(FlashCase{1, 2048, 2048, 2, 2, 192}, FlashCase{2, 77, 77, 8, 2, 192},
+                                           FlashCase{2, 130, 300, 8, 2, 192}, FlashCase{1, 1000, 1234, 8, 2, 192},
+                                           FlashCase{2, 5, 77, 8, 2, 192}, FlashCase{2, 200, 200, 4, 4, 192},
+                                           FlashCase{1, 512, 640, 4, 1, 192}, FlashCase{2, 1024, 1088, 16, 2, 192}),
+                         [](const ::testing::TestParamInfo<FlashCase>& i) {
+                           const FlashCase& c = i.param;
+                           return "B" + std::to_string(c.B) + "_Sq" + std::to_string(c.Sq) + "_Sk" +
+                                  std::to_string(c.Sk) + "_H" + std::to_string(c.Hq) + "_" + std::to_string(c.Hkv);
+                         });
 
 TEST(GpuAttentionFlashPath, BackwardIsDeterministic) {
   MC_REQUIRE_CUDA();
   ScopedEnv env("MOECORE_ATTENTION", "flash");
-  for (int64_t D : {64, 128}) {
+  for (auto [D, Dv] : std::vector<std::pair<int64_t, int64_t>>{{64, 64}, {128, 128}, {192, 128}, {256, 256}}) {
     const int64_t B = 2, Sq = 333, Sk = 700, Hq = 8, Hkv = 2;
     Tensor q = random_tensor({B, Sq, Hq, D}, DType::BF16, kCuda);
     Tensor k = random_tensor({B, Sk, Hkv, D}, DType::BF16, kCuda);
-    Tensor v = random_tensor(k.shape(), DType::BF16, kCuda), dout = random_tensor(q.shape(), DType::BF16, kCuda);
-    Tensor out = Tensor::empty(q.shape(), DType::BF16, kCuda), lse = Tensor::empty({B, Hq, Sq}, DType::F32, kCuda);
+    Tensor v = random_tensor({B, Sk, Hkv, Dv}, DType::BF16, kCuda);
+    Tensor dout = random_tensor({B, Sq, Hq, Dv}, DType::BF16, kCuda);
+    Tensor out = Tensor::empty(dout.shape(), DType::BF16, kCuda), lse = Tensor::empty({B, Hq, Sq}, DType::F32, kCuda);
     ops::attention_forward(q, k, v, 0.1, out, lse);
     std::vector<std::vector<double>> runs[2];
     for (auto& r : runs) {
       Tensor g[3] = {Tensor::empty(q.shape(), DType::BF16, kCuda), Tensor::empty(k.shape(), DType::BF16, kCuda),
-                     Tensor::empty(k.shape(), DType::BF16, kCuda)};
+                     Tensor::empty(v.shape(), DType::BF16, kCuda)};
       ops::attention_backward(q, k, v, out, lse, dout, 0.1, g[0], g[1], g[2]);
       for (const Tensor& x : g) r.push_back(to_doubles(x));
     }
@@ -558,11 +593,120 @@ TEST(GpuAttentionFlashPath, UnsupportedDtypeOrHeadDimIsAClearError) {
     FAIL() << "MOECORE_ATTENTION=flash with f32 did not raise";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("MOECORE_ATTENTION=flash but the flash path does not support dtype f32, "
-                                         "D = 64, softmax scale 0.1 (bf16 with D = 64 or 128, scale > 0)"),
+                                         "(D, Dv) = (64, 64), softmax scale 0.1 (bf16 with (D, Dv) = (64, 64), "
+                                         "(96, 96), (128, 128), (256, 256) or (192, 128), scale > 0)"),
               std::string::npos)
         << e.what();
   }
-  // D = 32 is on the other paths only.
+  // D = 32, 48, 192 with Dv = 192, 128 with Dv = 64 are on the other paths only.
   EXPECT_THROW(ops::cuda::attention_path({1, 8, 2, 1, 32}, DType::BF16, 0.1), Error);
+  EXPECT_THROW(ops::cuda::attention_path({1, 8, 2, 1, 48}, DType::BF16, 0.1), Error);
+  EXPECT_THROW(ops::cuda::attention_path({1, 8, 2, 1, 192}, DType::BF16, 0.1), Error);
+  EXPECT_THROW(ops::cuda::attention_path({1, 8, 2, 1, 128, 8, 64}, DType::BF16, 0.1), Error);
   EXPECT_EQ(ops::cuda::attention_path({1, 8, 2, 1, 128}, DType::BF16, 0.1), ops::cuda::AttentionPath::Flash);
+}
+
+// Any head dims (D, Dv) on every path that takes them, forward and backward against the CPU:
+// tiled (attention_any_cuda.cu's runtime-sized kernels; also the templated ones at D = Dv = 64),
+// gemm (Dv = D, D % 8 == 0) and flash (mma.sync: MOECORE_ATTENTION_FLASH_HOPPER=0), with GQA 8:2,
+// MQA 4:1 and MHA, keys longer than queries (offsets 170 and 72: not multiples of any tile), odd
+// lengths (77, 5 against 77) and head dims: 1, 16, 33 with Dv 20, 48, 96, 160 with Dv 300 (three
+// 128-column output chunks of different fill), 192 / 128 (MLA), 256.
+struct AnyDimCase {
+  const char* path;
+  DType dtype;
+  int64_t B, Sq, Sk, Hq, Hkv, D, Dv;
+};
+
+class GpuAttentionAnyHeadDim : public ::testing::TestWithParam<AnyDimCase> {};
+
+TEST_P(GpuAttentionAnyHeadDim, MatchesCpu) {
+  MC_REQUIRE_CUDA();
+  const AnyDimCase c = GetParam();
+  ScopedEnv env("MOECORE_ATTENTION", c.path), mma("MOECORE_ATTENTION_FLASH_HOPPER", "0");
+  const std::string p = c.path;
+  const auto expected = p == "gemm"    ? ops::cuda::AttentionPath::Gemm
+                        : p == "flash" ? ops::cuda::AttentionPath::Flash
+                                       : ops::cuda::AttentionPath::Tiled;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  EXPECT_EQ(ops::cuda::attention_path({c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk, c.Dv}, c.dtype, scale), expected);
+  check_against_cpu(c.dtype, c.B, c.Sq, c.Hq, c.Hkv, c.D, c.Sk, std::nullopt, c.Dv);
+}
+
+std::vector<AnyDimCase> any_dim_cases() {
+  std::vector<AnyDimCase> v;
+  using Dims = std::pair<int64_t, int64_t>;
+  for (DType t : {DType::F32, DType::BF16}) {
+    for (auto [D, Dv] : std::vector<Dims>{{1, 1}, {16, 16}, {33, 20}, {48, 48}, {64, 64}, {96, 96}, {160, 300},
+                                          {192, 128}, {256, 256}}) {
+      v.push_back({"tiled", t, 2, 77, 77, 8, 2, D, Dv});
+      v.push_back({"tiled", t, 2, 130, 300, 8, 2, D, Dv});
+    }
+    v.push_back({"tiled", t, 2, 5, 77, 4, 1, 192, 128});
+    for (int64_t D : {16, 96, 256}) {
+      v.push_back({"gemm", t, 2, 77, 77, 8, 2, D, D});
+      v.push_back({"gemm", t, 2, 130, 300, 8, 2, D, D});
+    }
+  }
+  for (auto [D, Dv] : std::vector<Dims>{{64, 64}, {96, 96}, {128, 128}, {192, 128}, {256, 256}}) {
+    v.push_back({"flash", DType::BF16, 2, 77, 77, 8, 2, D, Dv});
+    v.push_back({"flash", DType::BF16, 2, 130, 300, 8, 2, D, Dv});
+    v.push_back({"flash", DType::BF16, 2, 5, 77, 4, 1, D, Dv});
+    v.push_back({"flash", DType::BF16, 1, 1000, 1234, 4, 4, D, Dv});
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Dims, GpuAttentionAnyHeadDim, ::testing::ValuesIn(any_dim_cases()),
+                         [](const ::testing::TestParamInfo<AnyDimCase>& i) {
+                           const AnyDimCase& c = i.param;
+                           return std::string(c.path) + "_" + dtype_name(c.dtype) + "_B" + std::to_string(c.B) +
+                                  "_Sq" + std::to_string(c.Sq) + "_Sk" + std::to_string(c.Sk) + "_H" +
+                                  std::to_string(c.Hq) + "_" + std::to_string(c.Hkv) + "_D" + std::to_string(c.D) +
+                                  "_Dv" + std::to_string(c.Dv);
+                         });
+
+// The automatic choice for the new head dims: flash for bf16 at (96, 96), (192, 128), (256, 256);
+// gemm for f32 at D % 8 == 0 with Dv = D; tiled for everything else (odd D, Dv != D outside
+// the flash list, f32 with Dv != D). The tiled backward at (192, 128) is deterministic.
+TEST(GpuAttentionAnyHeadDimPath, AutoPicksFastestSupportedPath) {
+  MC_REQUIRE_CUDA();
+  ScopedEnv env("MOECORE_ATTENTION", "auto");
+  using ops::cuda::AttentionPath;
+  EXPECT_EQ(ops::cuda::attention_path({4, 4096, 16, 16, 192, 4096, 128}, DType::BF16, 0.07), AttentionPath::Flash);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 96, 2048, 96}, DType::BF16, 0.1), AttentionPath::Flash);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 256, 2048, 256}, DType::BF16, 0.06), AttentionPath::Flash);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 96, 2048, 96}, DType::F32, 0.1), AttentionPath::Gemm);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 16, 2048, 16}, DType::BF16, 0.25), AttentionPath::Gemm);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 192, 2048, 128}, DType::F32, 0.07), AttentionPath::Tiled);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 33, 2048, 33}, DType::BF16, 0.1), AttentionPath::Tiled);
+  EXPECT_EQ(ops::cuda::attention_path({4, 2048, 16, 4, 128, 2048, 64}, DType::BF16, 0.1), AttentionPath::Tiled);
+  // Forcing gemm where Dv != D is a clear error naming both head dims.
+  ScopedEnv gemm("MOECORE_ATTENTION", "gemm");
+  try {
+    ops::cuda::attention_path({1, 8, 2, 1, 192, 8, 128}, DType::F32, 0.1);
+    FAIL() << "MOECORE_ATTENTION=gemm with Dv != D did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("D = 192, Dv = 128, dtype f32 (Sk <= 16384, D a multiple of 8, Dv = D"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(GpuAttentionAnyHeadDimPath, TiledBackwardIsDeterministic) {
+  MC_REQUIRE_CUDA();
+  ScopedEnv env("MOECORE_ATTENTION", "tiled");
+  const int64_t B = 2, Sq = 133, Sk = 300, Hq = 8, Hkv = 2, D = 192, Dv = 128;
+  Tensor q = random_tensor({B, Sq, Hq, D}, DType::BF16, kCuda), k = random_tensor({B, Sk, Hkv, D}, DType::BF16, kCuda);
+  Tensor v = random_tensor({B, Sk, Hkv, Dv}, DType::BF16, kCuda), dout = random_tensor({B, Sq, Hq, Dv}, DType::BF16, kCuda);
+  Tensor out = Tensor::empty(dout.shape(), DType::BF16, kCuda), lse = Tensor::empty({B, Hq, Sq}, DType::F32, kCuda);
+  ops::attention_forward(q, k, v, 0.07, out, lse);
+  std::vector<std::vector<double>> runs[2];
+  for (auto& r : runs) {
+    Tensor g[3] = {Tensor::empty(q.shape(), DType::BF16, kCuda), Tensor::empty(k.shape(), DType::BF16, kCuda),
+                   Tensor::empty(v.shape(), DType::BF16, kCuda)};
+    ops::attention_backward(q, k, v, out, lse, dout, 0.07, g[0], g[1], g[2]);
+    for (const Tensor& x : g) r.push_back(to_doubles(x));
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(runs[0][i], runs[1][i]) << "gradient " << "qkv"[i] << " changed between runs";
 }

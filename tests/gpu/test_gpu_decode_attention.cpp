@@ -1,7 +1,8 @@
 // ops::decode_attention on the GPU (the batched kernels) against the CPU reference (RoPE, cache
 // write and ops::attention_forward row by row): the outputs, lse, the rotated q and both caches,
-// for rows at different positions (0, middle, last), GQA, head dims 64 and 128, f32 and bf16,
-// with and without RoPE.
+// for rows at different positions (0, middle, last), GQA, head dims 64 and 128 (and 16, 96,
+// D = 192 with Dv = 128 as MLA, 33 (odd: the per-row path) and 320 (> 256: the per-row path)),
+// f32 and bf16, with and without RoPE.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -41,22 +42,25 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
   return m;
 }
 
-void check_case(DType dtype, int64_t D, bool rope) {
-  std::mt19937 rng(static_cast<unsigned>(D + (rope ? 1 : 0)));
+// Dv: the value head dim (0: D).
+void check_case(DType dtype, int64_t D, bool rope, int64_t Dv = 0) {
+  if (Dv == 0) Dv = D;
+  std::mt19937 rng(static_cast<unsigned>(D + 1000 * Dv + (rope ? 1 : 0)));
   const int64_t R = 3, Hq = 4, Hkv = 2, max_len = 40;
   Tensor q = random_tensor({R, 1, Hq, D}, dtype, rng), k = random_tensor({R, 1, Hkv, D}, dtype, rng);
-  Tensor v = random_tensor({R, 1, Hkv, D}, dtype, rng);
-  Tensor kc = random_tensor({R, max_len, Hkv, D}, dtype, rng), vc = random_tensor({R, max_len, Hkv, D}, dtype, rng);
+  Tensor v = random_tensor({R, 1, Hkv, Dv}, dtype, rng);
+  Tensor kc = random_tensor({R, max_len, Hkv, D}, dtype, rng), vc = random_tensor({R, max_len, Hkv, Dv}, dtype, rng);
   const Tensor pos = Tensor::from_vector(std::vector<int32_t>{0, 17, 39}, {R});
   const Device dev = Device::cuda(0);
   Tensor gq = q.to(dev), gk = k.to(dev), gv = v.to(dev), gkc = kc.to(dev), gvc = vc.to(dev), gpos = pos.to(dev);
-  Tensor out = Tensor::empty(q.shape(), dtype), lse = Tensor::empty({R, Hq, 1}, DType::F32);
-  Tensor gout = Tensor::empty(q.shape(), dtype, dev), glse = Tensor::empty({R, Hq, 1}, DType::F32, dev);
+  Tensor out = Tensor::empty({R, 1, Hq, Dv}, dtype), lse = Tensor::empty({R, Hq, 1}, DType::F32);
+  Tensor gout = Tensor::empty(out.shape(), dtype, dev), glse = Tensor::empty({R, Hq, 1}, DType::F32, dev);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   ops::decode_attention(q, k, v, kc, vc, pos, rope, 10000.0, scale, out, lse);
   ops::decode_attention(gq, gk, gv, gkc, gvc, gpos, rope, 10000.0, scale, gout, glse);
   const double tol = dtype == DType::F32 ? 1e-5 : 2e-2;  // bf16: one rounding of O(1) values
-  const std::string what = std::string(dtype_name(dtype)) + " D" + std::to_string(D) + (rope ? " rope" : "");
+  const std::string what =
+      std::string(dtype_name(dtype)) + " D" + std::to_string(D) + " Dv" + std::to_string(Dv) + (rope ? " rope" : "");
   EXPECT_LT(max_abs_diff(gout, out), tol) << what << " out";
   EXPECT_LT(max_abs_diff(glse, lse), 1e-4) << what << " lse";
   EXPECT_LT(max_abs_diff(gq, q), tol) << what << " rotated q";
@@ -76,4 +80,19 @@ TEST(GpuDecodeAttention, MatchesCpuBf16) {
   MC_REQUIRE_CUDA();
   for (int64_t d : {64, 128})
     for (bool rope : {true, false}) check_case(DType::BF16, d, rope);
+}
+
+// Head dims beyond 64 and 128: 16 (an imported Qwen3-MoE's), 96, MLA's 192 / 128, odd 33 and
+// 320 (the per-row fallback, through ops::attention_forward on CUDA; RoPE needs an even D).
+TEST(GpuDecodeAttention, AnyHeadDimMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  for (DType t : {DType::F32, DType::BF16}) {
+    for (bool rope : {true, false}) {
+      check_case(t, 16, rope);
+      check_case(t, 96, rope);
+      check_case(t, 192, rope, 128);
+      check_case(t, 320, rope, 64);
+    }
+    check_case(t, 33, false, 20);
+  }
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "moecore/ops/attention.h"
+#include "moecore/ops/decode_attention.h"
 #include "op_harness.h"
 
 using namespace moecore;
@@ -472,6 +473,40 @@ TEST(AttentionKvLonger, RejectsKeysShorterThanQueries) {
     ADD_FAILURE() << "dk of the query length did not raise";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("argument 'dk' has shape (1, 6, 1, 4); expected (1, 9, 1, 4)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// decode_attention with a value head dim Dv != D (MLA's narrower values): the new value rows land
+// in the [R, max_len, Hkv, Dv] cache at each row's position and out [R, 1, Hq, Dv] is attention
+// over the keys 0..p of the row; a v_new of the wrong width is refused by name.
+TEST(DecodeAttention, ValueHeadDimMayDiffer) {
+  const int64_t R = 2, Hq = 4, Hkv = 2, D = 6, Dv = 4, max_len = 8;
+  Tensor q = random_tensor({R, 1, Hq, D}, DType::F64), k = random_tensor({R, 1, Hkv, D}, DType::F64);
+  Tensor v = random_tensor({R, 1, Hkv, Dv}, DType::F64);
+  Tensor kc = random_tensor({R, max_len, Hkv, D}, DType::F64), vc = random_tensor({R, max_len, Hkv, Dv}, DType::F64);
+  const std::vector<int32_t> pos{3, 7};
+  const Tensor positions = Tensor::from_vector(pos, {R});
+  Tensor out = Tensor::empty({R, 1, Hq, Dv}, DType::F64), lse = Tensor::empty({R, Hq, 1}, DType::F64);
+  const Tensor q0 = q.clone();
+  ops::decode_attention(q, k, v, kc, vc, positions, false, 10000.0, 0.4, out, lse);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t keys = pos[static_cast<size_t>(r)] + 1;
+    const Tensor vrow = vc.slice(0, r, r + 1).view({max_len, Hkv, Dv}).slice(0, keys - 1, keys);
+    EXPECT_EQ(to_doubles(vrow), to_doubles(v.slice(0, r, r + 1))) << "row " << r;
+    Tensor o = Tensor::empty({1, 1, Hq, Dv}, DType::F64), l = Tensor::empty({1, Hq, 1}, DType::F64);
+    ops::attention_forward(q0.slice(0, r, r + 1), kc.slice(0, r, r + 1).view({max_len, Hkv, D}).slice(0, 0, keys).view({1, keys, Hkv, D}),
+                           vc.slice(0, r, r + 1).view({max_len, Hkv, Dv}).slice(0, 0, keys).view({1, keys, Hkv, Dv}), 0.4,
+                           o, l);
+    EXPECT_EQ(to_doubles(out.slice(0, r, r + 1)), to_doubles(o)) << "row " << r;
+  }
+  Tensor bad_v = random_tensor({R, 1, Hkv, D}, DType::F64);
+  try {
+    ops::decode_attention(q, k, bad_v, kc, vc, positions, false, 10000.0, 0.4, out, lse);
+    FAIL() << "a v_new of width D != Dv did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("decode_attention: k_new must be (2, 1, 2, 6) and v_new (2, 1, 2, 4)"),
               std::string::npos)
         << e.what();
   }

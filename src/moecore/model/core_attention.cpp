@@ -8,51 +8,7 @@ namespace {
 
 DType lse_dtype(DType t) { return t == DType::F64 ? DType::F64 : DType::F32; }
 
-// t [..., Dv] -> [..., D] with zero columns Dv..D (a contiguous copy).
-Tensor pad_last_dim(const Tensor& t, int64_t width) {
-  const int64_t w = t.size(-1), rows = t.numel() / w;
-  Shape shape = t.shape();
-  shape.back() = width;
-  Tensor out = Tensor::zeros(shape, t.dtype(), t.device());
-  out.view({rows, width}).slice(1, 0, w).copy_from(t.view({rows, w}));
-  return out;
-}
-
-// The first `width` columns of t [..., D] into dst [..., width].
-void copy_first_columns(const Tensor& t, Tensor& dst) {
-  const int64_t d = t.size(-1), w = dst.size(-1), rows = t.numel() / d;
-  dst.view({rows, w}).copy_from(t.view({rows, d}).slice(1, 0, w));
-}
-
-bool needs_padding(const Tensor& q, const Tensor& v) { return q.device().is_cuda() && v.size(3) != q.size(3); }
-
 }  // namespace
-
-void attention_forward_any_value_dim(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
-                                     Tensor& lse) {
-  if (!needs_padding(q, v)) {
-    ops::attention_forward(q, k, v, scale, out, lse);
-    return;
-  }
-  const int64_t d = q.size(3);
-  Tensor out_padded = Tensor::empty({out.size(0), out.size(1), out.size(2), d}, out.dtype(), out.device());
-  ops::attention_forward(q, k, pad_last_dim(v, d), scale, out_padded, lse);
-  copy_first_columns(out_padded, out);
-}
-
-void attention_backward_any_value_dim(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                                      const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk,
-                                      Tensor& dv) {
-  if (!needs_padding(q, v)) {
-    ops::attention_backward(q, k, v, out, lse, dout, scale, dq, dk, dv);
-    return;
-  }
-  const int64_t d = q.size(3);
-  const Tensor v_padded = pad_last_dim(v, d);
-  Tensor dv_padded = Tensor::empty(v_padded.shape(), dv.dtype(), dv.device());
-  ops::attention_backward(q, k, v_padded, pad_last_dim(out, d), lse, pad_last_dim(dout, d), scale, dq, dk, dv_padded);
-  copy_first_columns(dv_padded, dv);
-}
 
 Tensor core_attention_forward(comm::Communicator* cp, const Tensor& q, const Tensor& k, const Tensor& v, double scale,
                               CoreAttentionCtx& ctx) {
@@ -62,7 +18,7 @@ Tensor core_attention_forward(comm::Communicator* cp, const Tensor& q, const Ten
   if (!cp) {
     Tensor out = Tensor::empty({batch, q.size(1), heads, dv}, dt, dev);
     Tensor lse = Tensor::empty({batch, heads, q.size(1)}, lse_dtype(dt), dev);
-    attention_forward_any_value_dim(q, k, v, scale, out, lse);
+    ops::attention_forward(q, k, v, scale, out, lse);
     ctx.q = q, ctx.k = k, ctx.v = v, ctx.out = out, ctx.lse = lse;
     return out;
   }
@@ -97,7 +53,7 @@ Tensor core_attention_forward(comm::Communicator* cp, const Tensor& q, const Ten
     ctx.chunk_q[i] = seq_range(q, i * c, (i + 1) * c);
     ctx.chunk_out[i] = Tensor::empty({batch, c, heads, dv}, dt, dev);
     ctx.chunk_lse[i] = Tensor::empty({batch, heads, c}, lse_dtype(dt), dev);
-    attention_forward_any_value_dim(ctx.chunk_q[i], seq_range(ctx.full_k, 0, keys), seq_range(ctx.full_v, 0, keys),
+    ops::attention_forward(ctx.chunk_q[i], seq_range(ctx.full_k, 0, keys), seq_range(ctx.full_v, 0, keys),
                                     scale, ctx.chunk_out[i], ctx.chunk_lse[i]);
     seq_assign(out, i * c, ctx.chunk_out[i]);
   }
@@ -112,7 +68,7 @@ void core_attention_backward(comm::Communicator* cp, const Tensor& dout, double 
     dq = Tensor::empty(ctx.q.shape(), dt, dev);
     dk = Tensor::empty(ctx.k.shape(), dt, dev);
     dv = Tensor::empty(ctx.v.shape(), dt, dev);
-    attention_backward_any_value_dim(ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse, dout, scale, dq, dk, dv);
+    ops::attention_backward(ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse, dout, scale, dq, dk, dv);
     ctx = CoreAttentionCtx{};
     return;
   }
@@ -128,7 +84,7 @@ void core_attention_backward(comm::Communicator* cp, const Tensor& dout, double 
     Tensor dqi = Tensor::empty(ctx.chunk_q[i].shape(), dt, dev);
     Tensor dki = Tensor::empty({batch, keys, kvh, d}, dt, dev);
     Tensor dvi = Tensor::empty({batch, keys, kvh, dvw}, dt, dev);
-    attention_backward_any_value_dim(ctx.chunk_q[i], seq_range(ctx.full_k, 0, keys), seq_range(ctx.full_v, 0, keys),
+    ops::attention_backward(ctx.chunk_q[i], seq_range(ctx.full_k, 0, keys), seq_range(ctx.full_v, 0, keys),
                                      ctx.chunk_out[i], ctx.chunk_lse[i], seq_range(dout, i * c, (i + 1) * c), scale,
                                      dqi, dki, dvi);
     seq_assign(dq, i * c, dqi);

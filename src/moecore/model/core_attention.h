@@ -25,13 +25,4 @@ Tensor core_attention_forward(comm::Communicator* cp, const Tensor& q, const Ten
 void core_attention_backward(comm::Communicator* cp, const Tensor& dout, double scale, CoreAttentionCtx& ctx,
                              Tensor& dq, Tensor& dk, Tensor& dv);
 
-// ops::attention_forward / backward for any Dv: where the CUDA kernels refuse Dv != D, V is
-// zero-padded to D and the output sliced back (exact: the padded columns of the output are 0 and
-// their gradient never reaches V). Delete once the CUDA kernels take Dv != D.
-void attention_forward_any_value_dim(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
-                                     Tensor& lse);
-void attention_backward_any_value_dim(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                                      const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk,
-                                      Tensor& dv);
-
 }  // namespace moecore

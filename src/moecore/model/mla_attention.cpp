@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "moecore/ops/attention.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/rope.h"
 
@@ -129,7 +130,7 @@ Tensor MlaAttention::forward_cached(const Tensor& x, int64_t first_row, const st
     k_row.slice(0, pos, keys).view(k.shape()).copy_from(k);
     v_row.slice(0, pos, keys).view(v.shape()).copy_from(v);
     Tensor out_i = out.slice(0, i, i + 1), lse = Tensor::empty({1, heads_, seq}, lse_dt, x.device());
-    attention_forward_any_value_dim(q, k_row.slice(0, 0, keys).view({1, keys, heads_, d}),
+    ops::attention_forward(q, k_row.slice(0, 0, keys).view({1, keys, heads_, d}),
                                     v_row.slice(0, 0, keys).view({1, keys, heads_, dv}), scale(), out_i, lse);
   }
   return o_proj_.forward(out.view({tokens, heads_ * dv}), lc);

@@ -43,13 +43,6 @@ AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, const 
     MC_CHECK(t->dtype() == q.dtype(), op, ": 'q' is ", dtype_name(q.dtype()), " but '", t == &k ? "k" : "v",
              "' is ", dtype_name(t->dtype()));
   MC_CHECK(std::isfinite(scale), op, ": softmax_scale must be finite, got ", scale);
-  if (q.device().is_cuda())
-    MC_CHECK(d.value_dim() == d.head_dim, op, ": a value head dim Dv = ", d.value_dim(),
-             " different from the query/key head dim D = ", d.head_dim,
-             " is not supported on CUDA yet (only on the CPU)");
-  if (q.device().is_cuda())
-    MC_CHECK(d.head_dim == 32 || d.head_dim == 64 || d.head_dim == 128, op, ": head dim D = ", d.head_dim,
-             " is not supported on CUDA (supported: 32, 64, 128)");
   return d;
 }
 

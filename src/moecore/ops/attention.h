@@ -27,24 +27,27 @@
 // for f64); bf16 rounding happens only when outputs are stored.
 //
 // Backends: the CPU evaluates the formulas row by row (OpenMP over (b, head, s)), any D and Dv.
-// CUDA (Dv = D only, for now) has three paths, all deterministic (no atomics):
-//   flash (default where supported: bf16, D in {64, 128}; any Sq <= Sk, any group) fused
+// CUDA takes any D and Dv too (no size is refused) on three paths, all deterministic (no atomics):
+//   flash (default where supported: bf16, (D, Dv) in {(64, 64), (96, 96), (128, 128),
+//         (256, 256), (192, 128)}; any Sq <= Sk, any group) fused
 //         flash-attention kernels on tensor cores (mma.sync m16n8k16 bf16 -> fp32, ldmatrix):
 //         forward per (b, q head, 128-query tile) with online softmax over the 64-key tiles up
 //         to the shifted diagonal; backward computes Dr, then dK/dV per (b, kv head, 64-key
 //         tile) over the group's query heads and the query tiles that see it, and dQ per
-//         (b, q head, 64-query tile). No Sq x Sk buffer. The forward's P is rounded to bf16
+//         (b, q head, 64-query tile) (key tiles of 32 from D = 192 on; at D = Dv = 256 dK and dV
+//         are two launches, each recomputing P, and the forward re-reads Q from shared memory:
+//         registers). Kernels are templated on (D, Dv). No Sq x Sk buffer. The forward's P is rounded to bf16
 //         before P V; the backward's P and dS enter their products as hi + lo bf16 pairs
 //         (MOECORE_ATTENTION_FLASH_SPLIT=0: one bf16 each, faster, less accurate); scores,
 //         statistics and accumulation are fp32. At B4 Hq16 S2048 D128 about 3.2x (fwd) and
 //         2.4x (bwd) faster than gemm (measured: docs/performance.md). See
-//         attention_flash_cuda.cu. On compute capability 9.0 with D = 128 (and an sm_90a
+//         attention_flash_cuda.cu. On compute capability 9.0 with D = Dv = 128 (and an sm_90a
 //         build) the same path runs Hopper kernels instead (TMA + wgmma, P and dS passed
 //         between products in registers; forward per query tile, dK/dV per key tile, dQ per
 //         query tile, larger tiles, the same rounding), about 2.3x (fwd) and 1.6x (bwd)
 //         faster than the mma.sync kernels at that shape (docs/performance.md). See
 //         attention_flash_hopper.cu; MOECORE_ATTENTION_FLASH_HOPPER=0 keeps the mma.sync ones.
-//   gemm  (default where flash is not supported: f32 or bf16, D in {32, 64, 128}, Sk <=
+//   gemm  (default where flash is not supported: f32 or bf16, D a multiple of 8, Dv = D, Sk <=
 //         kAttentionGemmMaxSeq) cuBLAS
 //         tensor-core GEMMs per (b, head) over block-lower-triangular causal blocks (shifted
 //         right by o = Sk - Sq), with an fp32 score buffer [B*Hq, Sq, Sk] per call (chunked
@@ -55,14 +58,17 @@
 //         gradients); scores, softmax statistics and accumulation are fp32;
 //         dK/dV of a kv head sum the group's query heads in a fixed order. For f32 the GEMMs
 //         run in true fp32 (no TF32). See attention_gemm_cuda.cu.
-//   tiled (D in {32, 64, 128}, f32 or bf16, any length) fused flash-attention kernels on CUDA
+//   tiled (any D and Dv, f32 or bf16, any length) fused flash-attention kernels on CUDA
 //         cores (fp32 FMA): one block per (b, q head,
 //         64-query tile) with online softmax over the 64-key tiles it sees (up to s + o),
 //         held in shared memory; backward computes Dr, then dQ per query tile and dK/dV per (key tile, kv head).
-//         No Sq x Sk buffer; slower (CUDA cores, not tensor cores). See attention_cuda.cu.
+//         No Sq x Sk buffer; slower (CUDA cores, not tensor cores). D = Dv in {32, 64, 128}: kernels
+//         templated on D with whole rows in shared memory (attention_cuda.cu); every other size:
+//         runtime-sized kernels that sum scores over 32-column chunks and write 128 output columns
+//         per block (more blocks for wider heads; attention_any_cuda.cu).
 // The environment variable MOECORE_ATTENTION=auto|tiled|gemm|flash (read at every call)
 // forces a path; auto (or unset) takes flash where supported, else gemm where supported, else
-// tiled; gemm or flash where unsupported is an error.
+// tiled (which supports every size); gemm or flash where unsupported is an error.
 #pragma once
 
 #include "moecore/core/tensor.h"
@@ -101,7 +107,8 @@ enum class AttentionPath { Tiled, Gemm, Flash };
 // the auto choice).
 AttentionPath attention_path(const AttentionDims& d, DType dtype, double scale);
 bool attention_gemm_supported(const AttentionDims& d, DType dtype);
-// The flash path: bf16, D in {64, 128} and a softmax scale > 0 (any Sq <= Sk, any GQA group).
+// The flash path: bf16, (D, Dv) in {(64, 64), (96, 96), (128, 128), (256, 256), (192, 128)} and a
+// softmax scale > 0 (any Sq <= Sk, any GQA group).
 // Its kernels keep the running row maximum of the unscaled scores, which is the maximum of the
 // scaled ones only when the scale is positive; other scales take the gemm or tiled path.
 bool attention_flash_supported(const AttentionDims& d, DType dtype, double scale);
@@ -117,6 +124,13 @@ void attention_forward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, 
 void attention_backward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                               const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
                               const AttentionDims& d);
+// The tiled path's kernels for any D and Dv (attention_any_cuda.cu); attention_*_tiled send
+// every size but D = Dv in {32, 64, 128} here.
+void attention_forward_tiled_any(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
+                                 Tensor& lse, const AttentionDims& d);
+void attention_backward_tiled_any(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                  const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk,
+                                  Tensor& dv, const AttentionDims& d);
 void attention_forward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
                             Tensor& lse, const AttentionDims& d);
 void attention_backward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,

@@ -1,5 +1,6 @@
 // CUDA causal GQA attention: tiled flash-attention kernels in plain CUDA C++ (fp32 FMA, no
-// tensor cores), templated on the head dim D (32, 64, 128).
+// tensor cores), templated on the head dim D (32, 64, 128; with Dv = D). Other head dims, and a
+// value head dim Dv != D, run the runtime-sized kernels of attention_any_cuda.cu.
 //
 // Tiles are 64 queries x 64 keys; a block has 8 warps and each warp owns 8 rows of the tile
 // (query rows in the forward and dQ kernels, key rows in the dK/dV kernel). For a row, lane
@@ -407,7 +408,7 @@ void dispatch(DType dtype, int64_t head_dim, const char* op, F&& f) {
       case 32: f(tag, std::integral_constant<int, 32>{}); return;
       case 64: f(tag, std::integral_constant<int, 64>{}); return;
       case 128: f(tag, std::integral_constant<int, 128>{}); return;
-      default: MC_FAIL(op, ": head dim D = ", head_dim, " is not supported on CUDA (supported: 32, 64, 128)");
+      default: MC_FAIL(op, ": no templated tiled kernel for head dim D = ", head_dim, " (32, 64, 128; the others run attention_any_cuda.cu)");
     }
   };
   switch (dtype) {
@@ -427,10 +428,19 @@ Geometry geometry(const AttentionDims& d, double scale) {
 
 unsigned num_tiles(int64_t n) { return static_cast<unsigned>((n + kTile - 1) / kTile); }
 
+// D = Dv in {32, 64, 128}: the kernels of this file; every other size runs attention_any_cuda.cu's.
+bool templated_head_dim(const AttentionDims& d) {
+  return d.value_dim() == d.head_dim && (d.head_dim == 32 || d.head_dim == 64 || d.head_dim == 128);
+}
+
 }  // namespace
 
 void attention_forward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,
                              Tensor& lse, const AttentionDims& d) {
+  if (!templated_head_dim(d)) {
+    attention_forward_tiled_any(q, k, v, scale, out, lse, d);
+    return;
+  }
   const Geometry g = geometry(d, scale);
   cudaStream_t stream = prepare(q);
   dispatch(q.dtype(), d.head_dim, "attention_forward", [&](auto tag, auto dim) {
@@ -445,6 +455,10 @@ void attention_forward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, 
 void attention_backward_tiled(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                               const Tensor& lse, const Tensor& dout, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
                               const AttentionDims& d) {
+  if (!templated_head_dim(d)) {
+    attention_backward_tiled_any(q, k, v, out, lse, dout, scale, dq, dk, dv, d);
+    return;
+  }
   const Geometry g = geometry(d, scale);
   cudaStream_t stream = prepare(q);
   Tensor dr = Tensor::empty({d.batch, d.q_heads, d.seq}, DType::F32, q.device());
@@ -468,22 +482,24 @@ AttentionPath attention_path(const AttentionDims& d, DType dtype, double scale) 
   const char* env = env_switch("MOECORE_ATTENTION");
   const std::string choice = env ? env : "";
   if (choice.empty() || choice == "auto") {
-    // flash where supported (bf16, D 64/128): it keeps no score matrix and is the fastest path
-    // (docs/performance.md); then gemm, then tiled.
+    // flash where supported (bf16, head dims (D, Dv) in attention.h's list): it keeps no score
+    // matrix and is the fastest path (docs/performance.md); then gemm (Dv = D), then tiled (any
+    // D and Dv).
     if (attention_flash_supported(d, dtype, scale)) return AttentionPath::Flash;
     return attention_gemm_supported(d, dtype) ? AttentionPath::Gemm : AttentionPath::Tiled;
   }
   if (choice == "tiled") return AttentionPath::Tiled;
   if (choice == "gemm") {
     MC_CHECK(attention_gemm_supported(d, dtype), "attention: MOECORE_ATTENTION=gemm but the GEMM path does not "
-             "support Sq = ", d.seq, ", Sk = ", d.keys(), ", D = ", d.head_dim, ", dtype ", dtype_name(dtype),
-             " (Sk <= ", kAttentionGemmMaxSeq, ", f32 or bf16)");
+             "support Sq = ", d.seq, ", Sk = ", d.keys(), ", D = ", d.head_dim, ", Dv = ", d.value_dim(), ", dtype ",
+             dtype_name(dtype), " (Sk <= ", kAttentionGemmMaxSeq, ", D a multiple of 8, Dv = D, f32 or bf16)");
     return AttentionPath::Gemm;
   }
   if (choice == "flash") {
     MC_CHECK(attention_flash_supported(d, dtype, scale), "attention: MOECORE_ATTENTION=flash but the flash path "
-             "does not support dtype ", dtype_name(dtype), ", D = ", d.head_dim, ", softmax scale ", scale,
-             " (bf16 with D = 64 or 128, scale > 0)");
+             "does not support dtype ", dtype_name(dtype), ", (D, Dv) = (", d.head_dim, ", ", d.value_dim(),
+             "), softmax scale ", scale, " (bf16 with (D, Dv) = (64, 64), (96, 96), (128, 128), (256, 256) or "
+             "(192, 128), scale > 0)");
     return AttentionPath::Flash;
   }
   MC_FAIL("attention: MOECORE_ATTENTION must be auto, tiled, gemm or flash; got '", choice, "'");

@@ -1,5 +1,6 @@
-// Hopper (sm_90a) flash attention for D = 128, bf16 in, fp32 accumulate: the flash path's
-// kernels on compute capability 9.0 (semantics in attention.h, interface in attention_flash_hopper.h).
+// Hopper (sm_90a) flash attention for D = 128 (and, forward only, MLA's D = 192 with Dv = 128),
+// bf16 in, fp32 accumulate: the flash path's kernels on compute capability 9.0 (semantics in
+// attention.h, interface in attention_flash_hopper.h).
 //
 // Every kernel: one CTA = 2 consumer warpgroups + 1 producer warpgroup (384 threads; setmaxnreg
 // moves registers to the consumers), one CTA per SM.
@@ -11,8 +12,9 @@
 // the next wgmma (the m64n*k16 accumulator layout is the A fragment layout), so P and dS never
 // touch shared memory.
 //
-//   forward  grid (query tiles of 128, Hq, B), longest first. Q (128 x 128) once; K and V tiles of
-//            128 keys, from the last one the tile sees down to 0, 2 stages. S = Q K^T, masked only
+//   forward  grid (query tiles of 128, Hq, B), longest first. Q (128 x KD, KD = 128 or 192) once;
+//            K (KD wide) and V (128 wide) tiles of 128 keys, from the last one the tile sees down
+//            to 0, 2 stages. S = Q K^T, masked only
 //            in tiles that cross the shifted diagonal or the key end; online softmax in fp32
 //            (exp2 with c log2 e folded in), O = O corr + P V with P rounded to bf16 (as the
 //            mma.sync kernels).
@@ -70,13 +72,20 @@ struct Geometry {
   float scale, scale_log2;  // c and c log2(e)
 };
 
+// The forward takes a query/key head dim KD of 128 or 192 (MLA; the value head dim stays 128):
+// Q and K are KD / 64 chunks of [rows][64]. At KD = 192 the shared memory is 1 KiB + 48 KiB (Q)
+// + 2 stages x (48 + 32) KiB.
 namespace fwd {
 constexpr int kBr = 128, kBc = 128, kStages = 2;
-constexpr int kQBytes = kBr * kD * 2;      // Q: 2 chunks [128][64]
-constexpr int kKBytes = kBc * kD * 2;      // K: 2 chunks [128 keys][64 d] (K-major B of S = Q K^T)
-constexpr int kVBytes = kBc * kD * 2;      // V: [2 key blocks][2 d chunks][64][64] (MN-major B of P V)
-constexpr int kStageBytes = kKBytes + kVBytes;
-constexpr size_t kSmem = 1024 + kQBytes + kStages * kStageBytes + (1 + 3 * kStages) * sizeof(uint64_t);
+template <int KD>
+struct Sizes {
+  static_assert(KD == 128 || KD == 192, "the Hopper forward takes KD = 128 or 192");
+  static constexpr int kQBytes = kBr * KD * 2;    // Q: KD / 64 chunks [128][64]
+  static constexpr int kKBytes = kBc * KD * 2;    // K: KD / 64 chunks [128 keys][64 d] (K-major B of S = Q K^T)
+  static constexpr int kVBytes = kBc * kD * 2;    // V: [2 key blocks][2 d chunks][64][64] (MN-major B of P V)
+  static constexpr int kStageBytes = kKBytes + kVBytes;
+  static constexpr size_t kSmem = 1024 + kQBytes + kStages * kStageBytes + (1 + 3 * kStages) * sizeof(uint64_t);
+};
 }  // namespace fwd
 
 // dK, dV: 128 keys (64 per warpgroup) against 64-query tiles (faster than 32-query tiles with 6
@@ -142,12 +151,15 @@ __device__ __forceinline__ void init_barriers(uint64_t* bars, int n, int count_f
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Forward.
+// Forward (KD: the query/key head dim, 128 or 192; the value head dim is kD = 128).
+template <int KD>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_forward_hopper(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                          const __grid_constant__ CUtensorMap tv, __nv_bfloat16* out, float* lse, const Geometry g) {
 #ifdef MOECORE_HOPPER_DEVICE
   using namespace fwd;
+  using Z = Sizes<KD>;
+  constexpr int kQBytes = Z::kQBytes, kKBytes = Z::kKBytes, kVBytes = Z::kVBytes, kStageBytes = Z::kStageBytes;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = aligned_smem(smem_raw);
   uint8_t* stages = sq + kQBytes;
@@ -168,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     set_max_registers<kProducerRegs>();
     if (threadIdx.x != kConsumers) return;
     mbar_expect_tx(q_full, kQBytes);
-    for (int c = 0; c < 2; ++c) tma_load_4d(sq + c * chunk_bytes(kBr), &tq, q_full, 64 * c, h, q0, b);
+    for (int c = 0; c < KD / 64; ++c) tma_load_4d(sq + c * chunk_bytes(kBr), &tq, q_full, 64 * c, h, q0, b);
     for (int it = 0; it < n_tiles; ++it) {
       const int s = it % kStages, round = it / kStages;
       const int k0 = (n_tiles - 1 - it) * kBc;
@@ -176,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint8_t* sk = stages + s * kStageBytes;
       uint8_t* sv = sk + kKBytes;
       mbar_expect_tx(&k_full[s], kKBytes);
-      for (int c = 0; c < 2; ++c) tma_load_4d(sk + c * chunk_bytes(kBc), &tk, &k_full[s], 64 * c, kvh, k0, b);
+      for (int c = 0; c < KD / 64; ++c) tma_load_4d(sk + c * chunk_bytes(kBc), &tk, &k_full[s], 64 * c, kvh, k0, b);
       mbar_expect_tx(&v_full[s], kVBytes);
       for (int kb = 0; kb < 2; ++kb)
         for (int c = 0; c < 2; ++c)
@@ -203,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(&k_full[s], parity);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {  // S = Q K^T over d
+    for (int kk = 0; kk < KD / 16; ++kk) {  // S = Q K^T over d
       const uint32_t k16 = (kk & 3) * 32;
       wgmma_m64n128k16<0, 0>(sc, kmajor_desc(q_base + (kk >> 2) * chunk_bytes(kBr) + k16),
                              kmajor_desc(k_base + (kk >> 2) * chunk_bytes(kBc) + k16), kk > 0);
@@ -555,12 +567,12 @@ Geometry geometry(const AttentionDims& d, float scale) {
           scale,                       scale * kLog2e};
 }
 
-// A [B, S, H, 128] bf16 tensor as the 4-D TMA tensor {128, H, S, B}; box {64, 1, rows, 1}.
+// A [B, S, H, W] bf16 tensor (W: its head dim, t's last size: 128, or 192 for the forward's q
+// and k) as the 4-D TMA tensor {W, H, S, B}; box {64, 1, rows, 1}.
 CUtensorMap head_map(const Tensor& t, int64_t seq, int64_t heads, uint32_t rows) {
-  const uint64_t batch = static_cast<uint64_t>(t.size(0));
-  const uint64_t dims[4] = {kD, static_cast<uint64_t>(heads), static_cast<uint64_t>(seq), batch};
-  const uint64_t strides[3] = {kD * 2, static_cast<uint64_t>(heads) * kD * 2,
-                               static_cast<uint64_t>(seq) * heads * kD * 2};
+  const uint64_t batch = static_cast<uint64_t>(t.size(0)), w = static_cast<uint64_t>(t.size(3));
+  const uint64_t dims[4] = {w, static_cast<uint64_t>(heads), static_cast<uint64_t>(seq), batch};
+  const uint64_t strides[3] = {w * 2, static_cast<uint64_t>(heads) * w * 2, static_cast<uint64_t>(seq) * heads * w * 2};
   const uint32_t box[4] = {64, 1, rows, 1};
   return make_map(t.data_ptr(), 4, dims, strides, box);
 }
@@ -586,7 +598,9 @@ bool available(const AttentionDims& d, const Tensor& q, const Tensor& k, const T
 #else
   const char* env = env_switch("MOECORE_ATTENTION_FLASH_HOPPER");
   if (env && std::string(env) == "0") return false;
-  if (d.head_dim != kD || q.dtype() != DType::BF16 || !q.device().is_cuda()) return false;
+  // The backward (dout given) takes D = Dv = 128; the forward also MLA's D = 192 / Dv = 128.
+  const bool dims = d.value_dim() == kD && (d.head_dim == kD || (!dout && d.head_dim == 192));
+  if (!dims || q.dtype() != DType::BF16 || !q.device().is_cuda()) return false;
   if (!device_info(q.device().index).hopper) return false;
   for (const Tensor* x : {&q, &k, &v, dout})
     if (x && (!x->is_contiguous() || !aligned16(x->data_ptr()))) return false;
@@ -599,8 +613,15 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, Ten
   const Geometry g = geometry(d, scale);
   const CUtensorMap tq = head_map(q, d.seq, d.q_heads, fwd::kBr), tk = head_map(k, d.keys(), d.kv_heads, fwd::kBc),
                     tv = head_map(v, d.keys(), d.kv_heads, 64);
-  launch(flash_forward_hopper, dim3(tiles(d.seq, fwd::kBr), d.q_heads, d.batch), fwd::kSmem, stream, tq, tk, tv,
-         bf16_ptr(out), lse.data<float>(), g);
+  const dim3 grid(tiles(d.seq, fwd::kBr), d.q_heads, d.batch);
+  MC_CHECK(d.value_dim() == kD && (d.head_dim == 128 || d.head_dim == 192), "flash_hopper::forward: head dims ",
+           d.head_dim, " / ", d.value_dim(), " (the Hopper forward takes 128 / 128 or 192 / 128)");
+  if (d.head_dim == 192)
+    launch(flash_forward_hopper<192>, grid, fwd::Sizes<192>::kSmem, stream, tq, tk, tv, bf16_ptr(out),
+           lse.data<float>(), g);
+  else
+    launch(flash_forward_hopper<128>, grid, fwd::Sizes<128>::kSmem, stream, tq, tk, tv, bf16_ptr(out),
+           lse.data<float>(), g);
 }
 
 void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse, const Tensor& dr,

@@ -439,9 +439,10 @@ void dispatch_gemm(DType t, const char* op, F&& f) {
 }  // namespace
 
 bool attention_gemm_supported(const AttentionDims& d, DType dtype) {
-  // Row kernels stage up to two fp32 score rows (Sk long) in shared memory (2 * 4 * 16384 = 128 KiB).
+  // One head dim for q, k and v (Dv = D; other Dv take the flash or tiled path). Row kernels
+  // stage up to two fp32 score rows (Sk long) in shared memory (2 * 4 * 16384 = 128 KiB).
   return (dtype == DType::F32 || dtype == DType::BF16) && d.keys() <= kAttentionGemmMaxSeq &&
-         d.head_dim % 8 == 0 && d.batch * d.q_heads <= (int64_t(1) << 30);
+         d.head_dim % 8 == 0 && d.value_dim() == d.head_dim && d.batch * d.q_heads <= (int64_t(1) << 30);
 }
 
 void attention_forward_gemm(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor& out,

@@ -1,9 +1,11 @@
 // One decoding step of attention against a KV cache, for a batch of sequences of different
 // lengths (generation: model/attention_block.cpp).
 //
-//   q [R, 1, Hq, D]   k_new, v_new [R, 1, Hkv, D]   k_cache, v_cache [R, max_len, Hkv, D]
+//   q [R, 1, Hq, D]   k_new [R, 1, Hkv, D]   v_new [R, 1, Hkv, Dv]
+//   k_cache [R, max_len, Hkv, D]   v_cache [R, max_len, Hkv, Dv]
 //   positions [R] i32 on the tensors' device: the position of each row's new token
-//   out [R, 1, Hq, D]   lse [R, Hq, 1] (f32)
+//   out [R, 1, Hq, Dv]   lse [R, Hq, 1] (f32)
+// Any head dims D and Dv (Dv = D for ordinary attention; MLA's values are narrower).
 // For each row r at position p = positions[r] < max_len: RoPE (when `rope`, base `rope_base`,
 // the rotate-half form of ops/rope.h) rotates q[r] and k_new[r] to position p; k_new[r] and
 // v_new[r] are written into the caches at p; then q[r] attends to the keys 0..p of its cache row
@@ -15,7 +17,8 @@
 // the cache (angles in double as the RoPE op's table), one block per (row, query head) holds
 // the row's scores in shared memory (softmax over the p + 1 keys, then the weighted sum of the
 // values, its keys split over the block's warps); caches longer than kDecodeAttentionMaxKeys, odd or
-// > 256 head dims fall back to the per-row path (which reads the positions on the host).
+// > 256 D, or Dv > 256 fall back to the per-row path (which reads the positions on the host; its
+// ops::attention_forward takes any D and Dv on CUDA too).
 #pragma once
 
 #include "moecore/core/tensor.h"

@@ -3,7 +3,7 @@
 // rope_cuda.cu) and writes k and v into the caches; then one block per (row, query head): the
 // query in shared memory, one thread per key for the scores (kept in shared memory), block
 // max and sum; the weighted sum of the values split over the block's warps by key (each warp
-// reads a key's row coalesced, lanes by feature), the warps' partial sums added in order.
+// reads a key's value row, Dv wide, coalesced, lanes by feature), the warps' partial sums added in order.
 #include <algorithm>
 
 #include "moecore/ops/cuda_common.cuh"
@@ -15,11 +15,17 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxFeaturesPerLane = 8;  // head dims up to 256 (decode_attention.cpp falls back above)
+constexpr int kMaxFeaturesPerLane = 8;  // value head dims up to 256 (decode_attention.cpp falls back above)
 
 template <typename T>
 __global__ void decode_rope_write_kernel(T* q, const T* k, const T* v, T* kc, T* vc, const int32_t* pos, int64_t R,
-                                         int64_t Hq, int64_t Hkv, int64_t D, int64_t max_len, double base, bool rope) {
+                                         int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, int64_t max_len, double base,
+                                         bool rope) {
+  const int64_t values = R * Hkv * Dv;  // the value rows go to the cache as they are
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < values; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / (Hkv * Dv), rest = idx % (Hkv * Dv);
+    vc[(r * max_len + pos[r]) * Hkv * Dv + rest] = v[idx];
+  }
   const int64_t h = D / 2, heads = Hq + Hkv, pairs = R * heads * h;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < pairs; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / (heads * h), n = (idx / h) % heads, i = idx % h, p = pos[r];
@@ -36,27 +42,23 @@ __global__ void decode_rope_write_kernel(T* q, const T* k, const T* v, T* kc, T*
     const float a = load(src[i]), b = load(src[i + h]);
     dst[i] = rope ? store<T>(__fadd_rn(__fmul_rn(a, c), -__fmul_rn(b, sn))) : src[i];
     dst[i + h] = rope ? store<T>(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn))) : src[i + h];
-    if (n >= Hq) {  // the value row of this kv head: the same pair of features
-      const int64_t kn = n - Hq, o = ((r * max_len + p) * Hkv + kn) * D;
-      vc[o + i] = v[(r * Hkv + kn) * D + i];
-      vc[o + i + h] = v[(r * Hkv + kn) * D + i + h];
-    }
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, const T* kc, const T* vc,
                                                                     const int32_t* pos, T* out, float* lse, int64_t Hq,
-                                                                    int64_t Hkv, int64_t D, int64_t max_len, float scale) {
+                                                                    int64_t Hkv, int64_t D, int64_t Dv, int64_t max_len,
+                                                                    float scale) {
   extern __shared__ float smem[];
   float* qs = smem;       // D
-  float* sc = smem + D;   // keys; then the warps' partial outputs (kWarps x D)
+  float* sc = smem + D;   // keys; then the warps' partial outputs (kWarps x Dv)
   const int64_t r = blockIdx.x / Hq, hq = blockIdx.x % Hq, kv = hq / (Hq / Hkv);
   const int64_t keys = static_cast<int64_t>(pos[r]) + 1, stride = Hkv * D;
   for (int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load(q[(r * Hq + hq) * D + d]);
   __syncthreads();
   const T* krow = kc + (r * max_len * Hkv + kv) * D;
-  const T* vrow = vc + (r * max_len * Hkv + kv) * D;
+  const T* vrow = vc + (r * max_len * Hkv + kv) * Dv;
   float m = -INFINITY;
   for (int64_t t = threadIdx.x; t < keys; t += blockDim.x) {
     const T* kt = krow + t * stride;
@@ -83,26 +85,26 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
 #pragma unroll 4
   for (int64_t t = warp; t < keys; t += kWarps) {
     const float p = sc[t];
-    const T* vt = vrow + t * stride;
+    const T* vt = vrow + t * Hkv * Dv;
 #pragma unroll
     for (int j = 0; j < kMaxFeaturesPerLane; ++j) {
       const int64_t d = lane + 32 * j;
-      if (d < D) acc[j] += p * load(vt[d]);
+      if (d < Dv) acc[j] += p * load(vt[d]);
     }
   }
   __syncthreads();  // every warp has read its probabilities: sc becomes the partial sums
 #pragma unroll
   for (int j = 0; j < kMaxFeaturesPerLane; ++j) {
     const int64_t d = lane + 32 * j;
-    if (d < D) sc[warp * D + d] = acc[j];
+    if (d < Dv) sc[warp * Dv + d] = acc[j];
   }
   __syncthreads();
   const float inv = 1.f / l;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+  for (int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += sc[w * D + d];
-    out[(r * Hq + hq) * D + d] = store<T>(sum * inv);
+    for (int w = 0; w < kWarps; ++w) sum += sc[w * Dv + d];
+    out[(r * Hq + hq) * Dv + d] = store<T>(sum * inv);
   }
   if (threadIdx.x == 0) lse[r * Hq + hq] = m + logf(l);
 }
@@ -111,20 +113,20 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const T* q, 
 
 void decode_attention(Tensor& q, const Tensor& k_new, const Tensor& v_new, Tensor& k_cache, Tensor& v_cache,
                       const Tensor& positions, bool rope, double rope_base, double scale, Tensor& out, Tensor& lse) {
-  const int64_t R = q.size(0), Hq = q.size(2), D = q.size(3), max_len = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t R = q.size(0), Hq = q.size(2), D = q.size(3), Dv = v_cache.size(3), max_len = k_cache.size(1),
+                Hkv = k_cache.size(2);
   cudaStream_t s = prepare(q);
   dispatch_cuda_floating(q.dtype(), "decode_attention", [&](auto tag) {
     using T = decltype(tag);
     const int64_t pairs = R * (Hq + Hkv) * (D / 2);
-    decode_rope_write_kernel<T><<<grid_for(pairs), 256, 0, s>>>(q.data<T>(), k_new.data<T>(), v_new.data<T>(),
-                                                               k_cache.data<T>(), v_cache.data<T>(),
-                                                               positions.data<int32_t>(), R, Hq, Hkv, D, max_len,
-                                                               rope_base, rope);
+    decode_rope_write_kernel<T><<<grid_for(std::max(pairs, R * Hkv * Dv)), 256, 0, s>>>(
+        q.data<T>(), k_new.data<T>(), v_new.data<T>(), k_cache.data<T>(), v_cache.data<T>(), positions.data<int32_t>(),
+        R, Hq, Hkv, D, Dv, max_len, rope_base, rope);
     MC_CUDA_CHECK_LAUNCH();
-    const size_t shared = static_cast<size_t>(D + std::max<int64_t>(max_len, kWarps * D)) * sizeof(float);
+    const size_t shared = static_cast<size_t>(D + std::max<int64_t>(max_len, kWarps * Dv)) * sizeof(float);
     decode_attention_kernel<T><<<static_cast<unsigned>(R * Hq), kThreads, shared, s>>>(
         q.data<T>(), k_cache.data<T>(), v_cache.data<T>(), positions.data<int32_t>(), out.data<T>(), lse.data<float>(),
-        Hq, Hkv, D, max_len, static_cast<float>(scale));
+        Hq, Hkv, D, Dv, max_len, static_cast<float>(scale));
     MC_CUDA_CHECK_LAUNCH();
   });
 }
