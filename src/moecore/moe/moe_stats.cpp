@@ -150,7 +150,8 @@ MoeStepStats MoeStats::finish_step() {
     double mean = 0;
     for (double v : c) mean += v;
     mean /= static_cast<double>(c.size());
-    std::vector<double> bias = cast_to(expert_bias_->master, DType::F64).to_vector<double>();
+    // Read on the host (f64 casts are CPU-only); the master may live on a GPU.
+    std::vector<double> bias = cast_to(expert_bias_->master.to(Device::cpu()), DType::F64).to_vector<double>();
     for (size_t i = 0; i < c.size(); ++i) {
       const double d = mean - c[i];
       bias[i] += bias_update_rate_ * (d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0));
