@@ -28,7 +28,7 @@ check() {  # np modules...: the printed report and the record
   [ "$(grep -c '^   rank [0-9]*: peak' "$dir/log")" = "$np" ] || fail "np $np: not $np ranks in the report"
   [ "$(grep -c 'check: the parts sum to .*(within 3%)' "$dir/log")" = "$np" ] || fail "np $np: a check line is off"
   for name in weights gradients optimizer_state activations communication workspace untagged allocator_overhead "$@"; do
-    grep -qE "^ +$name +[0-9.]+ GB" "$dir/log" || fail "np $np: no report line for $name"
+    grep -qE "^ +$name +[0-9.]+ MB" "$dir/log" || fail "np $np: no report line for $name"
   done
   python3 - "$dir/metrics.jsonl" "$np" <<'PY' || fail "np $np: the metrics record"
 import json, sys

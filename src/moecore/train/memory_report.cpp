@@ -85,18 +85,24 @@ std::vector<RankMemoryReport> gather_memory_reports(comm::Communicator* world, c
 std::string format_memory_report(const std::vector<RankMemoryReport>& ranks, int64_t iteration) {
   std::string s;
   char line[256];
-  std::snprintf(line, sizeof line, " memory report at iteration %lld (per rank; GB and %% of the rank's peak):\n",
-                static_cast<long long>(iteration));
+  // GB; MB when every rank's peak is below 1 GB (small models).
+  int64_t largest = 0;
+  for (const RankMemoryReport& r : ranks) largest = std::max(largest, r.peak_reserved);
+  const bool mb = largest < static_cast<int64_t>(kGB);
+  const double unit = mb ? 1e6 : kGB;
+  const char* unit_name = mb ? "MB" : "GB";
+  std::snprintf(line, sizeof line, " memory report at iteration %lld (per rank; %s and %% of the rank's peak):\n",
+                static_cast<long long>(iteration), unit_name);
   s += line;
   for (const RankMemoryReport& r : ranks) {
     const int64_t peak = r.peak_reserved;
-    std::snprintf(line, sizeof line, "   rank %lld: peak %.4f GB reserved by the allocator (%.4f GB handed out)\n",
-                  static_cast<long long>(r.rank), static_cast<double>(peak) / kGB,
-                  static_cast<double>(r.peak_allocated) / kGB);
+    std::snprintf(line, sizeof line, "   rank %lld: peak %.4f %s reserved by the allocator (%.4f %s handed out)\n",
+                  static_cast<long long>(r.rank), static_cast<double>(peak) / unit, unit_name,
+                  static_cast<double>(r.peak_allocated) / unit, unit_name);
     s += line;
     auto row = [&](const char* name, int64_t bytes, int indent) {
-      std::snprintf(line, sizeof line, "     %*s%-*s %10.4f GB %6.2f%%\n", indent, "", 22 - indent, name,
-                    static_cast<double>(bytes) / kGB, share(bytes, peak));
+      std::snprintf(line, sizeof line, "     %*s%-*s %10.4f %s %6.2f%%\n", indent, "", 22 - indent, name,
+                    static_cast<double>(bytes) / unit, unit_name, share(bytes, peak));
       s += line;
     };
     for (MemoryCategory c : kCategoryOrder) {
@@ -106,9 +112,9 @@ std::string format_memory_report(const std::vector<RankMemoryReport>& ranks, int
     }
     row("allocator_overhead", r.overhead(), 0);
     const double ratio = peak > 0 ? static_cast<double>(r.parts_sum()) / static_cast<double>(peak) : 1.0;
-    std::snprintf(line, sizeof line, "     check: the parts sum to %.4f GB, %.2f%% of the measured peak %.4f GB (%s)\n",
-                  static_cast<double>(r.parts_sum()) / kGB, 100.0 * ratio, static_cast<double>(peak) / kGB,
-                  std::fabs(ratio - 1.0) <= 0.03 ? "within 3%" : "OFF BY MORE THAN 3%");
+    std::snprintf(line, sizeof line, "     check: the parts sum to %.4f %s, %.2f%% of the measured peak %.4f %s (%s)\n",
+                  static_cast<double>(r.parts_sum()) / unit, unit_name, 100.0 * ratio, static_cast<double>(peak) / unit,
+                  unit_name, std::fabs(ratio - 1.0) <= 0.03 ? "within 3%" : "OFF BY MORE THAN 3%");
     s += line;
   }
   return s;

@@ -1,9 +1,10 @@
 // --memory-report: at the first log step, each rank's peak memory split into the categories of
 // core/memory_categories.h (weights, gradients, optimizer state, saved activations by module,
 // communication buffers, workspace, untagged) plus the allocator's overhead (size rounding and
-// cached free blocks at the moment of the peak), in GB and % of the peak, with a check line that
-// the parts sum to the allocator's measured peak (its peak of reserved bytes). The logging rank
-// prints every rank's report and writes it to metrics.jsonl as one record
+// cached free blocks at the moment of the peak), in GB (MB when every peak is below 1 GB) and %
+// of the peak, with a check line that the parts sum to the allocator's measured peak (its peak of
+// reserved bytes). The logging rank prints every rank's report and writes it to metrics.jsonl as
+// one record
 // {"iteration": N, "memory_report": [per rank]}.
 //
 // The peak is the one the log line shows: on a GPU the log step's (the trainer resets it each

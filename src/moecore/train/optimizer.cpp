@@ -337,6 +337,7 @@ double Optimizer::dense_squares(const Tensor& t, int64_t t_begin) {
 
 void Optimizer::layer_ready(int64_t layer) {
   if (!overlap_) return;
+  const MemoryCategoryScope scope(MemoryCategory::kCommunication);  // the overlapped reduction's buffers
   const size_t l = static_cast<size_t>(layer);
   const Range dense = l < layer_dense_.size() ? layer_dense_[l] : Range{};
   const Range expert = l < layer_expert_.size() ? layer_expert_[l] : Range{};
