@@ -172,6 +172,9 @@ void register_training_flags(cli::FlagSet& f, TrainArgs& a) {
                "seconds between progress lines (steps, rate, ETA) until the first log line (0: none)");
   f.add_int("timing-log-level", &a.timing_log_level,
             "GPU-event timers in the log: 0 none, 1 the step's phases, 2 also attention / MoE parts / output layer");
+  f.add_bool("memory-report", &a.memory_report,
+             "at the first log step, each rank's peak memory split into weights, gradients, optimizer state, "
+             "saved activations by module, communication, workspace and allocator overhead");
   f.add_int("eval-interval", &a.eval_interval, "steps between validation runs (0: none)");
   f.add_int("eval-iters", &a.eval_iters, "validation batches per run");
   f.add_string("save", &a.save, "checkpoint directory");

@@ -164,6 +164,7 @@ TEST(RunReport, ReadsMetricsAndRendersAPage) {
             "\"tflops_per_gpu\":0.1,\"mem_allocated_bytes\":1e9,\"mem_max_allocated_bytes\":2e9,"
             "\"load_balancing_loss\":1.1,\"z_loss\":0.0,\"skipped_iterations\":0,"
             "\"tokens_per_expert\":[[10,30,20,20],[20,20,20,20]]}\n"
+            "{\"iteration\":1,\"memory_report\":[{\"rank\":0,\"weights\":100}]}\n"  // --memory-report's record
             "\n"
             "{\"iteration\":2,\"lm_loss\":null,\"learning_rate\":1e-3,\"grad_norm\":1.0,\"tokens_per_s\":300,"
             "\"skipped_iterations\":1}\n"
@@ -174,6 +175,7 @@ TEST(RunReport, ReadsMetricsAndRendersAPage) {
   ASSERT_EQ(m.train.size(), 3u);
   ASSERT_EQ(m.valid.size(), 1u);
   EXPECT_TRUE(std::isnan(m.train.at(2).lm_loss));  // null: a NaN loss
+  EXPECT_EQ(m.train.at(1).lm_loss, 4.5);  // the memory report's record is not a training point
   EXPECT_EQ(m.train.at(1).tokens_per_expert.size(), 2u);
   const std::string out = write_run_report(dir.path.string());
   EXPECT_EQ(out, (dir.path / "report.html").string());

@@ -71,9 +71,10 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
     stats_.reserved_bytes += static_cast<int64_t>(size);
     stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
   }
-  live_[ptr] = Block{got, stream};
+  Block& block = live_[ptr] = Block{got, stream, bytes, memory_tag(MemoryCategory::kUntagged)};
   stats_.allocated_bytes += static_cast<int64_t>(got);
   stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
+  if (memory_accounting_enabled()) account_allocate_locked(block);
   return ptr;
 }
 
@@ -92,6 +93,28 @@ void CachingAllocator::deallocate(void* ptr) {
     backend_.raw_free(ptr);
     stats_.reserved_bytes -= static_cast<int64_t>(b.size);
   }
+  if (memory_accounting_enabled()) account_free_locked(b);
+}
+
+void CachingAllocator::account_allocate_locked(Block& b) {
+  if (!ledger_.started()) {  // the blocks handed out before accounting began stay untagged
+    int64_t requested = 0;
+    for (const auto& [p, live] : live_)
+      if (&live != &b) requested += static_cast<int64_t>(live.requested);
+    ledger_.start(requested, stats_.allocated_bytes - static_cast<int64_t>(b.size), stats_.reserved_bytes);
+  }
+  b.tag = current_memory_tag();
+  ledger_.on_allocate(b.tag, static_cast<int64_t>(b.requested), static_cast<int64_t>(b.size), stats_.allocated_bytes,
+                      stats_.reserved_bytes);
+}
+
+void CachingAllocator::account_free_locked(const Block& b) {
+  if (!ledger_.started()) {
+    int64_t requested = static_cast<int64_t>(b.requested);  // b is already out of live_
+    for (const auto& [p, live] : live_) requested += static_cast<int64_t>(live.requested);
+    ledger_.start(requested, stats_.allocated_bytes + static_cast<int64_t>(b.size), stats_.reserved_bytes);
+  }
+  ledger_.on_free(b.tag, static_cast<int64_t>(b.requested), static_cast<int64_t>(b.size), stats_.reserved_bytes);
 }
 
 void CachingAllocator::release_cached_locked() {
@@ -116,6 +139,17 @@ void CachingAllocator::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.peak_allocated_bytes = stats_.allocated_bytes;
   stats_.peak_reserved_bytes = stats_.reserved_bytes;
+  ledger_.reset_peak();
+}
+
+MemoryBreakdown CachingAllocator::breakdown_at_peak() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ledger_.at_peak();
+}
+
+MemoryBreakdown CachingAllocator::breakdown_now() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ledger_.current();
 }
 
 // ---- process-wide instances ------------------------------------------------------

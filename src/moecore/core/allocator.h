@@ -13,6 +13,10 @@
 //
 // The same class serves pinned host memory (cudaHostAlloc) and, with caching off, plain host
 // memory (64-byte aligned), so every kind of memory has the same statistics.
+//
+// Memory accounting (core/memory_categories.h, on with --memory-report): each block is charged to
+// the allocating thread's innermost MemoryCategoryScope, and a MemoryLedger keeps the live bytes
+// per category and their values when the handed-out total peaked. Off, it costs one branch.
 #pragma once
 
 #include <cstddef>
@@ -24,6 +28,7 @@
 #include <unordered_map>
 
 #include "moecore/core/device.h"
+#include "moecore/core/memory_ledger.h"
 
 namespace moecore {
 
@@ -60,21 +65,30 @@ class CachingAllocator {
   void empty_cache();
   AllocatorStats stats() const;
   void reset_peak();
+  // The accounting's live bytes per category and their values at the peak of the handed-out
+  // total (since creation / reset_peak()); all zero while memory accounting is off.
+  MemoryBreakdown breakdown_at_peak() const;
+  MemoryBreakdown breakdown_now() const;
   static size_t round_size(size_t bytes);
   const std::string& name() const { return backend_.name; }
 
  private:
   struct Block {
-    size_t size;
+    size_t size;       // as handed out (rounded; a cached block may be larger)
     void* stream;
+    size_t requested;  // as asked for
+    MemoryTag tag;     // memory accounting: the category charged
   };
   void release_cached_locked();
+  void account_allocate_locked(Block& b);
+  void account_free_locked(const Block& b);
 
   Backend backend_;
   mutable std::mutex mutex_;
   std::unordered_map<void*, Block> live_;                  // handed out
   std::multimap<std::pair<void*, size_t>, void*> free_;    // (stream, size) -> ptr
   AllocatorStats stats_;
+  MemoryLedger ledger_;
 };
 
 // Process-wide allocators. The CUDA ones exist only when the backend is built and a device is

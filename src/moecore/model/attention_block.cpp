@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "moecore/core/memory_categories.h"
 #include "moecore/ops/attention.h"
 #include "moecore/ops/decode_attention.h"
 #include "moecore/ops/rope.h"
@@ -70,6 +71,7 @@ Tensor AttentionBlock::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) c
     ctx.core_out = out;
     ctx.core_lse = lse;
   }
+  const MemoryCategoryScope module(ActivationModule::kAttnProj);
   return par_.exit_forward(o_proj_.forward(out.view({tokens, heads_ * head_dim_}), ctx.o), batch);
 }
 

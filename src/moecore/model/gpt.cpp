@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "moecore/core/env_switches.h"
+#include "moecore/core/memory_categories.h"
 #include "moecore/core/step_timers.h"
 #include "moecore/ops/common.h"
 #include "moecore/ops/cross_entropy.h"
@@ -168,18 +169,31 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
     LayerCtx& lc = ctx.layers[li];
     wait_params(i);
     // New tensors for the residual stream: the norms keep their inputs for the backward.
+    // Memory accounting: each module's saved tensors under its name (core/memory_categories.h).
     {
       const TimedRegion timed("attention-forward", 2, h.device());
-      h = add_tensors(h, attention_forward(li, attn_norm_[li].forward(h, lc.attn_norm), ctx.batch, lc));
+      std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kAttnNorm);
+      const Tensor normed = attn_norm_[li].forward(h, lc.attn_norm);
+      module.emplace(ActivationModule::kCoreAttn);
+      const Tensor attn = attention_forward(li, normed, ctx.batch, lc);
+      module.emplace(ActivationModule::kResidual);
+      h = add_tensors(h, attn);
     }
+    std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMlpNorm);
     if (cfg_.is_moe(i)) {
       const TimedRegion timed("moe-forward", 2, h.device());
       const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
-      h = add_tensors(h, moe_[li].forward(normed, ctx.batch, training, rng_seed + 0x9E3779B97F4A7C15ull * (li + 1), lc.moe));
+      module.reset();  // the MoE layer names its parts
+      const Tensor moe = moe_[li].forward(normed, ctx.batch, training, rng_seed + 0x9E3779B97F4A7C15ull * (li + 1), lc.moe);
+      module.emplace(ActivationModule::kResidual);
+      h = add_tensors(h, moe);
     } else {
       const TimedRegion timed("mlp-forward", 2, h.device());
       const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
-      h = add_tensors(h, mlp_[li].forward(normed, lc.mlp, ctx.batch));
+      module.emplace(ActivationModule::kMlp);
+      const Tensor mlp = mlp_[li].forward(normed, lc.mlp, ctx.batch);
+      module.emplace(ActivationModule::kResidual);
+      h = add_tensors(h, mlp);
     }
   }
   return h;
@@ -339,9 +353,11 @@ Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bo
                                   Ctx& ctx, const Tensor& hidden_in) {
   MC_CHECK(labels.shape() == tokens.shape() && labels.dtype() == DType::I32, "labels must match tokens ",
            tokens.describe(), ", got ", labels.describe());
+  const MemoryCategoryScope activations(MemoryCategory::kActivations);  // what no module below names
   Tensor input;
   if (stage_.has_embedding) {
     const TimedRegion timed("embedding-forward", 2, tokens.device());
+    const MemoryCategoryScope module(ActivationModule::kEmbedding);
     std::optional<ops::EmbeddingIdsValidated> checked;  // check_batch_on_host checked the tokens
     if (ctx.checked_num_labels >= 0) checked.emplace();
     input = embed(tokens, ctx);
@@ -366,7 +382,9 @@ Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bo
     // With the fused output layer (training) this region holds the output layer's backward too.
     const TimedRegion timed("output-layer", 2, h.device());
     wait_params(cfg_.num_layers);
+    std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kFinalNorm);
     h = final_norm_.forward(h, ctx.final_norm);
+    module.emplace(ActivationModule::kOutputLayer);
     ctx.labels = labels.view({labels.numel()});
     ctx.label_seq = !dense_.cp && labels.ndim() == 2 ? labels.size(1) : 0;  // CP: this rank's chunks only
     // Training with fused_head_scale: loss and backward chunk by chunk; evaluation: the loss chunk
@@ -376,7 +394,10 @@ Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bo
     if (!chunked || !training) ctx.fused_head_scale = 0;
     if (dense_.cp) dense_.cp->all_reduce(sum, comm::ReduceOp::Sum);  // the whole sequences' loss, on the device
   }
-  if (training && !mtp_.empty()) mtp_forward(decoder_out, tokens, labels, rng_seed, ctx);
+  if (training && !mtp_.empty()) {
+    const MemoryCategoryScope module(ActivationModule::kMtp);
+    mtp_forward(decoder_out, tokens, labels, rng_seed, ctx);
+  }
   return sum;
 }
 
@@ -494,6 +515,7 @@ Tensor GPTModel::mtp_backward(double grad_scale, Ctx& ctx) {
 
 Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done,
                           const Tensor& d_hidden_out) {
+  const MemoryCategoryScope workspace(MemoryCategory::kWorkspace);  // activation gradients, temporaries
   Tensor dh;
   if (stage_.has_head) {
     {

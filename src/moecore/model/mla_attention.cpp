@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "moecore/core/memory_categories.h"
 #include "moecore/ops/attention.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/rope.h"
@@ -156,6 +157,7 @@ Tensor MlaAttention::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) con
     ctx.k_pe = k_pe;
     ctx.core.q = ctx.core.k = ctx.core.v = Tensor();
   }
+  const MemoryCategoryScope module(ActivationModule::kAttnProj);
   return par_.exit_forward(o_proj_.forward(out.view({tokens, heads_ * mla_.v_head_dim}), ctx.o), batch);
 }
 

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "moecore/core/memory_categories.h"
 #include "moecore/core/philox.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/master_split.h"
@@ -19,6 +20,7 @@ void ParamStore::set_optimizer_state_dtypes(DType exp_avg, DType exp_avg_sq) {
              ": expected the master dtype (", dtype_name(master_), ") or bf16 with f32 masters");
   exp_avg_ = exp_avg;
   exp_avg_sq_ = exp_avg_sq;
+  const MemoryCategoryScope scope(MemoryCategory::kOptimizerState);
   for (const auto& p : params_) {
     if (!p->exp_avg.defined()) continue;  // buffers, or states the distributed optimizer released
     p->exp_avg = Tensor::zeros(p->shape, exp_avg_, device_);
@@ -42,9 +44,16 @@ Param& ParamStore::add(const std::string& name, const Shape& shape, Init init, d
     params_.push_back(std::move(p));
     return *params_.back();
   }
-  p->master = Tensor::empty(shape, master_, device_);
-  p->weight = p->compute_dtype == master_ ? p->master : Tensor::empty(shape, p->compute_dtype, device_);
-  p->grad = Tensor::zeros(shape, master_, device_);
+  {
+    const MemoryCategoryScope scope(MemoryCategory::kWeights);
+    p->master = Tensor::empty(shape, master_, device_);
+    p->weight = p->compute_dtype == master_ ? p->master : Tensor::empty(shape, p->compute_dtype, device_);
+  }
+  {
+    const MemoryCategoryScope scope(MemoryCategory::kGradients);
+    p->grad = Tensor::zeros(shape, master_, device_);
+  }
+  const MemoryCategoryScope scope(MemoryCategory::kOptimizerState);
   p->exp_avg = Tensor::zeros(shape, exp_avg_, device_);
   p->exp_avg_sq = Tensor::zeros(shape, exp_avg_sq_, device_);
   params_.push_back(std::move(p));
@@ -168,6 +177,7 @@ Param& ParamStore::add_buffer(const std::string& name, const Shape& shape) {
   p->compute_dtype = master_;
   p->full_rows = shape.empty() ? 0 : shape[0];
   if (!shapes_only_) {
+    const MemoryCategoryScope scope(MemoryCategory::kWeights);
     p->master = Tensor::zeros(shape, master_, device_);
     p->weight = p->master;
   }
@@ -201,7 +211,11 @@ void ParamStore::initialize(int64_t dense_shard_multiple, int64_t expert_shard_m
         }
       total = padded(total, kAlign * (expert ? expert_shard_multiple : dense_shard_multiple));
       Tensor& grads = expert ? expert_grad_buffer_ : grad_buffer_;
-      grads = Tensor::zeros({total}, master_, device_);
+      {
+        const MemoryCategoryScope scope(MemoryCategory::kGradients);
+        grads = Tensor::zeros({total}, master_, device_);
+      }
+      const MemoryCategoryScope scope(MemoryCategory::kWeights);
       Tensor& masters = expert ? expert_master_buffer_ : master_buffer_;
       if (remainders_) {  // the halves instead of fp32 masters (no flat master buffer)
         high_buffer(expert) = Tensor::zeros({total}, DType::BF16, device_);

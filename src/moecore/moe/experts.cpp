@@ -1,7 +1,9 @@
 #include "moecore/moe/experts.h"
 
 #include <cmath>
+#include <optional>
 
+#include "moecore/core/memory_categories.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/swiglu.h"
 
@@ -41,10 +43,13 @@ Tensor GroupedExperts::forward(const Tensor& rows, const Tensor& row_probs, cons
   const int64_t n = rows.size(0);
   ctx.input = rows;
   ctx.row_probs = row_probs;
+  std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kExpertFc1);
   ctx.fc1_out = Tensor::empty({n, fc1_->shape[1]}, rows.dtype(), dev);
   ops::grouped_gemm_forward(rows, fc1_->weight, groups, ctx.fc1_out);
+  module.emplace(ActivationModule::kMoeAct);
   ctx.act = Tensor::empty({n, fc2_->shape[2]}, rows.dtype(), dev);
   activation(ctx, ctx.act);
+  module.emplace(ActivationModule::kExpertFc2);
   Tensor out = Tensor::empty({n, hidden_}, rows.dtype(), dev);
   ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, out);
   if (recompute_act_) ctx.act = Tensor();  // --recompute-modules moe_act: rebuilt in the backward

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "moecore/core/step_timers.h"
+#include "moecore/core/memory_categories.h"
 #include "moecore/ops/elementwise.h"
 
 namespace moecore {
@@ -21,6 +22,8 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   const Device dev = x.device();
   // --timing-log-level 2: the layer's phases, one after the other.
   std::optional<TimedRegion> phase(std::in_place, "moe-router", 2, dev);
+  // Memory accounting: each phase's saved tensors under its module's name.
+  std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kRouter);
   ctx.x = x;
   const TopKRouter::Routing routing = router_.forward(x, batch, training, rng_seed, stats_, ctx.router);
   DispatchInput in;
@@ -39,19 +42,23 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   in.device_rows = experts_.device_rows();
 
   phase.emplace("moe-dispatch", 2, dev);
+  module.emplace(ActivationModule::kMoeDispatch);
   const TokenRows expert_in = dispatcher_->dispatch(in, ctx.dispatch);
   stats_.record_routing(ctx.dispatch.routing, routing.indices, routing.kept, routing.pad, training);
 
   phase.emplace("moe-experts", 2, dev);
+  module.reset();  // the experts name their parts
   const Tensor expert_out = experts_.forward(expert_in.rows, expert_in.probs, ctx.dispatch.local_rows, ctx.experts);
 
   phase.emplace("moe-combine", 2, dev);
+  module.emplace(ActivationModule::kMoeCombine);
   // The expert output outlives the forward only where the combine's probability gradient needs
   // it (the dispatcher's Ctx keeps it then: GELU experts).
   Tensor out = dispatcher_->combine(expert_out, ctx.dispatch);
 
   if (shared_.enabled()) {
     phase.emplace("moe-shared-expert", 2, dev);
+    module.emplace(ActivationModule::kSharedExperts);
     shared_.forward(x, batch, out, ctx.shared);
   }
   return out;

@@ -255,6 +255,7 @@ RunMetrics read_metrics(const std::string& path) {
     const auto it = j.find("iteration");
     MC_CHECK(it != j.end() && it->is_number_integer(), where, ": no integer \"iteration\"");
     const int64_t iteration = it->get<int64_t>();
+    if (j.contains("memory_report")) continue;  // --memory-report's record (train/memory_report.h)
     if (j.contains("valid_lm_loss")) {
       m.valid[iteration] = number(j, "valid_lm_loss", where);
       continue;

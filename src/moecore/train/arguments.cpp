@@ -43,7 +43,7 @@ void check_resume_flags(const std::vector<std::pair<std::string, std::string>>& 
   static const std::vector<std::string> per_run = {"config", "load", "save", "save-interval", "metrics-file",
                                                    "tensorboard-dir", "train-iters", "log-interval", "eval-interval",
                                                    "eval-iters", "device", "override-opt-param-scheduler",
-                                                   "timing-log-level", "finetune", "no-load-optim", "no-load-rng",
+                                                   "timing-log-level", "memory-report", "finetune", "no-load-optim", "no-load-rng",
                                                    "tokenizer-model"};
   auto in = [](const std::vector<std::string>& list, const std::string& n) {
     return std::find(list.begin(), list.end(), n) != list.end();

@@ -41,6 +41,7 @@ struct TrainArgs {
   int64_t seed = 1234;
   int64_t log_interval = 1, eval_interval = 0, eval_iters = 10;
   double progress_interval_s = 10;  // before the first log line: a progress line this often (0: none)
+  bool memory_report = false;     // --memory-report: the peak memory by category at the first log step (train/memory_report.h)
   int64_t timing_log_level = 0;  // --timing-log-level: 0 off, 1 step phases, 2 also model parts (core/step_timers.h)
   std::string save, load, tensorboard_dir, metrics_file;
   int64_t save_interval = 0;

@@ -14,6 +14,7 @@
 #include "moecore/core/allocator.h"
 #include "moecore/core/step_timers.h"
 #include "moecore/train/lr_schedule.h"
+#include "moecore/train/memory_report.h"
 
 namespace moecore {
 
@@ -146,6 +147,7 @@ bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step
     interval_steps_ = interval_skipped_ = interval_nan_ = interval_loss_steps_ = 0;
     interval_syncs_ = 0;
   }
+  if (log_now && run.args.memory_report && !memory_reported_) write_memory_report(run, it);
   if (log_now) start_interval();  // the next interval starts here (the queue is empty: the params norm above read its result back)
   return log_now;
 }
@@ -252,6 +254,16 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
     }
     tb_->flush();
   }
+}
+
+void TrainMetrics::write_memory_report(TrainingRun& run, int64_t it) {
+  memory_reported_ = true;
+  const RankMemoryReport mine = local_memory_report(allocator_for(run.dev), run.args.rank);
+  const std::vector<RankMemoryReport> all = gather_memory_reports(run.groups->world(), mine, run.args.world);
+  if (!logger_) return;
+  std::printf("%s", format_memory_report(all, it).c_str());
+  std::fflush(stdout);
+  if (metrics_.is_open()) metrics_ << memory_report_json(all, it).dump() << "\n" << std::flush;
 }
 
 void TrainMetrics::log_validation(int64_t it, double vloss) {

@@ -56,6 +56,8 @@ class TrainMetrics {
   // A warning line (logging rank) for a step whose gradients are all zero, or whose loss repeats
   // the previous step's exactly with a vanishing gradient norm.
   void check_health(int64_t it, const StepResult& step, bool log_now);
+  // --memory-report at the first log step: every rank's report to the logging rank (collective).
+  void write_memory_report(TrainingRun& run, int64_t it);
 
   using Clock = std::chrono::steady_clock;
   bool logger_ = false;
@@ -71,7 +73,8 @@ class TrainMetrics {
   double interval_excluded_ms_ = 0;
   double previous_loss_ = 0;  // check_health: the last step's loss
   bool have_previous_loss_ = false;
-  int64_t stalled_steps_ = 0;  // steps in a row that could not change the model
+  int64_t stalled_steps_ = 0;
+  bool memory_reported_ = false;  // steps in a row that could not change the model
 };
 
 }  // namespace moecore

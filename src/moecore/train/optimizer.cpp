@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "moecore/core/memory_categories.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/master_split.h"
 #include "moecore/ops/reduce.h"
@@ -78,6 +79,7 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     // The shard's gradients are this rank's slice of the gradient buffer: the reduce-scatter runs
     // in place (no second copy of the shard; a group of one needs no communication at all).
     s.grad = buffer.slice(0, s.begin, s.end);
+    const MemoryCategoryScope scope(MemoryCategory::kOptimizerState);
     s.exp_avg = Tensor::zeros({size}, store_.exp_avg_dtype(), store_.device());
     s.exp_avg_sq = Tensor::zeros({size}, store_.exp_avg_sq_dtype(), store_.device());
   }
@@ -202,6 +204,7 @@ void Optimizer::wait_all_params() {
 
 void Optimizer::shard_masters() {
   sharded_masters_ = true;
+  const MemoryCategoryScope scope(MemoryCategory::kWeights);  // this rank's masters, the gathered weights
   if (store_.param_remainders()) {
     // Split masters: the store's high halves are already the flat bf16 weights; this rank keeps
     // the remainders of its shard only.
@@ -334,6 +337,7 @@ double Optimizer::dense_squares(const Tensor& t, int64_t t_begin) {
 
 void Optimizer::layer_ready(int64_t layer) {
   if (!overlap_) return;
+  const MemoryCategoryScope scope(MemoryCategory::kCommunication);  // the overlapped reduction's buffers
   const size_t l = static_cast<size_t>(layer);
   const Range dense = l < layer_dense_.size() ? layer_dense_[l] : Range{};
   const Range expert = l < layer_expert_.size() ? layer_expert_[l] : Range{};

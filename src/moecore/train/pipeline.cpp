@@ -2,6 +2,8 @@
 
 #include <deque>
 
+#include "moecore/core/memory_categories.h"
+
 namespace moecore {
 
 namespace {
@@ -103,6 +105,7 @@ void run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
   const DType act_dtype = model.compute_dtype();
 
   auto recv_from = [&](int peer) {
+    const MemoryCategoryScope buffer(MemoryCategory::kCommunication);
     Tensor t = Tensor::empty(act_shape, act_dtype, dev);
     pp.recv(t, peer);
     return t;
@@ -110,6 +113,7 @@ void run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
   // A send to one neighbour and a receive from the same neighbour, posted together so that two
   // stages exchanging in opposite directions cannot deadlock.
   auto send_recv = [&](const Tensor& out, int peer) {
+    const MemoryCategoryScope buffer(MemoryCategory::kCommunication);
     Tensor in = Tensor::empty(act_shape, act_dtype, dev);
     pp.group_start();
     pp.send(out, peer);
@@ -163,7 +167,8 @@ void run_pipeline_1f1b(GPTModel& model, const PipelineStep& step) {
 
 namespace {
 
-Tensor hidden_like(const GPTModel& m, const Batch& b) {
+Tensor hidden_like(const GPTModel& m, const Batch& b) {  // a receive buffer
+  const MemoryCategoryScope buffer(MemoryCategory::kCommunication);
   return Tensor::empty({m.hidden_rows(b.tokens), m.config().hidden_size}, m.compute_dtype(), b.tokens.device());
 }
 
@@ -345,6 +350,7 @@ void run_pipeline_interleaved(std::vector<GPTModel*>& chunks, const PipelineStep
   const GPTModel& any = *chunks[0];
   auto hidden = [&](int64_t m) {
     const Batch& b = batches[static_cast<size_t>(m)];
+    const MemoryCategoryScope buffer(MemoryCategory::kCommunication);  // a receive buffer
     return Tensor::empty({any.hidden_rows(b.tokens), any.config().hidden_size}, any.compute_dtype(), b.tokens.device());
   };
   std::vector<std::vector<GPTModel::Ctx>> ctx(static_cast<size_t>(v), std::vector<GPTModel::Ctx>(static_cast<size_t>(micro)));

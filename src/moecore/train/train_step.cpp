@@ -7,6 +7,7 @@
 
 #include "moecore/comm/communicator.h"
 #include "moecore/core/host_transfer.h"
+#include "moecore/core/memory_categories.h"
 #include "moecore/ops/adamw.h"
 #include "moecore/train/loss_accumulator.h"
 #include "moecore/train/lr_schedule.h"
@@ -25,6 +26,7 @@ void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses, std
   // Megatron's order: micro-batch m of the step is [dp rank 0's samples | dp rank 1's | ...];
   // its seed is the same on every pipeline stage and equals the single-rank run's.
   auto batch_of = [&](int64_t m) {
+    const MemoryCategoryScope module(ActivationModule::kBatch);
     return run.checked_upload(run.data.train->batch(
         run.state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size, args.micro_batch_size,
         Device::cpu()));
@@ -93,12 +95,17 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   if (has_head)
     for (int64_t k = 0; k < run.cfg.mtp_num_layers; ++k) mtp_losses.emplace_back(micro, dev, loss_dtype);
   std::optional<TimedRegion> phase(std::in_place, "forward-backward", 1, dev);  // --timing-log-level
+  // Memory accounting: the model names its activations; what the step allocates outside the
+  // modules is workspace, the gradient reduction's buffers communication.
+  std::optional<MemoryCategoryScope> memory(std::in_place, MemoryCategory::kWorkspace);
   forward_backward(run, it, losses, has_head && !mtp_losses.empty() ? &mtp_losses : nullptr);
   // The MoE layers' statistics start for the host now; the gradient norm's read below waits for
   // them too (same stream), so reading them afterwards waits no more (not once per layer).
   for (MoeLayer* l : run.moe_layers) l->prefetch_stats();
   phase.emplace("grads-reduce", 1, dev);
+  memory.emplace(MemoryCategory::kCommunication);
   optimizer.reduce_gradients();
+  memory.emplace(MemoryCategory::kWorkspace);
   // The step's loss, averaged over DP on the device, goes to the host behind the gradients: the
   // gradient norm's read below waits for it too (no wait of its own).
   if (dp && has_head) dp->all_reduce(losses.value(), comm::ReduceOp::Avg);

@@ -7,6 +7,7 @@
 
 #include "moecore/core/allocator.h"
 #include "moecore/core/device.h"
+#include "moecore/core/memory_categories.h"
 #include "moecore/core/progress.h"
 #include "moecore/core/step_timers.h"
 #include "moecore/train/checkpoint_transfer.h"
@@ -76,6 +77,7 @@ std::unique_ptr<SaveDirLock> guard_output_paths(const TrainArgs& args) {
 }  // namespace
 
 int run_training(const TrainArgs& args) {
+  if (args.memory_report) enable_memory_accounting();  // before anything is allocated
   const std::unique_ptr<SaveDirLock> save_lock = guard_output_paths(args);  // before any work
   TrainingRun run(args);  // communicators, model, optimizer, --load, data (train_setup.h)
   TrainMetrics metrics(args, run.logger);

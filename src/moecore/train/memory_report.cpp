@@ -1,0 +1,140 @@
+#include "moecore/train/memory_report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <utility>
+
+namespace moecore {
+
+namespace {
+constexpr double kGB = 1e9;
+// The gathered layout of one rank: rank, each tag's bytes, rounding, allocated, reserved, the
+// allocator's peak reserved and peak allocated.
+constexpr size_t kFields = 1 + kNumMemoryTags + 5;
+
+// The report's rows in order: the categories, activations followed by their modules.
+const MemoryCategory kCategoryOrder[] = {MemoryCategory::kWeights,       MemoryCategory::kGradients,
+                                         MemoryCategory::kOptimizerState, MemoryCategory::kActivations,
+                                         MemoryCategory::kCommunication, MemoryCategory::kWorkspace,
+                                         MemoryCategory::kUntagged};
+
+// Activation modules with bytes at the peak, largest first.
+std::vector<std::pair<MemoryTag, int64_t>> activation_rows(const RankMemoryReport& r) {
+  std::vector<std::pair<MemoryTag, int64_t>> rows;
+  for (int t = 0; t < kNumMemoryTags; ++t) {
+    const MemoryTag tag = static_cast<MemoryTag>(t);
+    if (memory_tag_category(tag) == MemoryCategory::kActivations && r.at_peak.by_tag[tag] != 0)
+      rows.emplace_back(tag, r.at_peak.by_tag[tag]);
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  return rows;
+}
+
+double share(int64_t part, int64_t whole) { return whole > 0 ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 0.0; }
+}  // namespace
+
+int64_t RankMemoryReport::category_bytes(MemoryCategory c) const {
+  int64_t s = 0;
+  for (int t = 0; t < kNumMemoryTags; ++t)
+    if (memory_tag_category(static_cast<MemoryTag>(t)) == c) s += at_peak.by_tag[static_cast<size_t>(t)];
+  return s;
+}
+
+RankMemoryReport local_memory_report(const CachingAllocator& allocator, int64_t rank) {
+  RankMemoryReport r;
+  r.rank = rank;
+  r.at_peak = allocator.breakdown_at_peak();  // before the stats: a later allocation only raises them
+  const AllocatorStats s = allocator.stats();
+  r.peak_reserved = s.peak_reserved_bytes;
+  r.peak_allocated = s.peak_allocated_bytes;
+  return r;
+}
+
+std::vector<RankMemoryReport> gather_memory_reports(comm::Communicator* world, const RankMemoryReport& mine,
+                                                    int64_t world_size) {
+  if (!world) return {mine};
+  std::vector<double> all(kFields * static_cast<size_t>(world_size), 0.0);
+  double* f = all.data() + kFields * static_cast<size_t>(mine.rank);
+  f[0] = static_cast<double>(mine.rank);
+  for (int t = 0; t < kNumMemoryTags; ++t) f[1 + t] = static_cast<double>(mine.at_peak.by_tag[static_cast<size_t>(t)]);
+  double* tail = f + 1 + kNumMemoryTags;
+  tail[0] = static_cast<double>(mine.at_peak.rounding);
+  tail[1] = static_cast<double>(mine.at_peak.allocated);
+  tail[2] = static_cast<double>(mine.at_peak.reserved);
+  tail[3] = static_cast<double>(mine.peak_reserved);
+  tail[4] = static_cast<double>(mine.peak_allocated);
+  comm::all_reduce_host(*world, all);
+  std::vector<RankMemoryReport> out(static_cast<size_t>(world_size));
+  for (size_t r = 0; r < out.size(); ++r) {
+    const double* g = all.data() + kFields * r;
+    auto i64 = [](double v) { return static_cast<int64_t>(std::llround(v)); };
+    RankMemoryReport& o = out[r];
+    o.rank = i64(g[0]);
+    for (int t = 0; t < kNumMemoryTags; ++t) o.at_peak.by_tag[static_cast<size_t>(t)] = i64(g[1 + t]);
+    const double* gt = g + 1 + kNumMemoryTags;
+    o.at_peak.rounding = i64(gt[0]);
+    o.at_peak.allocated = i64(gt[1]);
+    o.at_peak.reserved = i64(gt[2]);
+    o.peak_reserved = i64(gt[3]);
+    o.peak_allocated = i64(gt[4]);
+  }
+  return out;
+}
+
+std::string format_memory_report(const std::vector<RankMemoryReport>& ranks, int64_t iteration) {
+  std::string s;
+  char line[256];
+  // GB; MB when every rank's peak is below 1 GB (small models).
+  int64_t largest = 0;
+  for (const RankMemoryReport& r : ranks) largest = std::max(largest, r.peak_reserved);
+  const bool mb = largest < static_cast<int64_t>(kGB);
+  const double unit = mb ? 1e6 : kGB;
+  const char* unit_name = mb ? "MB" : "GB";
+  std::snprintf(line, sizeof line, " memory report at iteration %lld (per rank; %s and %% of the rank's peak):\n",
+                static_cast<long long>(iteration), unit_name);
+  s += line;
+  for (const RankMemoryReport& r : ranks) {
+    const int64_t peak = r.peak_reserved;
+    std::snprintf(line, sizeof line, "   rank %lld: peak %.4f %s reserved by the allocator (%.4f %s handed out)\n",
+                  static_cast<long long>(r.rank), static_cast<double>(peak) / unit, unit_name,
+                  static_cast<double>(r.peak_allocated) / unit, unit_name);
+    s += line;
+    auto row = [&](const char* name, int64_t bytes, int indent) {
+      std::snprintf(line, sizeof line, "     %*s%-*s %10.4f %s %6.2f%%\n", indent, "", 22 - indent, name,
+                    static_cast<double>(bytes) / unit, unit_name, share(bytes, peak));
+      s += line;
+    };
+    for (MemoryCategory c : kCategoryOrder) {
+      row(memory_category_name(c), r.category_bytes(c), 0);
+      if (c == MemoryCategory::kActivations)
+        for (const auto& [tag, bytes] : activation_rows(r)) row(memory_tag_name(tag), bytes, 2);
+    }
+    row("allocator_overhead", r.overhead(), 0);
+    const double ratio = peak > 0 ? static_cast<double>(r.parts_sum()) / static_cast<double>(peak) : 1.0;
+    std::snprintf(line, sizeof line, "     check: the parts sum to %.4f %s, %.2f%% of the measured peak %.4f %s (%s)\n",
+                  static_cast<double>(r.parts_sum()) / unit, unit_name, 100.0 * ratio, static_cast<double>(peak) / unit,
+                  unit_name, std::fabs(ratio - 1.0) <= 0.03 ? "within 3%" : "OFF BY MORE THAN 3%");
+    s += line;
+  }
+  return s;
+}
+
+nlohmann::json memory_report_json(const std::vector<RankMemoryReport>& ranks, int64_t iteration) {
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (const RankMemoryReport& r : ranks) {
+    nlohmann::json j = {{"rank", r.rank},
+                        {"peak_reserved_bytes", r.peak_reserved},
+                        {"peak_allocated_bytes", r.peak_allocated},
+                        {"parts_sum_bytes", r.parts_sum()},
+                        {"allocator_overhead", r.overhead()}};
+    for (MemoryCategory c : kCategoryOrder) j[memory_category_name(c)] = r.category_bytes(c);
+    nlohmann::json modules = nlohmann::json::object();
+    for (const auto& [tag, bytes] : activation_rows(r)) modules[memory_tag_name(tag)] = bytes;
+    j["activation_modules"] = modules;
+    per_rank.push_back(j);
+  }
+  return {{"iteration", iteration}, {"memory_report", per_rank}};
+}
+
+}  // namespace moecore
