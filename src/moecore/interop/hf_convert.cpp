@@ -180,7 +180,8 @@ std::vector<Mapped> build_mapping(const ModelConfig& c, Arch arch, bool interlea
   one("decoder.final_layernorm.weight", "model.norm.weight", {h});
   if (c.untie_embeddings) one("output_layer.weight", "lm_head.weight", {v, h});
   // DeepSeek-V3's MTP module k: the extra layer model.layers.<num_layers + k - 1> (model/mtp.h).
-  for (int64_t k = 0; k < c.mtp_num_layers; ++k) {
+  // The other architectures have none: an export names our mtp.* tensors as having no equivalent.
+  for (int64_t k = 0; arch == Arch::DeepseekV3 && k < c.mtp_num_layers; ++k) {
     const std::string o = "mtp.layers." + std::to_string(k), p = "model.layers." + std::to_string(c.num_layers + k);
     one(o + ".enorm.weight", p + ".enorm.weight", {h});
     one(o + ".hnorm.weight", p + ".hnorm.weight", {h});
@@ -554,7 +555,6 @@ Arch export_arch(const ModelConfig& c, const json& source, const std::string& or
     return arch;
   }
   MC_CHECK(!c.mla.enabled, origin, ": ", arch_name(arch), " has no Multi-Latent Attention (--multi-latent-attention)");
-  MC_CHECK(c.mtp_num_layers == 0, origin, ": ", arch_name(arch), " has no multi-token prediction (--mtp-num-layers)");
   MC_CHECK(!c.moe.enable_expert_bias && c.moe.router.score == ops::RouterScore::Softmax &&
                c.moe.router.num_groups == 0 && c.moe.router.scaling_factor == 0,
            origin, ": ", arch_name(arch), " routes by softmax without --moe-router-enable-expert-bias, groups or ",

@@ -10,7 +10,9 @@
 //     --moe-router-enable-expert-bias), groups ranked by the sum of their best 2 biased scores
 //     (ours: of their best topk/group_topk, so num_experts_per_tok / topk_group must be 2 with
 //     n_group > 1), the chosen k renormalised (norm_topk_prob true, as Megatron's sigmoid router
-//     always does for k > 1), times routed_scaling_factor.
+//     always does for k > 1), times routed_scaling_factor. Experts of dropped groups are excluded
+//     (DeepSeek's inference code: -inf); transformers fills 0.0 instead, which differs only where
+//     a kept expert's biased score is negative.
 //   DeepseekV2ForCausalLM: softmax over all experts, top-k (greedy) or group-limited (groups
 //     ranked by their best expert: num_experts_per_tok must equal topk_group), no
 //     renormalisation (norm_topk_prob false), times routed_scaling_factor = our pre-softmax.
