@@ -10,7 +10,8 @@ namespace moecore {
 
 int run_convert(const std::vector<std::string>& argv) {
   interop::ConvertOptions o;
-  cli::FlagSet flags("moecore convert", "Convert checkpoints between HuggingFace (Mixtral, Qwen2-MoE, Qwen3-MoE) and moecore.");
+  cli::FlagSet flags("moecore convert",
+                     "Convert checkpoints between HuggingFace (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3) and moecore.");
   flags.add_string("from", &o.from, "source format: hf or moecore");
   flags.add_string("to", &o.to, "target format: moecore or hf");
   flags.add_string("input", &o.input, "source: an HF model directory or a moecore checkpoint directory");

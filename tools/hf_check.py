@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """Hold moecore's import of HF MoE checkpoints to transformers (needs torch + transformers).
 
-For each of Mixtral, Qwen2-MoE and Qwen3-MoE this script
+For each of Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and DeepSeek-V2 this script
   1. builds a tiny random model with transformers in fp32 (GQA; Qwen2-MoE with q/k/v biases, a
      gated shared expert, norm_topk_prob false and one dense layer through mlp_only_layers;
      Qwen3-MoE with q/k norms, head_dim != hidden/heads, tied embeddings, norm_topk_prob true
-     and one dense layer), draws every parameter at random (norm weights around 1, biases
-     nonzero: nothing keeps its zero/one initialisation) and saves it with save_pretrained;
+     and one dense layer; DeepSeek-V3 with MLA (q-lora), YaRN, sigmoid group routing with a
+     random e_score_correction_bias, a shared expert and a dense first layer; DeepSeek-V2 with
+     MLA without q-lora and softmax group_limited_greedy routing), draws every parameter at random
+     (norm weights around 1, biases nonzero: nothing keeps its zero/one initialisation) and saves
+     it with save_pretrained;
   2. imports it: `moecore convert --from hf --to moecore`;
   3. runs moecore (tools/hf_reference, fp32, on each --devices entry) on the same token ids
      for logits, the causal-LM loss and the gradient of every weight (under HF names);
   4. runs transformers' forward + loss.backward() on the CPU in fp32 (the reference) and in
      fp64 (to show the fp32 noise floor), and compares.
 Gradients of transformers are saved through save_pretrained as well (each parameter replaced by
-its gradient), so they carry exactly the on-disk names that the converter maps.
+its gradient), so they carry exactly the on-disk names that the converter maps; a buffer
+(e_score_correction_bias) keeps its value there, and hf_reference writes the value as well.
 
 Differences are relative to the reference's largest magnitude:
   rel(x, ref) = max|x - ref| / max|ref|   (per tensor; the loss: |x - ref| / |ref|)
@@ -59,6 +63,33 @@ def make_config(name):
                                           rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
                                           use_sliding_window=False, qkv_bias=True, **common)
         cls = transformers.Qwen2MoeForCausalLM
+    elif name == "deepseek_v3":
+        # MLA with q-lora (D = 64, Dv = 64), YaRN with mscale_all_dim (the softmax scale), sigmoid
+        # routing with a random e_score_correction_bias, 4 groups (top-4 from the best 2), a
+        # shared expert, one dense first layer; no MTP layer (transformers builds none).
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=32, v_head_dim=64,
+            qk_nope_head_dim=32, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+            norm_topk_prob=True, hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, rope_theta=10000.0, rope_interleave=True, attention_bias=False,
+            attention_dropout=0.0, num_nextn_predict_layers=0)
+        set_yarn(cfg, dict(factor=4.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                           mscale=1.0, mscale_all_dim=1.0))
+        cls = transformers.DeepseekV3ForCausalLM
+    elif name == "deepseek_v2":
+        # MLA without q-lora (D = 64, Dv = 32), softmax group_limited_greedy (4 groups, top-2 from
+        # the best 2), routed_scaling_factor, two shared experts, one dense first layer.
+        cfg = transformers.DeepseekV2Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
+            routed_scaling_factor=2.0, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, v_head_dim=32,
+            qk_nope_head_dim=48, topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=2,
+            first_k_dense_replace=1, norm_topk_prob=False, hidden_act="silu", max_position_embeddings=256,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, attention_bias=False,
+            attention_dropout=0.0, scoring_func="softmax")
+        cls = transformers.DeepseekV2ForCausalLM
     else:
         cfg = transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, head_dim=64,
                                           num_hidden_layers=3, num_experts=8, norm_topk_prob=True,
@@ -71,6 +102,16 @@ def make_config(name):
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     return cfg, cls
+
+
+def set_yarn(cfg, yarn):
+    """YaRN: transformers 5 keeps it in rope_parameters (with rope_theta), 4.x in rope_scaling."""
+    if isinstance(getattr(cfg, "rope_parameters", None), dict):
+        params = dict(cfg.rope_parameters)
+        params.update(rope_type="yarn", **yarn)
+        cfg.rope_parameters = params
+    else:
+        cfg.rope_scaling = dict(type="yarn", **yarn)
 
 
 def build(cls, cfg, dtype):
@@ -93,6 +134,10 @@ def randomise(model, seed):
                 p.copy_(0.5 * r)
             else:
                 p.copy_(0.1 * r)
+        # DeepSeek-V3's correction bias is a buffer: drawn too, so that it changes the routing
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g, dtype=torch.float64))
 
 
 def st_load_dir(d):
@@ -154,7 +199,7 @@ def check_model(name, args, report):
     os.makedirs(work)
     hf_dir = os.path.join(work, "hf")
     model.save_pretrained(hf_dir, safe_serialization=True)
-    n_exp = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    n_exp = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or cfg.n_routed_experts
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     tok_file = os.path.join(work, "tokens.txt")
@@ -223,7 +268,7 @@ def main():
     ap.add_argument("--moecore", default="build/moecore")
     ap.add_argument("--hf-reference", default="build/tools/hf_reference")
     ap.add_argument("--devices", default="cpu")
-    ap.add_argument("--models", default="mixtral,qwen2_moe,qwen3_moe")
+    ap.add_argument("--models", default="mixtral,qwen2_moe,qwen3_moe,deepseek_v3,deepseek_v2")
     ap.add_argument("--workdir", default="/tmp/moecore_hf_check")
     ap.add_argument("--json", default="hf_check.json")
     ap.add_argument("--seed", type=int, default=1234)

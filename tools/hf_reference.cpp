@@ -7,7 +7,8 @@
 // "B S" then B*S ids), runs one forward and backward in fp32 on the device and writes OUT:
 //   "logits"   F32 [B, S, V]
 //   "<HF name>" F32, the gradient of every weight under its HF name (split back by the converter's
-//              export mapping, e.g. the expert fc1 gradient into w1/w3 or gate_proj/up_proj)
+//              export mapping, e.g. the expert fc1 gradient into w1/w3 or gate_proj/up_proj);
+//              a buffer's value (DeepSeek-V3's e_score_correction_bias)
 //   metadata   "loss" (%.17g), "architecture", "device"
 // The loss is HF's causal-LM loss: labels = the tokens shifted left by one, the last position of
 // every sequence unlabelled, mean cross-entropy over the labelled positions. The balancing losses
@@ -88,8 +89,10 @@ int run(const std::vector<std::string>& argv) {
   model.backward(1.0, ctx);
 
   std::map<std::string, Tensor> grads;
+  // Buffers (DeepSeek-V3's expert bias, e_score_correction_bias) have no gradient: their value,
+  // as tools/hf_check.py's save_pretrained of the gradients keeps a buffer's value.
   for (const auto& p : store.all())
-    if (p->trainable) grads[p->name] = p->grad.to(Device::cpu()).contiguous();
+    grads[p->name] = (p->trainable ? p->grad : p->master).to(Device::cpu()).contiguous();
   std::vector<interop::StWriteTensor> items = interop::export_hf_f32(args.model, arch, [&](const std::string& n) {
     const auto it = grads.find(n);
     MC_CHECK(it != grads.end(), "the model has no parameter '", n, "'");

@@ -309,7 +309,7 @@ TEST(HfConvert, RefusesMissingUnexpectedAndMisShapedTensors) {
           "model.layers.0.block_sparse_moe.experts.3.w2.weight");
   refused("extra", "--extra model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.bias");
   refused("shape", "--bad-shape model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.v_proj.weight");
-  refused("arch", "--architecture DeepseekV3ForCausalLM", "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM");
+  refused("arch", "--architecture LlamaForCausalLM", "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM");
   const std::string msg = error_of([&] { run_convert({"--from", "hf", "--to", "gguf", "--input", "a", "--output", "b"}); });
   EXPECT_NE(msg.find("gguf"), std::string::npos) << msg;
   fs::remove_all(d);
@@ -450,4 +450,247 @@ TEST(HfConvert, TokenizerTravelsWithTheCheckpoint) {
   EXPECT_EQ(t.type, "");
   EXPECT_EQ(t.path, "");
   fs::remove_all(d);
+}
+
+// DeepSeek-V3 (q-lora, sigmoid routing with e_score_correction_bias in F32, groups, a dense first
+// layer, a shared expert, YaRN, one MTP layer whose embed_tokens / shared_head.head are copies)
+// and DeepSeek-V2 (a plain q_proj, softmax group_limited_greedy, routed_scaling_factor) go
+// hf -> moecore -> hf byte-identically: the RoPE row reordering is undone exactly on export.
+TEST(HfConvert, DeepseekV3Bf16RoundTripIsByteIdentical) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  round_trip("deepseek_v3", "bf16");
+}
+TEST(HfConvert, DeepseekV3F32RoundTripIsByteIdentical) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  round_trip("deepseek_v3", "f32");
+}
+TEST(HfConvert, DeepseekV2Bf16RoundTripIsByteIdentical) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  round_trip("deepseek_v2", "bf16");
+}
+
+namespace {
+// DeepSeek's RoPE rows are interleaved pairs, ours halves: our row j of each RoPE block is HF's
+// row perm[j], perm = [0, 2, ..., 1, 3, ...] (model/mla_attention.h), stated here independently.
+void expect_rope_rows(const std::vector<float>& ours, const std::vector<float>& hf, int64_t rows, int64_t cols,
+                      int64_t block, int64_t start, int64_t r, const std::string& what) {
+  ASSERT_EQ(ours.size(), hf.size()) << what;
+  const std::vector<int64_t> perm = r == 4 ? std::vector<int64_t>{0, 2, 1, 3} : std::vector<int64_t>{};
+  ASSERT_EQ(static_cast<int64_t>(perm.size()), r) << what;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t b = row / block * block, j = row % block - start;
+    const int64_t from = j >= 0 && j < r ? b + start + perm[static_cast<size_t>(j)] : row;
+    for (int64_t c = 0; c < cols; ++c)
+      ASSERT_EQ(ours[static_cast<size_t>(row * cols + c)], hf[static_cast<size_t>(from * cols + c)])
+          << what << " row " << row;
+  }
+}
+}  // namespace
+
+// The imported DeepSeek-V3 model: its flags, the RoPE rows reordered, the F32 expert bias, the
+// shared expert, the dense first layer and the MTP layer in place.
+TEST(HfConvert, DeepseekV3CheckpointLoadsIntoTheModel) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  const fs::path d = temp_dir("loaddsv3");
+  write_hf(d / "hf", "--arch deepseek_v3 --dtype bf16");
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "ckpt"), 0);
+  const TrainArgs args = train_args_from_saved(read_checkpoint_meta((d / "ckpt").string()).args, "cpu", "test");
+  const ModelConfig& c = args.model;
+  EXPECT_TRUE(c.mla.enabled);
+  EXPECT_EQ(c.mla.q_lora_rank, 12);
+  EXPECT_EQ(c.mla.kv_lora_rank, 8);
+  EXPECT_EQ(c.mla.qk_head_dim, 6);
+  EXPECT_EQ(c.mla.qk_pos_emb_head_dim, 4);
+  EXPECT_EQ(c.mla.v_head_dim, 5);
+  EXPECT_TRUE(c.qk_layernorm);
+  EXPECT_TRUE(c.rope_yarn);
+  EXPECT_EQ(c.rope_scaling.factor, 4);
+  EXPECT_EQ(c.rope_scaling.original_max_position, 16);
+  EXPECT_EQ(c.rope_scaling.mscale_all_dim, 1.0);
+  EXPECT_EQ(c.moe.router.score, ops::RouterScore::Sigmoid);
+  EXPECT_TRUE(c.moe.enable_expert_bias);
+  EXPECT_EQ(c.moe.router.num_groups, 4);
+  EXPECT_EQ(c.moe.router.group_topk, 2);
+  EXPECT_EQ(c.moe.router.topk, 4);
+  EXPECT_EQ(c.moe.router.scaling_factor, 2.5);
+  EXPECT_EQ(c.moe.load_balancing, LoadBalancing::SeqAuxLoss);
+  EXPECT_EQ(c.moe.aux_loss_coeff, 0.001);
+  EXPECT_EQ(c.moe.shared_expert_size, 6);
+  EXPECT_FALSE(c.moe.shared_expert_gate);
+  EXPECT_FALSE(c.is_moe(0));
+  EXPECT_TRUE(c.is_moe(1));
+  EXPECT_EQ(c.mtp_num_layers, 1);
+  EXPECT_TRUE(c.untie_embeddings);
+  ParamStore store(Device::cpu(), DType::F32, DType::F32, 1);
+  GPTModel model(c, store);
+  store.initialize();
+  load_checkpoint((d / "ckpt").string(), store);
+  const SafetensorsReader hf((d / "hf").string());
+  auto ours = [&](const std::string& n) { return store.get(n).master.to_vector<float>(); };
+  auto theirs = [&](const std::string& n) { return hf.read_f32(n).to_vector<float>(); };
+  for (const auto& [o, p] : {std::pair<std::string, std::string>{"decoder.layers.1", "model.layers.1"},
+                             {"mtp.layers.0.transformer_layer", "model.layers.2"}}) {
+    // q_up [N D, q_lora]: per head (D = 10) rows 6..9; kv_down [8 + 4, H]: rows 8..11
+    expect_rope_rows(ours(o + ".self_attention.linear_q_up_proj.weight"), theirs(p + ".self_attn.q_b_proj.weight"),
+                     20, 12, 10, 6, 4, o + " q_up");
+    expect_rope_rows(ours(o + ".self_attention.linear_kv_down_proj.weight"),
+                     theirs(p + ".self_attn.kv_a_proj_with_mqa.weight"), 12, 16, 12, 8, 4, o + " kv_down");
+    EXPECT_EQ(ours(o + ".self_attention.linear_kv_up_proj.weight"), theirs(p + ".self_attn.kv_b_proj.weight"));
+    EXPECT_EQ(ours(o + ".self_attention.q_layernorm.weight"), theirs(p + ".self_attn.q_a_layernorm.weight"));
+    EXPECT_EQ(ours(o + ".mlp.router.expert_bias"), theirs(p + ".mlp.gate.e_score_correction_bias"));
+    EXPECT_EQ(ours(o + ".mlp.shared_experts.linear_fc2.weight"), theirs(p + ".mlp.shared_experts.down_proj.weight"));
+  }
+  EXPECT_EQ(hf.info("model.layers.1.mlp.gate.e_score_correction_bias").dtype, StDType::F32);
+  EXPECT_EQ(ours("decoder.layers.0.mlp.linear_fc2.weight"), theirs("model.layers.0.mlp.down_proj.weight"));
+  EXPECT_EQ(ours("mtp.layers.0.eh_proj.weight"), theirs("model.layers.2.eh_proj.weight"));
+  EXPECT_EQ(ours("mtp.layers.0.final_layernorm.weight"), theirs("model.layers.2.shared_head.norm.weight"));
+  EXPECT_EQ(ours("output_layer.weight"), theirs("model.layers.2.shared_head.head.weight"));
+  EXPECT_EQ(ours("embedding.word_embeddings.weight"), theirs("model.layers.2.embed_tokens.weight"));
+  fs::remove_all(d);
+}
+
+// DeepSeek-V2: a plain q_proj with its RoPE rows reordered; softmax group-limited routing with
+// the scaling factor, no expert bias.
+TEST(HfConvert, DeepseekV2CheckpointLoadsIntoTheModel) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  const fs::path d = temp_dir("loaddsv2");
+  write_hf(d / "hf", "--arch deepseek_v2 --dtype f32");
+  ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "ckpt"), 0);
+  const TrainArgs args = train_args_from_saved(read_checkpoint_meta((d / "ckpt").string()).args, "cpu", "test");
+  const ModelConfig& c = args.model;
+  EXPECT_EQ(c.mla.q_lora_rank, 0);
+  EXPECT_FALSE(c.rope_yarn);
+  EXPECT_EQ(c.moe.router.score, ops::RouterScore::Softmax);
+  EXPECT_TRUE(c.moe.router.pre_softmax);
+  EXPECT_FALSE(c.moe.enable_expert_bias);
+  EXPECT_EQ(c.moe.router.num_groups, 3);
+  EXPECT_EQ(c.moe.router.group_topk, 2);
+  EXPECT_EQ(c.moe.router.scaling_factor, 2.0);
+  EXPECT_EQ(c.moe.shared_expert_size, 12);
+  EXPECT_EQ(c.mtp_num_layers, 0);
+  ParamStore store(Device::cpu(), DType::F32, DType::F32, 1);
+  GPTModel model(c, store);
+  store.initialize();
+  load_checkpoint((d / "ckpt").string(), store);
+  const SafetensorsReader hf((d / "hf").string());
+  expect_rope_rows(store.get("decoder.layers.2.self_attention.linear_q_proj.weight").master.to_vector<float>(),
+                   hf.read_f32("model.layers.2.self_attn.q_proj.weight").to_vector<float>(), 20, 16, 10, 6, 4, "q_proj");
+  EXPECT_THROW(store.get("decoder.layers.1.mlp.router.expert_bias"), Error);
+  fs::remove_all(d);
+}
+
+// `moecore generate` and training run on imported DeepSeek models; a trained one (no recorded HF
+// source) exports with a derived config.json and imports back to the trained values.
+TEST(HfConvert, ConvertedDeepseekGeneratesTrainsAndExports) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  for (const std::string arch : {"deepseek_v3", "deepseek_v2"}) {
+    const fs::path d = temp_dir("train" + arch);
+    write_hf(d / "hf", "--arch " + arch + " --dtype bf16");
+    ASSERT_EQ(convert("hf", "moecore", d / "hf", d / "ckpt"), 0);
+    EXPECT_EQ(run_generate({"--load", (d / "ckpt").string(), "--prompt-ids", "1 2 3", "--max-new-tokens", "3",
+                            "--device", "cpu"}),
+              0)
+        << arch;
+    TrainArgs a = train_args_from_saved(read_checkpoint_meta((d / "ckpt").string()).args, "cpu", "test");
+    a.load = (d / "ckpt").string();
+    a.finetune = true;
+    a.save = (d / "trained").string();
+    a.model.seq_length = 16;
+    ASSERT_EQ(run_training(a), 0) << arch;
+    ASSERT_EQ(convert("moecore", "hf", d / "trained", d / "hf2"), 0) << arch;
+    std::ifstream cf(d / "hf2" / "config.json");
+    const nlohmann::json cfg = nlohmann::json::parse(cf);
+    std::ifstream of(d / "hf" / "config.json");
+    const nlohmann::json orig = nlohmann::json::parse(of);
+    for (const char* key : {"architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                            "num_attention_heads", "max_position_embeddings", "rms_norm_eps", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                            "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                            "num_experts_per_tok", "n_group", "topk_group", "topk_method", "scoring_func",
+                            "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace", "intermediate_size",
+                            "moe_intermediate_size", "seq_aux", "aux_loss_alpha", "tie_word_embeddings"})
+      EXPECT_EQ(cfg[key], orig[key]) << arch << " " << key;
+    if (arch == "deepseek_v3") {
+      EXPECT_EQ(cfg["num_nextn_predict_layers"], 1);
+      EXPECT_EQ(cfg["rope_scaling"]["factor"], 4.0);
+      EXPECT_EQ(cfg["rope_scaling"]["mscale_all_dim"], 1.0);
+    }
+    const SafetensorsReader hf2((d / "hf2").string()), hf1((d / "hf").string());
+    EXPECT_EQ(hf2.names(), hf1.names()) << arch;
+    ASSERT_EQ(convert("hf", "moecore", d / "hf2", d / "ckpt2"), 0) << arch;
+    const SafetensorsFile ta(checkpoint_tensor_file((d / "trained").string())),
+        tb(checkpoint_tensor_file((d / "ckpt2").string()));
+    for (const StTensorInfo& t : tb.tensors()) EXPECT_EQ(ta.raw(t.name), tb.raw(t.name)) << arch << " " << t.name;
+    fs::remove_all(d);
+  }
+}
+
+// transformers' save_pretrained of DeepseekV3 writes no MTP layer but keeps
+// num_nextn_predict_layers: imported without MTP. An MTP copy of the embedding or of lm_head that
+// differs, a missing MTP tensor and the config values moecore cannot express are refused by name.
+TEST(HfConvert, DeepseekRefusals) {
+  if (!have_python()) GTEST_SKIP() << "python3 not found: the independent writer cannot run";
+  const fs::path d = temp_dir("dsbad");
+  write_hf(d / "nomtp", "--arch deepseek_v3 --no-mtp");
+  ASSERT_EQ(convert("hf", "moecore", d / "nomtp", d / "nomtp_ck"), 0);
+  EXPECT_EQ(train_args_from_saved(read_checkpoint_meta((d / "nomtp_ck").string()).args, "cpu", "t").model.mtp_num_layers, 0);
+  ASSERT_EQ(convert("moecore", "hf", d / "nomtp_ck", d / "nomtp_back"), 0);
+  expect_identical(d / "nomtp", d / "nomtp_back");
+  write_hf(d / "copies", "--arch deepseek_v3 --distinct-copies");
+  std::string msg = error_of([&] { convert("hf", "moecore", d / "copies", d / "copies_ck"); });
+  EXPECT_NE(msg.find("'model.layers.2.embed_tokens.weight' differs from 'model.embed_tokens.weight'"), std::string::npos) << msg;
+  write_hf(d / "drop", "--arch deepseek_v3 --drop model.layers.2.hnorm.weight");
+  msg = error_of([&] { convert("hf", "moecore", d / "drop", d / "drop_ck"); });
+  EXPECT_NE(msg.find("missing tensor 'model.layers.2.hnorm.weight'"), std::string::npos) << msg;
+
+  std::ifstream f3(d / "nomtp" / "config.json");
+  const nlohmann::json v3 = nlohmann::json::parse(f3);
+  auto refused = [&](nlohmann::json cfg, const std::string& key, const nlohmann::json& value, const std::string& needle) {
+    if (value.is_null()) cfg.erase(key);
+    else cfg[key] = value;
+    const std::string m = error_of([&] { hf_config_to_train_flags(cfg.dump(), "cfg"); });
+    EXPECT_NE(m.find(needle), std::string::npos) << key << ": " << m;
+  };
+  refused(v3, "topk_method", "greedy", "topk_method 'greedy' is not supported (noaux_tc)");
+  refused(v3, "scoring_func", "softmax", "scoring_func 'softmax' is not supported (sigmoid)");
+  refused(v3, "topk_group", 4, "num_experts_per_tok = 2 * topk_group");
+  refused(v3, "norm_topk_prob", false, "norm_topk_prob false");
+  refused(v3, "moe_layer_freq", 2, "moe_layer_freq 2 is not supported");
+  refused(v3, "quantization_config", {{"quant_method", "fp8"}}, "quantized checkpoints");
+  refused(v3, "rope_scaling", {{"type", "linear"}, {"factor", 2}}, "rope_scaling type 'linear' is not supported");
+  refused(v3, "n_routed_experts", nullptr, "no integer 'n_routed_experts'");
+  refused(v3, "attention_bias", true, "attention_bias true");
+  nlohmann::json v2 = v3;
+  v2["architectures"] = {"DeepseekV2ForCausalLM"};
+  v2["scoring_func"] = "softmax";
+  v2["topk_method"] = "group_limited_greedy";
+  v2["norm_topk_prob"] = false;
+  v2["topk_group"] = 4;
+  EXPECT_EQ(error_of([&] { hf_config_to_train_flags(v2.dump(), "cfg"); }), "");
+  refused(v2, "topk_group", 2, "num_experts_per_tok = topk_group");
+  refused(v2, "norm_topk_prob", true, "norm_topk_prob true is not supported");
+  refused(v2, "topk_method", "noaux_tc", "topk_method 'noaux_tc' is not supported (greedy or group_limited_greedy)");
+  fs::remove_all(d);
+}
+
+// DeepSeek-V3's published config.json (the 671B model's) without its fp8 quantization_config (a
+// BF16 copy, as DeepSeek's fp8_cast_bf16 writes one): the flags it maps to.
+TEST(HfConvert, DeepseekV3PublishedConfigJson) {
+  std::ifstream f(data_dir() / "hf" / "deepseek_v3_bf16.config.json");
+  std::stringstream text;
+  text << f.rdbuf();
+  std::map<std::string, std::string> m;
+  for (const auto& [k, v] : hf_config_to_train_flags(text.str(), "deepseek_v3")) m[k] = v;
+  EXPECT_EQ(m["num-layers"], "61");
+  EXPECT_EQ(m["q-lora-rank"], "1536");
+  EXPECT_EQ(m["kv-lora-rank"], "512");
+  EXPECT_EQ(m["qk-head-dim"], "128");
+  EXPECT_EQ(m["qk-pos-emb-head-dim"], "64");
+  EXPECT_EQ(m["moe-router-num-groups"], "8");
+  EXPECT_EQ(m["moe-router-group-topk"], "4");
+  EXPECT_EQ(std::stod(m["moe-router-topk-scaling-factor"]), 2.5);
+  EXPECT_EQ(m["moe-shared-expert-intermediate-size"], "2048");
+  EXPECT_EQ(m["moe-layer-freq"].substr(0, 8), "[0,0,0,1");
+  EXPECT_EQ(m["rope-type"], "yarn");
+  EXPECT_EQ(std::stod(m["rotary-scaling-factor"]), 40);
+  EXPECT_EQ(m["mtp-num-layers"], "1");
 }

@@ -17,6 +17,7 @@
 #include "moecore/core/error.h"
 #include "moecore/core/progress.h"
 #include "moecore/data/tokenizer.h"
+#include "moecore/interop/hf_deepseek.h"
 #include "moecore/interop/safetensors.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/checkpoint.h"
@@ -28,32 +29,98 @@ namespace moecore::interop {
 
 namespace {
 
-enum class Arch { Mixtral, Qwen2Moe, Qwen3Moe };
+enum class Arch { Mixtral, Qwen2Moe, Qwen3Moe, DeepseekV2, DeepseekV3 };
 
 const char* arch_name(Arch a) {
-  return a == Arch::Mixtral ? "MixtralForCausalLM" : a == Arch::Qwen2Moe ? "Qwen2MoeForCausalLM" : "Qwen3MoeForCausalLM";
+  switch (a) {
+    case Arch::Mixtral: return "MixtralForCausalLM";
+    case Arch::Qwen2Moe: return "Qwen2MoeForCausalLM";
+    case Arch::Qwen3Moe: return "Qwen3MoeForCausalLM";
+    case Arch::DeepseekV2: return "DeepseekV2ForCausalLM";
+    case Arch::DeepseekV3: return "DeepseekV3ForCausalLM";
+  }
+  return "";
 }
-const char* model_type(Arch a) { return a == Arch::Mixtral ? "mixtral" : a == Arch::Qwen2Moe ? "qwen2_moe" : "qwen3_moe"; }
+const char* model_type(Arch a) {
+  switch (a) {
+    case Arch::Mixtral: return "mixtral";
+    case Arch::Qwen2Moe: return "qwen2_moe";
+    case Arch::Qwen3Moe: return "qwen3_moe";
+    case Arch::DeepseekV2: return "deepseek_v2";
+    case Arch::DeepseekV3: return "deepseek_v3";
+  }
+  return "";
+}
+bool is_deepseek(Arch a) { return a == Arch::DeepseekV2 || a == Arch::DeepseekV3; }
 
+// RoPE rows of an MLA projection [rows, cols]: in every block of `block` rows, the `count` rows
+// from `start` are HF's interleaved pairs and our halves: ours[j] = hf[perm[j]], perm = [0, 2,
+// ..., count-2, 1, 3, ..., count-1] (model/mla_attention.h). block 0: none.
+struct RopeRows {
+  int64_t block = 0, start = 0, count = 0;
+};
 // One of our parameters: the concatenation (flat, in order) of its HF parts.
 struct Part {
   std::string hf;
   Shape shape;
+  RopeRows rope{};
 };
 struct Mapped {
   std::string ours;
   Shape shape;
   std::vector<Part> parts;
+  // HF tensors that hold a copy of this whole parameter (DeepSeek's MTP layer keeps its own
+  // embed_tokens and shared_head.head): equal to it on import, written from it on export.
+  std::vector<std::string> copies = {};
 };
 
-std::vector<Mapped> build_mapping(const ModelConfig& c, Arch arch) {
-  const int64_t h = c.hidden_size, d = c.head_dim(), v = c.vocab_size;
-  std::vector<Mapped> m;
+// Reorders the RoPE rows of `data` (one part) from HF's order to ours (to_ours) or back.
+void reorder_rope_rows(float* data, const Part& p, bool to_ours) {
+  const RopeRows& r = p.rope;
+  if (r.block == 0) return;
+  const int64_t rows = p.shape[0], cols = shape_numel(p.shape) / rows;
+  std::vector<float> tmp(static_cast<size_t>(r.count * cols));
+  for (int64_t b = 0; b + r.block <= rows; b += r.block) {
+    float* base = data + (b + r.start) * cols;
+    std::copy(base, base + r.count * cols, tmp.begin());
+    for (int64_t j = 0; j < r.count; ++j) {
+      const int64_t hf = j < r.count / 2 ? 2 * j : 2 * (j - r.count / 2) + 1;
+      const int64_t from = to_ours ? hf : j, to = to_ours ? j : hf;
+      std::copy(tmp.begin() + from * cols, tmp.begin() + (from + 1) * cols, base + to * cols);
+    }
+  }
+}
+
+// DeepSeek's attention (MLA) of one layer: ours under o, HF's under p.
+void add_mla(std::vector<Mapped>& m, const ModelConfig& c, const std::string& o, const std::string& p, bool interleaved) {
+  const int64_t h = c.hidden_size, n = c.num_attention_heads, r = c.mla.qk_pos_emb_head_dim;
+  const int64_t d = c.mla.q_head_dim(), kvl = c.mla.kv_lora_rank, ql = c.mla.q_lora_rank;
+  const RopeRows q_rope = interleaved ? RopeRows{d, c.mla.qk_head_dim, r} : RopeRows{};
+  const RopeRows k_rope = interleaved ? RopeRows{kvl + r, kvl, r} : RopeRows{};
+  const std::string a = o + ".self_attention", s = p + ".self_attn";
+  if (ql > 0) {
+    m.push_back({a + ".linear_q_down_proj.weight", {ql, h}, {{s + ".q_a_proj.weight", {ql, h}}}});
+    m.push_back({a + ".q_layernorm.weight", {ql}, {{s + ".q_a_layernorm.weight", {ql}}}});
+    m.push_back({a + ".linear_q_up_proj.weight", {n * d, ql}, {{s + ".q_b_proj.weight", {n * d, ql}, q_rope}}});
+  } else {
+    m.push_back({a + ".linear_q_proj.weight", {n * d, h}, {{s + ".q_proj.weight", {n * d, h}, q_rope}}});
+  }
+  m.push_back({a + ".linear_kv_down_proj.weight", {kvl + r, h}, {{s + ".kv_a_proj_with_mqa.weight", {kvl + r, h}, k_rope}}});
+  m.push_back({a + ".kv_layernorm.weight", {kvl}, {{s + ".kv_a_layernorm.weight", {kvl}}}});
+  const int64_t kv = n * (c.mla.qk_head_dim + c.mla.v_head_dim);
+  m.push_back({a + ".linear_kv_up_proj.weight", {kv, kvl}, {{s + ".kv_b_proj.weight", {kv, kvl}}}});
+  m.push_back({a + ".linear_proj.weight", {h, n * c.mla.v_head_dim}, {{s + ".o_proj.weight", {h, n * c.mla.v_head_dim}}}});
+}
+
+// One transformer layer (a decoder layer, or an MTP module's): ours under o, HF's under p.
+void add_layer(std::vector<Mapped>& m, const ModelConfig& c, Arch arch, const std::string& o, const std::string& p,
+               bool moe_layer, bool interleaved) {
+  const int64_t h = c.hidden_size, d = c.head_dim();
   auto one = [&](const std::string& ours, const std::string& hf, const Shape& s) { m.push_back({ours, s, {{hf, s}}}); };
-  one("embedding.word_embeddings.weight", "model.embed_tokens.weight", {v, h});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string o = "decoder.layers." + std::to_string(i), p = "model.layers." + std::to_string(i);
-    one(o + ".input_layernorm.weight", p + ".input_layernorm.weight", {h});
+  one(o + ".input_layernorm.weight", p + ".input_layernorm.weight", {h});
+  if (is_deepseek(arch)) {
+    add_mla(m, c, o, p, interleaved);
+  } else {
     one(o + ".self_attention.linear_q.weight", p + ".self_attn.q_proj.weight", {c.num_attention_heads * d, h});
     one(o + ".self_attention.linear_k.weight", p + ".self_attn.k_proj.weight", {c.kv_heads() * d, h});
     one(o + ".self_attention.linear_v.weight", p + ".self_attn.v_proj.weight", {c.kv_heads() * d, h});
@@ -67,38 +134,65 @@ std::vector<Mapped> build_mapping(const ModelConfig& c, Arch arch) {
       one(o + ".self_attention.q_layernorm.weight", p + ".self_attn.q_norm.weight", {d});
       one(o + ".self_attention.k_layernorm.weight", p + ".self_attn.k_norm.weight", {d});
     }
-    one(o + ".pre_mlp_layernorm.weight", p + ".post_attention_layernorm.weight", {h});
-    if (c.is_moe(i)) {
-      const int64_t e = c.moe.num_experts, f = c.moe.ffn_hidden_size;
-      const std::string moe = p + (arch == Arch::Mixtral ? ".block_sparse_moe" : ".mlp");
-      one(o + ".mlp.router.weight", moe + ".gate.weight", {e, h});
-      Mapped fc1{o + ".mlp.experts.linear_fc1.weight", {e, 2 * f, h}, {}};
-      Mapped fc2{o + ".mlp.experts.linear_fc2.weight", {e, h, f}, {}};
-      for (int64_t x = 0; x < e; ++x) {
-        const std::string ex = moe + ".experts." + std::to_string(x);
-        const bool mx = arch == Arch::Mixtral;
-        fc1.parts.push_back({ex + (mx ? ".w1.weight" : ".gate_proj.weight"), {f, h}});
-        fc1.parts.push_back({ex + (mx ? ".w3.weight" : ".up_proj.weight"), {f, h}});
-        fc2.parts.push_back({ex + (mx ? ".w2.weight" : ".down_proj.weight"), {h, f}});
-      }
-      m.push_back(fc1);
-      m.push_back(fc2);
-      if (c.moe.shared_expert_size > 0) {  // Qwen2-MoE
-        const int64_t s = c.moe.shared_expert_size;
-        const std::string sh = moe + ".shared_expert";
-        m.push_back({o + ".mlp.shared_experts.linear_fc1.weight", {2 * s, h},
-                     {{sh + ".gate_proj.weight", {s, h}}, {sh + ".up_proj.weight", {s, h}}}});
-        one(o + ".mlp.shared_experts.linear_fc2.weight", sh + ".down_proj.weight", {h, s});
-        one(o + ".mlp.shared_experts.gate.weight", moe + ".shared_expert_gate.weight", {1, h});
-      }
-    } else {
-      const int64_t f = c.ffn_hidden_size;
-      m.push_back({o + ".mlp.linear_fc1.weight", {2 * f, h}, {{p + ".mlp.gate_proj.weight", {f, h}}, {p + ".mlp.up_proj.weight", {f, h}}}});
-      one(o + ".mlp.linear_fc2.weight", p + ".mlp.down_proj.weight", {h, f});
-    }
   }
+  one(o + ".pre_mlp_layernorm.weight", p + ".post_attention_layernorm.weight", {h});
+  if (moe_layer) {
+    const int64_t e = c.moe.num_experts, f = c.moe.ffn_hidden_size;
+    const std::string moe = p + (arch == Arch::Mixtral ? ".block_sparse_moe" : ".mlp");
+    one(o + ".mlp.router.weight", moe + ".gate.weight", {e, h});
+    if (is_deepseek(arch) && c.moe.enable_expert_bias)
+      one(o + ".mlp.router.expert_bias", moe + ".gate.e_score_correction_bias", {e});
+    Mapped fc1{o + ".mlp.experts.linear_fc1.weight", {e, 2 * f, h}, {}};
+    Mapped fc2{o + ".mlp.experts.linear_fc2.weight", {e, h, f}, {}};
+    for (int64_t x = 0; x < e; ++x) {
+      const std::string ex = moe + ".experts." + std::to_string(x);
+      const bool mx = arch == Arch::Mixtral;
+      fc1.parts.push_back({ex + (mx ? ".w1.weight" : ".gate_proj.weight"), {f, h}});
+      fc1.parts.push_back({ex + (mx ? ".w3.weight" : ".up_proj.weight"), {f, h}});
+      fc2.parts.push_back({ex + (mx ? ".w2.weight" : ".down_proj.weight"), {h, f}});
+    }
+    m.push_back(fc1);
+    m.push_back(fc2);
+    if (c.moe.shared_expert_size > 0) {  // Qwen2-MoE (gated) and DeepSeek
+      const int64_t s = c.moe.shared_expert_size;
+      const std::string sh = moe + (is_deepseek(arch) ? ".shared_experts" : ".shared_expert");
+      m.push_back({o + ".mlp.shared_experts.linear_fc1.weight", {2 * s, h},
+                   {{sh + ".gate_proj.weight", {s, h}}, {sh + ".up_proj.weight", {s, h}}}});
+      one(o + ".mlp.shared_experts.linear_fc2.weight", sh + ".down_proj.weight", {h, s});
+      if (!is_deepseek(arch)) one(o + ".mlp.shared_experts.gate.weight", moe + ".shared_expert_gate.weight", {1, h});
+    }
+  } else {
+    const int64_t f = c.ffn_hidden_size;
+    m.push_back({o + ".mlp.linear_fc1.weight", {2 * f, h}, {{p + ".mlp.gate_proj.weight", {f, h}}, {p + ".mlp.up_proj.weight", {f, h}}}});
+    one(o + ".mlp.linear_fc2.weight", p + ".mlp.down_proj.weight", {h, f});
+  }
+}
+
+// interleaved: DeepSeek's RoPE rows are interleaved pairs (deepseek_rope_interleaved).
+std::vector<Mapped> build_mapping(const ModelConfig& c, Arch arch, bool interleaved = true) {
+  const int64_t h = c.hidden_size, v = c.vocab_size;
+  std::vector<Mapped> m;
+  auto one = [&](const std::string& ours, const std::string& hf, const Shape& s) { m.push_back({ours, s, {{hf, s}}}); };
+  one("embedding.word_embeddings.weight", "model.embed_tokens.weight", {v, h});
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    add_layer(m, c, arch, "decoder.layers." + std::to_string(i), "model.layers." + std::to_string(i), c.is_moe(i),
+              interleaved);
   one("decoder.final_layernorm.weight", "model.norm.weight", {h});
   if (c.untie_embeddings) one("output_layer.weight", "lm_head.weight", {v, h});
+  // DeepSeek-V3's MTP module k: the extra layer model.layers.<num_layers + k - 1> (model/mtp.h).
+  // The other architectures have none: an export names our mtp.* tensors as having no equivalent.
+  for (int64_t k = 0; arch == Arch::DeepseekV3 && k < c.mtp_num_layers; ++k) {
+    const std::string o = "mtp.layers." + std::to_string(k), p = "model.layers." + std::to_string(c.num_layers + k);
+    one(o + ".enorm.weight", p + ".enorm.weight", {h});
+    one(o + ".hnorm.weight", p + ".hnorm.weight", {h});
+    one(o + ".eh_proj.weight", p + ".eh_proj.weight", {h, 2 * h});
+    add_layer(m, c, arch, o + ".transformer_layer", p, c.is_moe(c.num_layers - 1), interleaved);
+    one(o + ".final_layernorm.weight", p + ".shared_head.norm.weight", {h});
+    m[0].copies.push_back(p + ".embed_tokens.weight");
+    const std::string head = p + ".shared_head.head.weight";
+    for (Mapped& x : m)
+      if (x.ours == (c.untie_embeddings ? "output_layer.weight" : "embedding.word_embeddings.weight")) x.copies.push_back(head);
+  }
   return m;
 }
 
@@ -120,8 +214,11 @@ Arch arch_of(const json& cfg, const std::string& origin) {
   if (a == "MixtralForCausalLM" || (a.empty() && mt == "mixtral")) return Arch::Mixtral;
   if (a == "Qwen2MoeForCausalLM" || (a.empty() && mt == "qwen2_moe")) return Arch::Qwen2Moe;
   if (a == "Qwen3MoeForCausalLM" || (a.empty() && mt == "qwen3_moe")) return Arch::Qwen3Moe;
+  if (a == "DeepseekV2ForCausalLM" || (a.empty() && mt == "deepseek_v2")) return Arch::DeepseekV2;
+  if (a == "DeepseekV3ForCausalLM" || (a.empty() && mt == "deepseek_v3")) return Arch::DeepseekV3;
   MC_FAIL(origin, ": architecture '", a.empty() ? mt : a,
-          "' is not supported; supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM");
+          "' is not supported; supported: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, ",
+          "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM");
 }
 
 std::string num_text(double x) {
@@ -198,6 +295,7 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
     MC_FAIL(origin, ": config.json is not valid JSON: ", e.what());
   }
   const Arch arch = arch_of(cfg, origin);
+  if (is_deepseek(arch)) return deepseek_config_to_train_flags(cfg, arch == Arch::DeepseekV3, origin);
   const std::string act = cfg.value("hidden_act", "silu");
   MC_CHECK(act == "silu", origin, ": hidden_act '", act, "' is not supported (SwiGLU experts need silu)");
   MC_CHECK(!cfg.value("attention_bias", false), origin,
@@ -310,6 +408,17 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
   const json cfg = read_json_file(fs::path(hf_dir) / "config.json");
   const Arch arch = arch_of(cfg, origin);
   auto set = hf_config_to_train_flags(cfg.dump(), origin);
+  const SafetensorsReader reader(hf_dir);
+  // transformers' DeepseekV3 builds no MTP layer (its save_pretrained writes none) but keeps
+  // num_nextn_predict_layers: a folder without the layer imports without MTP.
+  for (auto& [name, value] : set)
+    if (name == "mtp-num-layers" && value != "0") {
+      const std::string layer = "model.layers." + std::to_string(need_int(cfg, "num_hidden_layers", origin));
+      if (reader.has(layer + ".eh_proj.weight")) continue;
+      std::printf("note: %s: num_nextn_predict_layers is %s but there is no MTP layer (%s.*): imported without "
+                  "multi-token prediction (--mtp-num-layers 0)\n", origin.c_str(), value.c_str(), layer.c_str());
+      value = "0";
+    }
   // The tokenizer goes with the checkpoint: <ckpt_dir>/tokenizer/, recorded relative to ckpt_dir.
   const HfTokenizer tok = hf_tokenizer(hf_dir, origin);
   if (!tok.file.empty()) {
@@ -318,12 +427,13 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
   }
   const auto flags = codec.all_values(set, origin);
   const TrainArgs args = codec.rebuild(flags, "cpu", origin);
-  const std::vector<Mapped> mapping = build_mapping(args.model, arch);
-  const SafetensorsReader reader(hf_dir);
+  const std::vector<Mapped> mapping = build_mapping(args.model, arch, deepseek_rope_interleaved(cfg));
 
   std::set<std::string> expected;
-  for (const Mapped& m : mapping)
+  for (const Mapped& m : mapping) {
     for (const Part& p : m.parts) expected.insert(p.hf);
+    for (const std::string& c : m.copies) expected.insert(c);
+  }
   for (const std::string& n : reader.names())
     MC_CHECK(expected.count(n), origin, " has tensor '", n, "' that a ", arch_name(arch),
              " with this config.json does not (unexpected tensor; not converted)");
@@ -336,26 +446,39 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
       read_bytes += reader.has(p.hf) ? reader.info(p.hf).nbytes() : 0;
       ++read_tensors;
     }
+    for (const std::string& c : m.copies) {
+      read_bytes += reader.has(c) ? reader.info(c).nbytes() : 0;
+      ++read_tensors;
+    }
   }
   ConvertMeter meter(progress, read_bytes, read_tensors, write_bytes, mapping.size());
   std::vector<NamedTensor> out;
   json dtypes = json::object(), order = json::array();
+  auto read_part = [&](const Part& p) {
+    MC_CHECK(reader.has(p.hf), origin, " is missing tensor '", p.hf, "' (expected ", shape_str(p.shape), ")");
+    const StTensorInfo& info = reader.info(p.hf);
+    MC_CHECK(info.shape == p.shape, origin, ": tensor '", p.hf, "' has shape ", shape_str(info.shape),
+             "; config.json implies ", shape_str(p.shape));
+    MC_CHECK(info.dtype == StDType::BF16 || info.dtype == StDType::F16 || info.dtype == StDType::F32, origin,
+             ": tensor '", p.hf, "' is ", st_dtype_name(info.dtype), "; only BF16, F16 and F32 weights convert");
+    dtypes[p.hf] = st_dtype_name(info.dtype);
+    order.push_back(p.hf);
+    meter.read(info.nbytes());
+    return reader.read_f32(p.hf);
+  };
   for (const Mapped& m : mapping) {
     Tensor t = Tensor::empty(m.shape, DType::F32);
     float* dst = static_cast<float*>(t.data_ptr());
     for (const Part& p : m.parts) {
-      MC_CHECK(reader.has(p.hf), origin, " is missing tensor '", p.hf, "' (expected ", shape_str(p.shape), ")");
-      const StTensorInfo& info = reader.info(p.hf);
-      MC_CHECK(info.shape == p.shape, origin, ": tensor '", p.hf, "' has shape ", shape_str(info.shape),
-               "; config.json implies ", shape_str(p.shape));
-      MC_CHECK(info.dtype == StDType::BF16 || info.dtype == StDType::F16 || info.dtype == StDType::F32, origin,
-               ": tensor '", p.hf, "' is ", st_dtype_name(info.dtype), "; only BF16, F16 and F32 weights convert");
-      const Tensor src = reader.read_f32(p.hf);
+      const Tensor src = read_part(p);
       std::memcpy(dst, src.data_ptr(), src.nbytes());
+      reorder_rope_rows(dst, p, true);
       dst += src.numel();
-      dtypes[p.hf] = st_dtype_name(info.dtype);
-      order.push_back(p.hf);
-      meter.read(info.nbytes());
+    }
+    for (const std::string& copy : m.copies) {
+      const Tensor c = read_part({copy, m.shape});
+      MC_CHECK(std::memcmp(c.data_ptr(), t.data_ptr(), t.nbytes()) == 0, origin, ": tensor '", copy,
+               "' differs from '", m.parts[0].hf, "'; moecore's MTP layer shares the main model's (model/mtp.h)");
     }
     out.push_back({m.ours, t});
   }
@@ -369,7 +492,8 @@ void convert_hf_to_moecore(const std::string& hf_dir, const std::string& ckpt_di
 }
 
 namespace {
-json config_from_args(const ModelConfig& c, Arch arch) {
+json config_from_args(const ModelConfig& c, Arch arch, const std::string& origin) {
+  if (is_deepseek(arch)) return deepseek_config_from_args(c, arch == Arch::DeepseekV3, origin);
   json j = {{"architectures", {arch_name(arch)}},
             {"model_type", model_type(arch)},
             {"hidden_act", "silu"},
@@ -409,23 +533,32 @@ json config_from_args(const ModelConfig& c, Arch arch) {
   return j;
 }
 // The HF architecture of a moecore model: the recorded one (a converted checkpoint), else inferred
-// (q/k norms: Qwen3-MoE; q/k/v biases or a gated shared expert: Qwen2-MoE; pre-softmax routing or
-// dense layers: Qwen3-MoE; else Mixtral); then every feature is checked against it.
+// (Multi-Latent Attention: DeepSeek-V3 with sigmoid routing, else DeepSeek-V2; q/k norms:
+// Qwen3-MoE; q/k/v biases or a gated shared expert: Qwen2-MoE; pre-softmax routing or dense
+// layers: Qwen3-MoE; else Mixtral); then every feature is checked against it.
 Arch export_arch(const ModelConfig& c, const json& source, const std::string& origin) {
   MC_CHECK(c.moe.num_experts > 0, origin, ": a dense model (no --num-experts) has no HF MoE equivalent");
-  MC_CHECK(!c.mla.enabled, origin, ": --multi-latent-attention models (DeepSeek-V2/V3) have no HF export in this version");
-  MC_CHECK(c.swiglu && !c.add_bias_linear && c.rmsnorm && c.position_embedding_type == "rope" &&
-               !c.moe.enable_expert_bias && c.moe.router.score == ops::RouterScore::Softmax &&
-               c.moe.router.num_groups == 0 && c.moe.router.scaling_factor == 0,
-           origin, ": only models with SwiGLU, RMSNorm, RoPE, no linear biases (--add-qkv-bias aside) and softmax ",
-           "routing map to Mixtral, Qwen2-MoE or Qwen3-MoE");
+  MC_CHECK(c.swiglu && !c.add_bias_linear && c.rmsnorm && c.position_embedding_type == "rope", origin,
+           ": only models with SwiGLU, RMSNorm, RoPE and no linear biases (--add-qkv-bias aside) map to an HF MoE ",
+           "architecture");
   bool dense = false;
   for (int64_t i = 0; i < c.num_layers; ++i) dense = dense || !c.is_moe(i);
-  Arch arch = c.qk_layernorm                                  ? Arch::Qwen3Moe
+  Arch arch = c.mla.enabled ? (c.moe.router.score == ops::RouterScore::Sigmoid ? Arch::DeepseekV3 : Arch::DeepseekV2)
+              : c.qk_layernorm                                  ? Arch::Qwen3Moe
               : c.add_qkv_bias || c.moe.shared_expert_size > 0 ? Arch::Qwen2Moe
               : c.moe.router.pre_softmax || dense             ? Arch::Qwen3Moe
                                                               : Arch::Mixtral;
   if (source.contains("architecture")) arch = arch_of({{"architectures", {source["architecture"]}}}, origin);
+  if (is_deepseek(arch)) {
+    MC_CHECK(!c.add_qkv_bias, origin, ": ", arch_name(arch), " has no q/k/v biases (--add-qkv-bias)");
+    deepseek_config_from_args(c, arch == Arch::DeepseekV3, origin);  // its checks name what does not map
+    return arch;
+  }
+  MC_CHECK(!c.mla.enabled, origin, ": ", arch_name(arch), " has no Multi-Latent Attention (--multi-latent-attention)");
+  MC_CHECK(!c.moe.enable_expert_bias && c.moe.router.score == ops::RouterScore::Softmax &&
+               c.moe.router.num_groups == 0 && c.moe.router.scaling_factor == 0,
+           origin, ": ", arch_name(arch), " routes by softmax without --moe-router-enable-expert-bias, groups or ",
+           "--moe-router-topk-scaling-factor");
   const std::string name = arch_name(arch);
   MC_CHECK(c.qk_layernorm == (arch == Arch::Qwen3Moe), origin, ": ", name,
            arch == Arch::Qwen3Moe ? " needs --qk-layernorm" : " has no q/k norms (--qk-layernorm)");
@@ -452,11 +585,16 @@ std::vector<StWriteTensor> export_hf_f32(const ModelConfig& c, const std::string
              "export to ", architecture, ": tensor '", m.ours, "' must be a contiguous CPU F32 ", shape_str(m.shape),
              ", got ", t.defined() ? t.describe() : std::string("none"));
     const float* src = static_cast<const float*>(t.data_ptr());
+    std::vector<float> part;
     for (const Part& p : m.parts) {
       const size_t n = static_cast<size_t>(shape_numel(p.shape));
-      out.push_back({p.hf, StDType::F32, p.shape, f32_to_st_bytes(src, n, StDType::F32)});
+      part.assign(src, src + n);
+      reorder_rope_rows(part.data(), p, false);
+      out.push_back({p.hf, StDType::F32, p.shape, f32_to_st_bytes(part.data(), n, StDType::F32)});
       src += n;
     }
+    for (const std::string& copy : m.copies)  // one part (the embedding or the output layer)
+      out.push_back({copy, StDType::F32, m.shape, f32_to_st_bytes(part.data(), part.size(), StDType::F32)});
   }
   return out;
 }
@@ -471,7 +609,8 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
   const json source = json::parse(read_checkpoint_source(ckpt_dir));
   MC_CHECK(c.moe.num_experts > 0, origin, ": a dense model (no --num-experts) has no HF MoE equivalent");
   const Arch arch = export_arch(c, source, origin);
-  const std::vector<Mapped> mapping = build_mapping(c, arch);
+  const std::vector<Mapped> mapping =
+      build_mapping(c, arch, deepseek_rope_interleaved(source.value("config", json::object())));
   const SafetensorsFile file(checkpoint_tensor_file(ckpt_dir));
   std::set<std::string> ours;
   for (const Mapped& m : mapping) ours.insert(m.ours);
@@ -492,6 +631,10 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
       write_bytes += static_cast<uint64_t>(shape_numel(p.shape)) * st_dtype_size(hf_dtype(p.hf));
       ++write_tensors;
     }
+    for (const std::string& copy : m.copies) {
+      write_bytes += static_cast<uint64_t>(shape_numel(m.shape)) * st_dtype_size(hf_dtype(copy));
+      ++write_tensors;
+    }
   }
   ConvertMeter meter(progress, read_bytes, mapping.size(), write_bytes, write_tensors);
   std::vector<StWriteTensor> out;
@@ -506,12 +649,15 @@ void convert_moecore_to_hf(const std::string& ckpt_dir, const std::string& hf_di
       aligned.assign(n, 0.f);
       std::memcpy(aligned.data(), src, n * 4);
       src += n;
+      reorder_rope_rows(aligned.data(), p, false);
       const StDType dt = hf_dtype(p.hf);
       out.push_back({p.hf, dt, p.shape, f32_to_st_bytes(aligned.data(), n, dt)});
     }
+    for (const std::string& copy : m.copies)  // one part (the embedding or the output layer)
+      out.push_back({copy, hf_dtype(copy), m.shape, f32_to_st_bytes(aligned.data(), aligned.size(), hf_dtype(copy))});
     meter.read(info.nbytes());
   }
-  json cfg = source.contains("config") ? source["config"] : config_from_args(c, arch);
+  json cfg = source.contains("config") ? source["config"] : config_from_args(c, arch, origin);
   std::error_code ec;
   fs::create_directories(hf_dir, ec);
   MC_CHECK(!ec, "cannot create '", hf_dir, "': ", ec.message());

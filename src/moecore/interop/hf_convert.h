@@ -1,5 +1,6 @@
 // HF <-> moecore checkpoint conversion for Mixtral (MixtralForCausalLM), Qwen2-MoE
-// (Qwen2MoeForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM).
+// (Qwen2MoeForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM), DeepSeek-V2 (DeepseekV2ForCausalLM) and
+// DeepSeek-V3 (DeepseekV3ForCausalLM).
 //
 //   moecore convert --from hf --to moecore --input HF_DIR --output CKPT_DIR
 //   moecore convert --from moecore --to hf --input CKPT_DIR --output HF_DIR [--max-shard-size 5GB]
@@ -38,6 +39,15 @@
 // all layers' tokens together, no 1/k) is not Megatron's (a sum of per-layer losses with 1/k).
 // RoPE: HF Mixtral/Qwen2/Qwen3 and moecore all rotate halves of each head (rotate_half), so q/k rows
 // are copied as they are; no interleave permutation is needed.
+// DeepSeek-V2/V3 (config: hf_deepseek.h): MLA's q_a_proj, q_a_layernorm, q_b_proj | q_proj,
+// kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj -> linear_q_down_proj, q_layernorm,
+// linear_q_up_proj | linear_q_proj, linear_kv_down_proj, kv_layernorm, linear_kv_up_proj,
+// linear_proj; the RoPE rows (each head's last qk_rope_head_dim rows of q_b_proj / q_proj, the
+// last ones of kv_a_proj_with_mqa) reordered from interleaved pairs to halves (model/mla_attention.h)
+// and back on export. mlp.gate.e_score_correction_bias -> mlp.router.expert_bias (a buffer);
+// mlp.shared_experts.{gate,up,down}_proj -> mlp.shared_experts.linear_fc1/fc2 (no gate). MTP
+// module k = model.layers.<L+k-1> -> mtp.layers.<k-1> (model/mtp.h): its embed_tokens and
+// shared_head.head must equal the main ones (ours are shared) and are written from them.
 #pragma once
 
 #include <cstdint>
