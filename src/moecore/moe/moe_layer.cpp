@@ -18,11 +18,18 @@ MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConf
 }
 
 Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx) {
-  const Device dev = x.device();
   // --timing-log-level 2: the layer's phases, one after the other.
-  std::optional<TimedRegion> phase(std::in_place, "moe-router", 2, dev);
+  std::optional<TimedRegion> phase(std::in_place, "moe-router", 2, x.device());
   ctx.x = x;
-  const TopKRouter::Routing routing = router_.forward(x, batch, training, rng_seed, stats_, ctx.router);
+  ctx.batch = batch;
+  ctx.routing = router_.forward(x, batch, training, rng_seed, stats_, ctx.router);
+  phase.reset();
+  return route_and_compute(x, true, training, ctx);
+}
+
+Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, Ctx& ctx) {
+  const Device dev = x.device();
+  const TopKRouter::Routing& routing = ctx.routing;
   DispatchInput in;
   in.x = x;
   in.probs = ops::cast_to(routing.probs, x.dtype() == DType::F64 ? DType::F64 : DType::F32);
@@ -38,9 +45,9 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   // counts stay on the device: nothing in this layer then waits for the GPU.
   in.device_rows = experts_.device_rows();
 
-  phase.emplace("moe-dispatch", 2, dev);
+  std::optional<TimedRegion> phase(std::in_place, "moe-dispatch", 2, dev);
   const TokenRows expert_in = dispatcher_->dispatch(in, ctx.dispatch);
-  stats_.record_routing(ctx.dispatch.routing, routing.indices, routing.kept, routing.pad, training);
+  if (record) stats_.record_routing(ctx.dispatch.routing, routing.indices, routing.kept, routing.pad, training);
 
   phase.emplace("moe-experts", 2, dev);
   const Tensor expert_out = experts_.forward(expert_in.rows, expert_in.probs, ctx.dispatch.local_rows, ctx.experts);
@@ -52,9 +59,22 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
 
   if (shared_.enabled()) {
     phase.emplace("moe-shared-expert", 2, dev);
-    shared_.forward(x, batch, out, ctx.shared);
+    shared_.forward(x, ctx.batch, out, ctx.shared);
   }
   return out;
+}
+
+void MoeLayer::drop_for_recompute(Ctx& ctx, bool keep_input) const {
+  if (!keep_input) ctx.x = Tensor();
+  ctx.dispatch = TokenDispatcher::Ctx{};
+  ctx.experts = GroupedExperts::Ctx{};
+  ctx.shared = SharedExperts::Ctx{};
+}
+
+Tensor MoeLayer::recompute(const Tensor& x, Ctx& ctx) {
+  if (x.defined()) ctx.x = x;
+  MC_CHECK(ctx.x.defined() && ctx.routing.indices.defined(), "MoeLayer::recompute without a forward");
+  return route_and_compute(ctx.x, false, true, ctx);
 }
 
 Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
