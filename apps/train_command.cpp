@@ -130,7 +130,8 @@ void register_moe_flags(cli::FlagSet& f, TrainArgs& a) {
                "full: whole decoder layers (--recompute-method, --recompute-num-layers)");
   f.add_list("recompute-modules", &a.recompute_modules,
              "with --recompute-granularity selective: moe_act (the experts' activation function), mla_up_proj "
-             "(MLA's up projections), moe (each MoE layer from its input), mlp (each dense MLP from its input)");
+             "(MLA's up projections), moe (each MoE layer from its input), mlp (each dense MLP from its input), "
+             "core_attn (the attention output from q, k, v)");
   f.add_choice("recompute-method", &a.model.recompute.full_method, {"uniform", "block"},
                "with --recompute-granularity full: uniform (every chunk of --recompute-num-layers layers from its "
                "input) or block (the first --recompute-num-layers layers of each pipeline stage)");
@@ -564,16 +565,23 @@ void check_recompute_flags(TrainArgs& a) {
              r.full_num_layers, " is out of range: expected 1 to the ", a.model.num_layers, " decoder layers");
   }
   MC_CHECK(a.recompute_granularity != "selective" || !a.recompute_modules.empty(),
-           "--recompute-granularity selective: name the modules with --recompute-modules (moe_act, moe, mlp, "
-           "mla_up_proj; Megatron's default core_attn is not needed with flash attention, which keeps no score "
-           "matrix)");
+           "--recompute-granularity selective: name the modules with --recompute-modules (core_attn, moe_act, moe, "
+           "mlp, mla_up_proj)");
   if (a.moe_layer_recompute) {
     MC_CHECK(e.num_experts > 0, "--moe-layer-recompute needs an MoE model (--num-experts)");
     r.moe = true;
   }
   for (const std::string& module : a.recompute_modules) {
-    MC_CHECK(module != "core_attn" && module != "layernorm" && module != "shared_experts",
-             "--recompute-modules ", module, " is not available in this version (moe_act, moe, mlp and mla_up_proj are)");
+    MC_CHECK(module != "layernorm" && module != "shared_experts", "--recompute-modules ", module,
+             " is not available in this version (core_attn, moe_act, moe, mlp and mla_up_proj are)");
+    if (module == "core_attn") {
+      MC_CHECK(!a.model.mla.enabled, "--recompute-modules core_attn with --multi-latent-attention is not available in "
+               "this version (mla_up_proj is)");
+      MC_CHECK(a.cp == 1, "--recompute-modules core_attn with --context-parallel-size ", a.cp,
+               " is not available in this version");
+      r.core_attn = true;
+      continue;
+    }
     if (module == "mla_up_proj") {
       MC_CHECK(a.model.mla.enabled, "--recompute-modules mla_up_proj needs --multi-latent-attention");
       MC_CHECK(a.cp == 1, "--recompute-modules mla_up_proj with --context-parallel-size ", a.cp,
@@ -586,7 +594,7 @@ void check_recompute_flags(TrainArgs& a) {
       continue;
     }
     MC_CHECK(module == "moe_act" || module == "moe", "--recompute-modules '", module,
-             "': expected moe_act, moe, mlp or mla_up_proj (Megatron's other modules: core_attn, layernorm, "
+             "': expected core_attn, moe_act, moe, mlp or mla_up_proj (Megatron's other modules: layernorm, "
              "shared_experts)");
     MC_CHECK(e.num_experts > 0, "--recompute-modules ", module, " needs an MoE model (--num-experts)");
     (module == "moe" ? r.moe : e.recompute_act) = true;

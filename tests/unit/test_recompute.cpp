@@ -1,4 +1,4 @@
-// Activation recomputation over the whole model (cfg.recompute): --recompute-modules moe and mlp,
+// Activation recomputation over the whole model (cfg.recompute): --recompute-modules moe, mlp, core_attn,
 // --recompute-granularity full with --recompute-method uniform and block. Each gives the same
 // losses, balancing-loss statistics and parameter gradients, bit for bit, as keeping everything,
 // over two accumulated micro-batches (global_aux_loss's counts would show a routing counted
@@ -111,6 +111,13 @@ TEST(Recompute, SelectiveMoeAndMlpChangeNothing) {
     EXPECT_FALSE(ctx.layers[0].mlp.fc1_out.defined());
   }), "mlp");
   expect_identical(plain, train_step(both), "moe + mlp");
+  RecomputeConfig core;
+  core.core_attn = true;
+  expect_identical(plain, train_step(core, [](const GPTModel::Ctx& ctx) {
+    EXPECT_TRUE(ctx.layers[1].attn.core_q.defined());
+    EXPECT_FALSE(ctx.layers[1].attn.core_out.defined());
+    EXPECT_FALSE(ctx.layers[1].attn.o.x.defined());
+  }), "core_attn");
 }
 
 TEST(Recompute, FullUniformAndBlockChangeNothing) {
@@ -135,8 +142,8 @@ TEST(Recompute, FullUniformAndBlockChangeNothing) {
     }), "block " + std::to_string(n));
   }
   RecomputeConfig with_modules = full("block", 2);
-  with_modules.moe = with_modules.mlp = true;
-  expect_identical(plain, train_step(with_modules), "block 2 with moe and mlp");
+  with_modules.moe = with_modules.mlp = with_modules.core_attn = true;
+  expect_identical(plain, train_step(with_modules), "block 2 with moe, mlp and core_attn");
 }
 
 TEST(Recompute, FullRecomputationLowersTheForwardPeak) {

@@ -60,6 +60,9 @@ struct RecomputeConfig {
   int64_t full_num_layers = 0;
   bool moe = false;  // --recompute-modules moe / --moe-layer-recompute: each MoE layer from its input
   bool mlp = false;  // --recompute-modules mlp: each dense MLP from its input
+  // --recompute-modules core_attn: the attention output and logsumexp (the output projection's
+  // input) rebuilt from the kept q, k, v (model/attention_block.h; not MLA, not CP)
+  bool core_attn = false;
 };
 
 struct ModelConfig {
