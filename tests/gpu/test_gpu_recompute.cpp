@@ -1,5 +1,5 @@
 // Activation recomputation on the GPU (bf16 compute, fp32 masters): --recompute-modules moe,
-// mlp and core_attn, --recompute-granularity full uniform and block give the loss and every parameter gradient
+// mlp, core_attn and shared_experts, --recompute-granularity full uniform and block give the loss and every parameter gradient
 // of keeping everything, bit for bit (the recomputed forward runs the same kernels on the same
 // inputs; two plain runs are compared first, so a nondeterministic kernel shows as such).
 #include <gtest/gtest.h>
@@ -65,8 +65,10 @@ TEST(GpuRecompute, EveryOptionGivesThePlainGradientsBitForBit) {
   const Step plain = gpu_step({});
   expect_same(plain, gpu_step({}), "a second plain run (determinism of the kernels)");
   RecomputeConfig modules;
-  modules.moe = modules.mlp = modules.core_attn = true;
-  expect_same(plain, gpu_step(modules), "moe + mlp + core_attn");
+  modules.mlp = modules.core_attn = modules.shared_experts = true;
+  expect_same(plain, gpu_step(modules), "mlp + core_attn + shared_experts");
+  modules.moe = true;
+  expect_same(plain, gpu_step(modules), "moe + mlp + core_attn + shared_experts");
   for (const char* method : {"uniform", "block"}) {
     RecomputeConfig full;
     full.full_method = method;

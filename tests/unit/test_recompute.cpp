@@ -1,4 +1,5 @@
 // Activation recomputation over the whole model (cfg.recompute): --recompute-modules moe, mlp, core_attn,
+// shared_experts,
 // --recompute-granularity full with --recompute-method uniform and block. Each gives the same
 // losses, balancing-loss statistics and parameter gradients, bit for bit, as keeping everything,
 // over two accumulated micro-batches (global_aux_loss's counts would show a routing counted
@@ -118,6 +119,15 @@ TEST(Recompute, SelectiveMoeAndMlpChangeNothing) {
     EXPECT_FALSE(ctx.layers[1].attn.core_out.defined());
     EXPECT_FALSE(ctx.layers[1].attn.o.x.defined());
   }), "core_attn");
+  RecomputeConfig shared;
+  shared.shared_experts = true;
+  expect_identical(plain, train_step(shared, [](const GPTModel::Ctx& ctx) {
+    EXPECT_TRUE(ctx.layers[2].moe.shared_dropped);
+    EXPECT_FALSE(ctx.layers[2].moe.shared.out.defined());
+    EXPECT_TRUE(ctx.layers[2].moe.experts.fc1_out.defined());
+  }), "shared_experts");
+  shared.moe = true;  // moe rebuilds the shared experts with the rest
+  expect_identical(plain, train_step(shared), "shared_experts + moe");
 }
 
 TEST(Recompute, FullUniformAndBlockChangeNothing) {
@@ -142,8 +152,8 @@ TEST(Recompute, FullUniformAndBlockChangeNothing) {
     }), "block " + std::to_string(n));
   }
   RecomputeConfig with_modules = full("block", 2);
-  with_modules.moe = with_modules.mlp = with_modules.core_attn = true;
-  expect_identical(plain, train_step(with_modules), "block 2 with moe, mlp and core_attn");
+  with_modules.moe = with_modules.mlp = with_modules.core_attn = with_modules.shared_experts = true;
+  expect_identical(plain, train_step(with_modules), "block 2 with moe, mlp, core_attn and shared_experts");
 }
 
 TEST(Recompute, FullRecomputationLowersTheForwardPeak) {

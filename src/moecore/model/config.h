@@ -63,6 +63,9 @@ struct RecomputeConfig {
   // --recompute-modules core_attn: the attention output and logsumexp (the output projection's
   // input) rebuilt from the kept q, k, v (model/attention_block.h; not MLA, not CP)
   bool core_attn = false;
+  // --recompute-modules shared_experts: the shared experts' saved tensors rebuilt from the MoE
+  // layer's input at the start of its backward
+  bool shared_experts = false;
 };
 
 struct ModelConfig {

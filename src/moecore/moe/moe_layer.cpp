@@ -9,6 +9,7 @@ namespace moecore {
 
 MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg, const MoeParallel& par)
     : swiglu_(cfg.swiglu),
+      recompute_shared_(cfg.recompute.shared_experts),
       dispatcher_(make_token_dispatcher(par.dispatcher, cfg.moe.num_experts, par.ep, par.etp, par.tp_ep)) {
   MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
   router_ = TopKRouter(store, prefix, cfg, par);
@@ -24,7 +25,12 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   ctx.batch = batch;
   ctx.routing = router_.forward(x, batch, training, rng_seed, stats_, ctx.router);
   phase.reset();
-  return route_and_compute(x, true, training, ctx);
+  Tensor out = route_and_compute(x, true, training, ctx);
+  if (training && recompute_shared_ && shared_.enabled()) {
+    ctx.shared = SharedExperts::Ctx{};
+    ctx.shared_dropped = true;
+  }
+  return out;
 }
 
 Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, Ctx& ctx) {
@@ -69,6 +75,7 @@ void MoeLayer::drop_for_recompute(Ctx& ctx, bool keep_input) const {
   ctx.dispatch = TokenDispatcher::Ctx{};
   ctx.experts = GroupedExperts::Ctx{};
   ctx.shared = SharedExperts::Ctx{};
+  ctx.shared_dropped = false;  // recompute() rebuilds them with the rest
 }
 
 Tensor MoeLayer::recompute(const Tensor& x, Ctx& ctx) {
@@ -81,6 +88,12 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   const Device dev = dy.device();
   std::optional<TimedRegion> phase;  // --timing-log-level 2: the layer's phases
   Tensor dx_shared;
+  if (ctx.shared_dropped) {  // --recompute-modules shared_experts: their forward again (output not needed)
+    phase.emplace("moe-shared-expert", 2, dev);
+    Tensor unused = Tensor::zeros(dy.shape(), dy.dtype(), dev);
+    shared_.forward(ctx.x, ctx.batch, unused, ctx.shared);
+    ctx.shared_dropped = false;
+  }
   if (shared_.enabled()) {
     phase.emplace("moe-shared-expert-backward", 2, dev);
     dx_shared = shared_.backward(dy, ctx.shared);

@@ -39,6 +39,7 @@ class MoeLayer {
     TokenDispatcher::Ctx dispatch;
     GroupedExperts::Ctx experts;
     SharedExperts::Ctx shared;
+    bool shared_dropped = false;  // --recompute-modules shared_experts: `shared` rebuilt in the backward
   };
 
   // rng_seed keys the input jitter; batch gives the sequences (seq_aux_loss).
@@ -67,7 +68,7 @@ class MoeLayer {
   // Dispatch, experts, combine and shared experts for the routing in ctx.routing; record: count
   // the routing in the step's statistics (not when recomputing).
   Tensor route_and_compute(const Tensor& x, bool record, bool training, Ctx& ctx);
-  bool swiglu_ = true;
+  bool swiglu_ = true, recompute_shared_ = false;
   std::shared_ptr<const TokenDispatcher> dispatcher_;
   TopKRouter router_;
   GroupedExperts experts_;
