@@ -126,10 +126,17 @@ void register_moe_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("moe-shared-expert-gate", &e.shared_expert_gate, "sigmoid gate on the shared expert (Qwen2-MoE)");
   f.add_bool("moe-per-layer-logging", &e.per_layer_logging, "log tokens per expert and losses per layer");
   f.add_choice("recompute-granularity", &a.recompute_granularity, {"selective", "full"},
-               "selective: recompute the --recompute-modules in the backward instead of keeping their outputs");
+               "selective: recompute the --recompute-modules in the backward instead of keeping their outputs; "
+               "full: whole decoder layers (--recompute-method, --recompute-num-layers)");
   f.add_list("recompute-modules", &a.recompute_modules,
              "with --recompute-granularity selective: moe_act (the experts' activation function), mla_up_proj "
-             "(MLA's up projections)");
+             "(MLA's up projections), moe (each MoE layer from its input), mlp (each dense MLP from its input), "
+             "core_attn (the attention output from q, k, v), shared_experts (from the MoE layer's input)");
+  f.add_choice("recompute-method", &a.model.recompute.full_method, {"uniform", "block"},
+               "with --recompute-granularity full: uniform (every chunk of --recompute-num-layers layers from its "
+               "input) or block (the first --recompute-num-layers layers of each pipeline stage)");
+  f.add_int("recompute-num-layers", &a.model.recompute.full_num_layers,
+            "with --recompute-granularity full: layers per chunk (uniform) or per stage (block)");
 }
 
 // Batches, the learning-rate schedule, AdamW, precision, logging, checkpoints, the device.
@@ -276,7 +283,7 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
              "not available: the shared expert runs after the dispatch (refused)");
   f.add_bool("moe-enable-deepep", &a.moe_enable_deepep, "not available: DeepEP kernels (the flex dispatcher) (refused)");
   f.add_bool("moe-layer-recompute", &a.moe_layer_recompute,
-             "not available: whole-MoE-layer recomputation; --recompute-modules moe_act is (refused)");
+             "recompute each MoE layer from its input in the backward (= --recompute-modules moe)");
   f.add_bool("moe-use-upcycling", &a.moe_use_upcycling, "not available: dense-to-MoE upcycling (refused)");
   f.add_int("moe-upcycling-granularity", &a.moe_upcycling_granularity,
             "not available: goes with --moe-use-upcycling (refused unless 1)");
@@ -544,20 +551,46 @@ void check_parallel_layout(TrainArgs& a, const comm::LaunchEnv& env) {
   stage_layers(a.model.num_layers, a.pp, a.virtual_stages(), a.first_stage_layers, a.last_stage_layers, 0);  // checks
 }
 
-// Activation recomputation: --recompute-granularity selective with --recompute-modules moe_act.
+// Activation recomputation: --recompute-granularity selective with --recompute-modules, full with
+// --recompute-method and --recompute-num-layers, --moe-layer-recompute.
 void check_recompute_flags(TrainArgs& a) {
   MoeConfig& e = a.model.moe;
-  MC_CHECK(a.recompute_granularity != "full", "--recompute-granularity full (whole-layer recomputation) is not "
-           "available in this version; use --recompute-granularity selective --recompute-modules moe_act");
+  RecomputeConfig& r = a.model.recompute;
   MC_CHECK(a.recompute_modules.empty() || a.recompute_granularity == "selective",
            "--recompute-modules needs --recompute-granularity selective");
-  MC_CHECK(a.recompute_granularity.empty() || !a.recompute_modules.empty(),
-           "--recompute-granularity selective: name the modules with --recompute-modules (moe_act in this version; "
-           "Megatron's default core_attn is not needed with flash attention, which keeps no score matrix)");
+  MC_CHECK(r.full_method.empty() || a.recompute_granularity == "full", "--recompute-method ", r.full_method,
+           " needs --recompute-granularity full");
+  MC_CHECK(r.full_num_layers == 0 || a.recompute_granularity == "full", "--recompute-num-layers ", r.full_num_layers,
+           " needs --recompute-granularity full");
+  if (a.recompute_granularity == "full") {
+    MC_CHECK(!r.full_method.empty(), "--recompute-granularity full: give --recompute-method uniform or block");
+    MC_CHECK(r.full_num_layers >= 1 && r.full_num_layers <= a.model.num_layers, "--recompute-num-layers ",
+             r.full_num_layers, " is out of range: expected 1 to the ", a.model.num_layers, " decoder layers");
+  }
+  MC_CHECK(a.recompute_granularity != "selective" || !a.recompute_modules.empty(),
+           "--recompute-granularity selective: name the modules with --recompute-modules (core_attn, moe_act, moe, "
+           "mlp, shared_experts, mla_up_proj)");
+  if (a.moe_layer_recompute) {
+    MC_CHECK(e.num_experts > 0, "--moe-layer-recompute needs an MoE model (--num-experts)");
+    r.moe = true;
+  }
   for (const std::string& module : a.recompute_modules) {
-    MC_CHECK(module != "core_attn" && module != "layernorm" && module != "mlp" && module != "moe" &&
-                 module != "shared_experts",
-             "--recompute-modules ", module, " is not available in this version (moe_act and mla_up_proj are)");
+    MC_CHECK(module != "layernorm", "--recompute-modules ", module,
+             " is not available in this version (core_attn, moe_act, moe, mlp, shared_experts and mla_up_proj are)");
+    if (module == "shared_experts") {
+      MC_CHECK(e.shared_expert_size > 0, "--recompute-modules shared_experts needs shared experts "
+               "(--moe-shared-expert-intermediate-size)");
+      r.shared_experts = true;
+      continue;
+    }
+    if (module == "core_attn") {
+      MC_CHECK(!a.model.mla.enabled, "--recompute-modules core_attn with --multi-latent-attention is not available in "
+               "this version (mla_up_proj is)");
+      MC_CHECK(a.cp == 1, "--recompute-modules core_attn with --context-parallel-size ", a.cp,
+               " is not available in this version");
+      r.core_attn = true;
+      continue;
+    }
     if (module == "mla_up_proj") {
       MC_CHECK(a.model.mla.enabled, "--recompute-modules mla_up_proj needs --multi-latent-attention");
       MC_CHECK(a.cp == 1, "--recompute-modules mla_up_proj with --context-parallel-size ", a.cp,
@@ -565,10 +598,15 @@ void check_recompute_flags(TrainArgs& a) {
       a.model.mla.recompute_up_proj = true;
       continue;
     }
-    MC_CHECK(module == "moe_act", "--recompute-modules '", module,
-             "': expected moe_act or mla_up_proj (Megatron's other modules: core_attn, layernorm, mlp, moe)");
-    MC_CHECK(e.num_experts > 0, "--recompute-modules moe_act needs an MoE model (--num-experts)");
-    e.recompute_act = true;
+    if (module == "mlp") {
+      r.mlp = true;
+      continue;
+    }
+    MC_CHECK(module == "moe_act" || module == "moe", "--recompute-modules '", module,
+             "': expected core_attn, moe_act, moe, mlp, shared_experts or mla_up_proj (Megatron's other module: "
+             "layernorm)");
+    MC_CHECK(e.num_experts > 0, "--recompute-modules ", module, " needs an MoE model (--num-experts)");
+    (module == "moe" ? r.moe : e.recompute_act) = true;
   }
 }
 
@@ -632,8 +670,6 @@ void check_feature_flags(TrainArgs& a) {
            "expert runs on the compute stream after the token dispatch; drop the flag");
   MC_CHECK(!a.moe_enable_deepep, "--moe-enable-deepep: the flex dispatcher (DeepEP kernels) is not available in this "
            "version; use --moe-token-dispatcher-type alltoall or allgather");
-  MC_CHECK(!a.moe_layer_recompute, "--moe-layer-recompute (whole-MoE-layer recomputation) is not available in this "
-           "version; --recompute-granularity selective --recompute-modules moe_act recomputes the expert activation");
   MC_CHECK(!a.moe_use_upcycling, "--moe-use-upcycling (dense-to-MoE upcycling) is not available in this version; "
            "drop the flag");
   MC_CHECK(a.moe_upcycling_granularity == 1, "--moe-upcycling-granularity ", a.moe_upcycling_granularity,

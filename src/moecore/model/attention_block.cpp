@@ -20,6 +20,9 @@ AttentionBlock::AttentionBlock(ParamStore& store, const std::string& prefix, con
       rope_(cfg.position_embedding_type == "rope"),
       rotary_base_(cfg.rotary_base) {
   const int64_t tp = par.tp_size(), h = cfg.hidden_size;
+  recompute_core_ = cfg.recompute.core_attn;
+  MC_CHECK(!recompute_core_ || !par.cp, "--recompute-modules core_attn with --context-parallel-size ", par.cp_size(),
+           " is not available in this version");
   MC_CHECK(cfg.num_attention_heads % tp == 0 && cfg.kv_heads() % tp == 0, "--num-attention-heads ",
            cfg.num_attention_heads, " and the ", cfg.kv_heads(),
            " query groups (--num-query-groups) must divide by --tensor-model-parallel-size ", tp);
@@ -72,12 +75,22 @@ Tensor AttentionBlock::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) c
     ctx.core_lse = lse;
   }
   const MemoryCategoryScope module(ActivationModule::kAttnProj);
-  return par_.exit_forward(o_proj_.forward(out.view({tokens, heads_ * head_dim_}), ctx.o), batch);
+  Tensor y = o_proj_.forward(out.view({tokens, heads_ * head_dim_}), ctx.o);
+  if (recompute_core_ && !par_.cp) ctx.core_out = ctx.core_lse = ctx.o.x = Tensor();  // rebuilt in the backward
+  return par_.exit_forward(y, batch);
 }
 
 Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx) const {
   const Tensor dy = par_.exit_backward(dy_local, batch);
   const int64_t tokens = dy.size(0), seq = tokens / batch;
+  if (!par_.cp && !ctx.core_out.defined()) {  // --recompute-modules core_attn: the same forward again
+    MC_CHECK(ctx.core_q.defined(), "AttentionBlock::backward without a forward");
+    ctx.core_out = Tensor::empty(ctx.core_q.shape(), ctx.core_q.dtype(), ctx.core_q.device());
+    ctx.core_lse = Tensor::empty({batch, heads_, seq}, ctx.core_q.dtype() == DType::F64 ? DType::F64 : DType::F32,
+                                 ctx.core_q.device());
+    ops::attention_forward(ctx.core_q, ctx.core_k, ctx.core_v, scale(), ctx.core_out, ctx.core_lse);
+    ctx.o.x = ctx.core_out.view({tokens, heads_ * head_dim_});
+  }
   Tensor dout = o_proj_.backward(dy, ctx.o).view({batch, seq, heads_, head_dim_});
   Tensor dq, dk, dv;
   if (par_.cp) {

@@ -2,7 +2,8 @@
 // q/k normalisation (--qk-layernorm), RoPE, causal attention, output projection. Biases: on all
 // four projections with bias-linear, on q/k/v only with --add-qkv-bias (Qwen2).
 // x [B*S, H] -> [B*S, H]. Saved: the projections' inputs, q/k/v after RoPE, the attention
-// output and its logsumexp ("core_attn").
+// output and its logsumexp ("core_attn"; with --recompute-modules core_attn not: the attention
+// forward reruns on the kept q, k, v at the start of the backward).
 // Tensor parallelism: q/k/v column-parallel (this rank's Hq/TP query heads and Hkv/TP kv heads,
 // whole GQA groups), the output projection row-parallel; with sequence parallelism x and the
 // result are this rank's [B, S/TP] slice (DenseParallel::enter/exit). q/k norm weights are
@@ -58,7 +59,7 @@ class AttentionBlock {
   DenseParallel par_;
   Norm q_norm_, k_norm_;
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0;
-  bool qk_norm_ = false, rope_ = true;
+  bool qk_norm_ = false, rope_ = true, recompute_core_ = false;
   double rotary_base_ = 10000.0;
 };
 

@@ -50,6 +50,24 @@ struct MlaConfig {
   int64_t q_head_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }  // D of the attention
 };
 
+// Activation recomputation of whole layers (memory options, not the model; model/gpt.h): the
+// saved tensors dropped after the forward and rebuilt from a kept input before the backward.
+struct RecomputeConfig {
+  // --recompute-granularity full: "uniform" (the stage's layers in chunks of num_layers, each
+  // chunk's input kept) or "block" (the stage's first num_layers layers, each from its input);
+  // empty: none.
+  std::string full_method;
+  int64_t full_num_layers = 0;
+  bool moe = false;  // --recompute-modules moe / --moe-layer-recompute: each MoE layer from its input
+  bool mlp = false;  // --recompute-modules mlp: each dense MLP from its input
+  // --recompute-modules core_attn: the attention output and logsumexp (the output projection's
+  // input) rebuilt from the kept q, k, v (model/attention_block.h; not MLA, not CP)
+  bool core_attn = false;
+  // --recompute-modules shared_experts: the shared experts' saved tensors rebuilt from the MoE
+  // layer's input at the start of its backward
+  bool shared_experts = false;
+};
+
 struct ModelConfig {
   int64_t num_layers = 2;
   int64_t hidden_size = 64;
@@ -79,6 +97,7 @@ struct ModelConfig {
   int64_t mtp_num_layers = 0;
   double mtp_loss_scaling_factor = 0.1;
   MoeConfig moe;
+  RecomputeConfig recompute;
   std::vector<bool> moe_layer;          // per layer: MoE (true) or dense MLP
 
   int64_t head_dim() const { return kv_channels; }

@@ -162,41 +162,104 @@ Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
   return x;
 }
 
-Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx) {
-  ctx.layers.resize(static_cast<size_t>(cfg_.num_layers));
-  for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i) {
-    const size_t li = static_cast<size_t>(i);
-    LayerCtx& lc = ctx.layers[li];
-    wait_params(i);
-    // New tensors for the residual stream: the norms keep their inputs for the backward.
-    // Memory accounting: each module's saved tensors under its name (core/memory_categories.h).
-    {
-      const TimedRegion timed("attention-forward", 2, h.device());
-      std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kAttnNorm);
-      const Tensor normed = attn_norm_[li].forward(h, lc.attn_norm);
-      module.emplace(ActivationModule::kCoreAttn);
-      const Tensor attn = attention_forward(li, normed, ctx.batch, lc);
-      module.emplace(ActivationModule::kResidual);
-      h = add_tensors(h, attn);
+Tensor GPTModel::layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_seed, int64_t batch, LayerCtx& lc,
+                              bool recomputing) {
+  const size_t li = static_cast<size_t>(i);
+  // New tensors for the residual stream: the norms keep their inputs for the backward.
+  // Memory accounting: each module's saved tensors under its name (core/memory_categories.h).
+  {
+    const TimedRegion timed("attention-forward", 2, h.device());
+    std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kAttnNorm);
+    const Tensor normed = attn_norm_[li].forward(h, lc.attn_norm);
+    module.emplace(ActivationModule::kCoreAttn);
+    const Tensor attn = attention_forward(li, normed, batch, lc);
+    module.emplace(ActivationModule::kResidual);
+    h = add_tensors(h, attn);
+  }
+  std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMlpNorm);
+  if (cfg_.is_moe(i)) {
+    const TimedRegion timed("moe-forward", 2, h.device());
+    const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
+    module.reset();  // the MoE layer names its parts
+    const Tensor moe = recomputing ? moe_[li].recompute(normed, lc.moe)
+                                   : moe_[li].forward(normed, batch, training,
+                                                      rng_seed + 0x9E3779B97F4A7C15ull * (li + 1), lc.moe);
+    module.emplace(ActivationModule::kResidual);
+    h = add_tensors(h, moe);
+    if (recomputing) return h;
+    if (training && cfg_.recompute.moe) {
+      moe_[li].drop_for_recompute(lc.moe, true);
+      lc.moe_dropped = true;
     }
-    std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMlpNorm);
-    if (cfg_.is_moe(i)) {
-      const TimedRegion timed("moe-forward", 2, h.device());
-      const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
-      module.reset();  // the MoE layer names its parts
-      const Tensor moe = moe_[li].forward(normed, ctx.batch, training, rng_seed + 0x9E3779B97F4A7C15ull * (li + 1), lc.moe);
-      module.emplace(ActivationModule::kResidual);
-      h = add_tensors(h, moe);
-    } else {
-      const TimedRegion timed("mlp-forward", 2, h.device());
-      const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
-      module.emplace(ActivationModule::kMlp);
-      const Tensor mlp = mlp_[li].forward(normed, lc.mlp, ctx.batch);
-      module.emplace(ActivationModule::kResidual);
-      h = add_tensors(h, mlp);
+  } else {
+    const TimedRegion timed("mlp-forward", 2, h.device());
+    const Tensor normed = mlp_norm_[li].forward(h, lc.mlp_norm);
+    module.emplace(ActivationModule::kMlp);
+    const Tensor mlp = mlp_[li].forward(normed, lc.mlp, batch);
+    module.emplace(ActivationModule::kResidual);
+    h = add_tensors(h, mlp);
+    if (training && !recomputing && cfg_.recompute.mlp) {
+      lc.mlp = Mlp::Ctx{};
+      lc.mlp_input = normed;
     }
   }
   return h;
+}
+
+int64_t GPTModel::full_recompute_first(int64_t i) const {
+  const int64_t n = cfg_.recompute.full_num_layers, offset = i - stage_.first_layer;
+  if (cfg_.recompute.full_method == "uniform") return stage_.first_layer + offset / n * n;
+  if (cfg_.recompute.full_method == "block") return offset < n ? i : -1;
+  return -1;
+}
+
+Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx) {
+  ctx.layers.resize(static_cast<size_t>(cfg_.num_layers));
+  for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i) {
+    LayerCtx& lc = ctx.layers[static_cast<size_t>(i)];
+    wait_params(i);
+    lc.recompute_first = training ? full_recompute_first(i) : -1;
+    lc.recompute_input = lc.recompute_first == i ? h : Tensor();
+    lc.mlp_input = Tensor();
+    lc.moe_dropped = false;
+    h = layer_forward(i, h, training, rng_seed, ctx.batch, lc, false);
+    if (lc.recompute_first >= 0) {  // --recompute-granularity full: keep only the router's
+      lc.attn_norm = lc.mlp_norm = Norm::Ctx{};
+      lc.attn = AttentionBlock::Ctx{};
+      lc.mla = MlaAttention::Ctx{};
+      lc.mlp = Mlp::Ctx{};
+      lc.mlp_input = Tensor();
+      if (cfg_.is_moe(i)) moe_[static_cast<size_t>(i)].drop_for_recompute(lc.moe, false);
+      lc.moe_dropped = false;
+    }
+  }
+  return h;
+}
+
+void GPTModel::recompute_layers(int64_t first, int64_t last, Ctx& ctx) {
+  const TimedRegion timed("recompute-forward", 2, ctx.layers[static_cast<size_t>(first)].recompute_input.device());
+  Tensor h = ctx.layers[static_cast<size_t>(first)].recompute_input;
+  ctx.layers[static_cast<size_t>(first)].recompute_input = Tensor();
+  for (int64_t j = first; j <= last; ++j) {
+    LayerCtx& lc = ctx.layers[static_cast<size_t>(j)];
+    h = layer_forward(j, h, true, 0, ctx.batch, lc, true);
+    lc.recompute_first = -1;
+  }
+}
+
+void GPTModel::recompute_before_backward(int64_t i, Ctx& ctx) {
+  LayerCtx& lc = ctx.layers[static_cast<size_t>(i)];
+  if (lc.recompute_first >= 0) recompute_layers(lc.recompute_first, i, ctx);
+  if (lc.moe_dropped) {
+    const TimedRegion timed("recompute-forward", 2, lc.moe.x.device());
+    moe_[static_cast<size_t>(i)].recompute(Tensor(), lc.moe);
+    lc.moe_dropped = false;
+  }
+  if (lc.mlp_input.defined()) {
+    const TimedRegion timed("recompute-forward", 2, lc.mlp_input.device());
+    mlp_[static_cast<size_t>(i)].forward(lc.mlp_input, lc.mlp, ctx.batch);
+    lc.mlp_input = Tensor();
+  }
 }
 
 void GPTModel::loss_rows(const Tensor& logits, const Tensor& labels, Tensor& loss, Tensor& lse) const {
@@ -531,6 +594,7 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
   }
   for (int64_t i = stage_.end_layer - 1; i >= stage_.first_layer; --i) {
     const size_t li = static_cast<size_t>(i);
+    recompute_before_backward(i, ctx);
     LayerCtx& lc = ctx.layers[li];
     {
       const TimedRegion timed(cfg_.is_moe(i) ? "moe-backward" : "mlp-backward", 2, dh.device());

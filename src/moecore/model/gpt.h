@@ -51,6 +51,15 @@ class GPTModel {
     MlaAttention::Ctx mla;  // --multi-latent-attention
     Mlp::Ctx mlp;
     MoeLayer::Ctx moe;
+    // Recomputation (cfg.recompute). Full: the layers of a chunk [recompute_first, this layer]
+    // dropped their saved tensors (the MoE router's excepted, see MoeLayer::drop_for_recompute);
+    // the chunk's first layer keeps its input in recompute_input. -1: not dropped.
+    int64_t recompute_first = -1;
+    Tensor recompute_input;
+    // --recompute-modules mlp: the dense MLP's input (its Ctx dropped); moe: the MoE layer's
+    // saved tensors after the routing dropped (its Ctx keeps the input).
+    Tensor mlp_input;
+    bool moe_dropped = false;
   };
   struct Ctx {
     Tensor token_ids, position_ids, labels;  // [T] i32 (position ids: this rank's tokens after SP)
@@ -168,6 +177,16 @@ class GPTModel {
   Tensor attention_backward(size_t i, const Tensor& dy, int64_t batch, LayerCtx& lc) const;
   // The transformer layers of this stage (without the final norm).
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
+  // Decoder layer i from its input h. recomputing: rebuild what the first forward saved (the
+  // MoE layer reuses its routing; no selective recomputation drops anything again).
+  Tensor layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_seed, int64_t batch, LayerCtx& lc,
+                       bool recomputing);
+  // --recompute-granularity full: the first layer of layer i's recomputed chunk, -1 if none.
+  int64_t full_recompute_first(int64_t i) const;
+  // Reruns the forward of layers [first, last] from ctx.layers[first].recompute_input.
+  void recompute_layers(int64_t first, int64_t last, Ctx& ctx);
+  // Before layer i's backward: rebuilds what recomputation dropped (whole chunk or module).
+  void recompute_before_backward(int64_t i, Ctx& ctx);
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
   // (CP-local) tokens on the device; ctx.num_labels is the whole sequences' label count.
   Tensor head_forward(const Tensor& h, Ctx& ctx);

@@ -10,6 +10,7 @@ namespace moecore {
 
 MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg, const MoeParallel& par)
     : swiglu_(cfg.swiglu),
+      recompute_shared_(cfg.recompute.shared_experts),
       dispatcher_(make_token_dispatcher(par.dispatcher, cfg.moe.num_experts, par.ep, par.etp, par.tp_ep)) {
   MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
   router_ = TopKRouter(store, prefix, cfg, par);
@@ -19,13 +20,26 @@ MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConf
 }
 
 Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx) {
-  const Device dev = x.device();
   // --timing-log-level 2: the layer's phases, one after the other.
-  std::optional<TimedRegion> phase(std::in_place, "moe-router", 2, dev);
+  std::optional<TimedRegion> phase(std::in_place, "moe-router", 2, x.device());
   // Memory accounting: each phase's saved tensors under its module's name.
   std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kRouter);
   ctx.x = x;
-  const TopKRouter::Routing routing = router_.forward(x, batch, training, rng_seed, stats_, ctx.router);
+  ctx.batch = batch;
+  ctx.routing = router_.forward(x, batch, training, rng_seed, stats_, ctx.router);
+  phase.reset();
+  module.reset();  // route_and_compute names the later phases' parts
+  Tensor out = route_and_compute(x, true, training, ctx);
+  if (training && recompute_shared_ && shared_.enabled()) {
+    ctx.shared = SharedExperts::Ctx{};
+    ctx.shared_dropped = true;
+  }
+  return out;
+}
+
+Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, Ctx& ctx) {
+  const Device dev = x.device();
+  const TopKRouter::Routing& routing = ctx.routing;
   DispatchInput in;
   in.x = x;
   in.probs = ops::cast_to(routing.probs, x.dtype() == DType::F64 ? DType::F64 : DType::F32);
@@ -41,10 +55,11 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   // counts stay on the device: nothing in this layer then waits for the GPU.
   in.device_rows = experts_.device_rows();
 
-  phase.emplace("moe-dispatch", 2, dev);
-  module.emplace(ActivationModule::kMoeDispatch);
+  std::optional<TimedRegion> phase(std::in_place, "moe-dispatch", 2, dev);
+  // Memory accounting: each phase's saved tensors under its module's name.
+  std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMoeDispatch);
   const TokenRows expert_in = dispatcher_->dispatch(in, ctx.dispatch);
-  stats_.record_routing(ctx.dispatch.routing, routing.indices, routing.kept, routing.pad, training);
+  if (record) stats_.record_routing(ctx.dispatch.routing, routing.indices, routing.kept, routing.pad, training);
 
   phase.emplace("moe-experts", 2, dev);
   module.reset();  // the experts name their parts
@@ -59,15 +74,35 @@ Tensor MoeLayer::forward(const Tensor& x, int64_t batch, bool training, uint64_t
   if (shared_.enabled()) {
     phase.emplace("moe-shared-expert", 2, dev);
     module.emplace(ActivationModule::kSharedExperts);
-    shared_.forward(x, batch, out, ctx.shared);
+    shared_.forward(x, ctx.batch, out, ctx.shared);
   }
   return out;
+}
+
+void MoeLayer::drop_for_recompute(Ctx& ctx, bool keep_input) const {
+  if (!keep_input) ctx.x = Tensor();
+  ctx.dispatch = TokenDispatcher::Ctx{};
+  ctx.experts = GroupedExperts::Ctx{};
+  ctx.shared = SharedExperts::Ctx{};
+  ctx.shared_dropped = false;  // recompute() rebuilds them with the rest
+}
+
+Tensor MoeLayer::recompute(const Tensor& x, Ctx& ctx) {
+  if (x.defined()) ctx.x = x;
+  MC_CHECK(ctx.x.defined() && ctx.routing.indices.defined(), "MoeLayer::recompute without a forward");
+  return route_and_compute(ctx.x, false, true, ctx);
 }
 
 Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   const Device dev = dy.device();
   std::optional<TimedRegion> phase;  // --timing-log-level 2: the layer's phases
   Tensor dx_shared;
+  if (ctx.shared_dropped) {  // --recompute-modules shared_experts: their forward again (output not needed)
+    phase.emplace("moe-shared-expert", 2, dev);
+    Tensor unused = Tensor::zeros(dy.shape(), dy.dtype(), dev);
+    shared_.forward(ctx.x, ctx.batch, unused, ctx.shared);
+    ctx.shared_dropped = false;
+  }
   if (shared_.enabled()) {
     phase.emplace("moe-shared-expert-backward", 2, dev);
     dx_shared = shared_.backward(dy, ctx.shared);

@@ -33,13 +33,26 @@ class MoeLayer {
   struct Ctx {
     Tensor x;  // "moe" input
     TopKRouter::Ctx router;
+    // The router's decision, kept for a recomputation (recompute()); batch: the sequences in x.
+    TopKRouter::Routing routing;
+    int64_t batch = 1;
     TokenDispatcher::Ctx dispatch;
     GroupedExperts::Ctx experts;
     SharedExperts::Ctx shared;
+    bool shared_dropped = false;  // --recompute-modules shared_experts: `shared` rebuilt in the backward
   };
 
   // rng_seed keys the input jitter; batch gives the sequences (seq_aux_loss).
   Tensor forward(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx);
+  // Recomputation (--recompute-modules moe, --moe-layer-recompute, --recompute-granularity full):
+  // drop_for_recompute frees what the dispatch, the experts and the shared experts saved, and with
+  // keep_input false the layer's input too; the router's saved tensors and its decision stay, so
+  // the recomputation routes identically and counts no statistics (balancing losses, tokens per
+  // expert, global_aux_loss counts) twice. recompute(x) reruns the dispatch (its communication
+  // included), the experts, the combine and the shared experts from x (the same input, bit for
+  // bit; undefined: the kept one) before backward, and returns the layer's output again.
+  void drop_for_recompute(Ctx& ctx, bool keep_input) const;
+  Tensor recompute(const Tensor& x, Ctx& ctx);
   // loss_grad_scale: d(total loss)/d(balancing loss), i.e. 1 / num_microbatches.
   Tensor backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx);
 
@@ -52,7 +65,10 @@ class MoeLayer {
   void check_evaluation_routing() const { stats_.check_evaluation_routing(); }
 
  private:
-  bool swiglu_ = true;
+  // Dispatch, experts, combine and shared experts for the routing in ctx.routing; record: count
+  // the routing in the step's statistics (not when recomputing).
+  Tensor route_and_compute(const Tensor& x, bool record, bool training, Ctx& ctx);
+  bool swiglu_ = true, recompute_shared_ = false;
   std::shared_ptr<const TokenDispatcher> dispatcher_;
   TopKRouter router_;
   GroupedExperts experts_;
