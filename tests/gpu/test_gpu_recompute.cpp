@@ -39,7 +39,7 @@ struct Step {
 Step gpu_step(const RecomputeConfig& recompute) {
   ModelConfig c = gpu_recompute_model();
   c.recompute = recompute;
-  ParamStore store(Device::cuda(0), DType::BF16, DType::F32, 77);
+  ParamStore store(Device::cuda(0), DType::F32, DType::BF16, 77);  // fp32 masters, bf16 compute
   GPTModel model(c, store);
   store.initialize();
   const MockData data(c.vocab_size, c.seq_length, 5, "train");
