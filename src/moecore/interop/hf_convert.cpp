@@ -18,6 +18,7 @@
 #include "moecore/core/progress.h"
 #include "moecore/data/tokenizer.h"
 #include "moecore/interop/hf_deepseek.h"
+#include "moecore/interop/hf_config_values.h"
 #include "moecore/interop/safetensors.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/checkpoint.h"
@@ -221,16 +222,6 @@ Arch arch_of(const json& cfg, const std::string& origin) {
           "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM");
 }
 
-std::string num_text(double x) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", x);
-  return buf;
-}
-
-int64_t need_int(const json& cfg, const char* key, const std::string& origin) {
-  MC_CHECK(cfg.contains(key) && cfg[key].is_number_integer(), origin, ": config.json has no integer '", key, "'");
-  return cfg[key].get<int64_t>();
-}
 
 // Per layer: MoE? (Qwen2/Qwen3: not in mlp_only_layers and (i+1) % decoder_sparse_step == 0.)
 std::vector<bool> moe_layers(const json& cfg, Arch arch, int64_t layers) {
@@ -354,9 +345,9 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
       {"kv-channels", std::to_string(head_dim)},
       {"vocab-size", std::to_string(need_int(cfg, "vocab_size", origin))},
       {"normalization", "RMSNorm"},
-      {"norm-epsilon", num_text(cfg.value("rms_norm_eps", 1e-6))},
+      {"norm-epsilon", config_number_text(cfg.value("rms_norm_eps", 1e-6))},
       {"position-embedding-type", "rope"},
-      {"rotary-base", num_text(rope_theta)},
+      {"rotary-base", config_number_text(rope_theta)},
       {"max-position-embeddings", std::to_string(maxpos)},
       {"seq-length", std::to_string(std::min<int64_t>(maxpos, 4096))},
       {"swiglu", "true"},
@@ -368,7 +359,7 @@ std::vector<std::pair<std::string, std::string>> hf_config_to_train_flags(const 
       {"moe-layer-freq", freq},
       {"moe-router-topk", std::to_string(need_int(cfg, "num_experts_per_tok", origin))},
       {"moe-ffn-hidden-size", std::to_string(moe_ffn)},
-      {"moe-aux-loss-coeff", num_text(cfg.value("router_aux_loss_coef", 0.0))},
+      {"moe-aux-loss-coeff", config_number_text(cfg.value("router_aux_loss_coef", 0.0))},
       {"moe-router-pre-softmax", pre_softmax ? "true" : "false"},
       {"moe-shared-expert-intermediate-size", std::to_string(shared)},
       {"moe-shared-expert-gate", shared > 0 ? "true" : "false"},

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "moecore/core/error.h"
+#include "moecore/interop/hf_config_values.h"
 
 using nlohmann::json;
 
@@ -11,16 +12,6 @@ namespace moecore::interop {
 
 namespace {
 
-std::string num(double x) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", x);
-  return buf;
-}
-
-int64_t need_int(const json& cfg, const char* key, const std::string& origin) {
-  MC_CHECK(cfg.contains(key) && cfg[key].is_number_integer(), origin, ": config.json has no integer '", key, "'");
-  return cfg[key].get<int64_t>();
-}
 // An integer that may be null or absent (then `fallback`).
 int64_t int_or(const json& cfg, const char* key, int64_t fallback, const std::string& origin) {
   if (!cfg.contains(key) || cfg[key].is_null()) return fallback;
@@ -53,14 +44,15 @@ void rope_flags(const json& cfg, const std::string& origin, std::vector<std::pai
     yarn = true;
     MC_CHECK(r.contains("factor") && r["factor"].is_number(), origin, ": ", key, " (yarn) has no number 'factor'");
     out.push_back({"rope-type", "yarn"});
-    out.push_back({"rotary-scaling-factor", num(r["factor"].get<double>())});
-    out.push_back({"original-max-position-embeddings", num(num_or(r, "original_max_position_embeddings", 4096))});
-    out.push_back({"beta-fast", num(num_or(r, "beta_fast", 32))});
-    out.push_back({"beta-slow", num(num_or(r, "beta_slow", 1))});
-    out.push_back({"mscale", num(num_or(r, "mscale", 1))});
-    out.push_back({"mscale-all-dim", num(num_or(r, "mscale_all_dim", 0))});
+    out.push_back({"rotary-scaling-factor", config_number_text(r["factor"].get<double>())});
+    out.push_back({"original-max-position-embeddings",
+                   config_number_text(num_or(r, "original_max_position_embeddings", 4096))});
+    out.push_back({"beta-fast", config_number_text(num_or(r, "beta_fast", 32))});
+    out.push_back({"beta-slow", config_number_text(num_or(r, "beta_slow", 1))});
+    out.push_back({"mscale", config_number_text(num_or(r, "mscale", 1))});
+    out.push_back({"mscale-all-dim", config_number_text(num_or(r, "mscale_all_dim", 0))});
   }
-  out.push_back({"rotary-base", num(theta)});
+  out.push_back({"rotary-base", config_number_text(theta)});
 }
 
 // The routing flags (see the header).
@@ -101,10 +93,10 @@ void routing_flags(const json& cfg, bool v3, int64_t experts, int64_t topk, cons
   out.push_back({"moe-router-enable-expert-bias", v3 ? "true" : "false"});
   out.push_back({"moe-router-num-groups", std::to_string(groups ? n_group : 0)});
   out.push_back({"moe-router-group-topk", std::to_string(groups ? topk_group : 0)});
-  out.push_back({"moe-router-topk-scaling-factor", num(scaling == 1.0 ? 0.0 : scaling)});
+  out.push_back({"moe-router-topk-scaling-factor", config_number_text(scaling == 1.0 ? 0.0 : scaling)});
   // DeepSeek's balancing loss: the sequence-wise one (seq_aux true) or the batch one, weight aux_loss_alpha.
   out.push_back({"moe-router-load-balancing-type", bool_or(cfg, "seq_aux", true) ? "seq_aux_loss" : "aux_loss"});
-  out.push_back({"moe-aux-loss-coeff", num(num_or(cfg, "aux_loss_alpha", 0.0))});
+  out.push_back({"moe-aux-loss-coeff", config_number_text(num_or(cfg, "aux_loss_alpha", 0.0))});
 }
 
 }  // namespace
@@ -149,7 +141,7 @@ std::vector<std::pair<std::string, std::string>> deepseek_config_to_train_flags(
       {"num-attention-heads", std::to_string(heads)},
       {"vocab-size", std::to_string(need_int(cfg, "vocab_size", origin))},
       {"normalization", "RMSNorm"},
-      {"norm-epsilon", num(num_or(cfg, "rms_norm_eps", 1e-6))},
+      {"norm-epsilon", config_number_text(num_or(cfg, "rms_norm_eps", 1e-6))},
       {"position-embedding-type", "rope"},
       {"max-position-embeddings", std::to_string(maxpos)},
       {"seq-length", std::to_string(std::min<int64_t>(maxpos, 4096))},
