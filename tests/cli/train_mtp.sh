@@ -3,7 +3,8 @@
 # - one rank: each depth's loss in the log line ("mtp_1 loss") and metrics.jsonl ("mtp_1_loss");
 # - TP2+SP, CP2, PP2 (the modules on the last stage, the word embedding's copy there summed with
 #   the first stage's; tied or not; virtual stages), EP2 (alltoall and allgather), TP2+SP CP2
-#   PP2 EP2 on 8 ranks, and the distributed optimizer with overlap on PP2: the single-rank run's
+#   PP2 EP2 on 8 ranks (also with Multi-Latent Attention), and the distributed optimizer with
+#   overlap on PP2: the single-rank run's
 #   lm loss, every depth's MTP loss, load_balancing_loss and grad norm (2e-5 relative) for 3
 #   iterations, with 2 depths;
 # - a checkpoint saved at iteration 2 resumes bit-identically on one rank, and a PP2 one on one
@@ -67,6 +68,13 @@ check "tied embeddings, np 2 --pipeline-model-parallel-size 2"
 run single 1 "${moe[@]}" --num-layers 4
 run ranks 2 "${moe[@]}" --num-layers 4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2
 check "4 layers, np 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"
+# Multi-Latent Attention (the MTP layers' attention is MLA too) on 8 ranks, TP2+SP CP2 PP2 EP2
+mla=(--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8
+     --v-head-dim 16 --qk-layernorm)
+run single 1 "${moe[@]}" "${mla[@]}"
+run ranks 8 "${moe[@]}" "${mla[@]}" $tp --context-parallel-size 2 --pipeline-model-parallel-size 2 \
+  --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+check "MLA, np 8 TP2+SP CP2 PP2 EP2"
 
 # checkpoints: one rank saves at 2 and resumes to 4 bit-identically; PP2 saves, one rank resumes
 sched=(--lr-decay-iters 4 --train-iters 4)
