@@ -63,4 +63,14 @@ TEST(DecodeStepCpu, GreedyTokensAreTheLogitsArgmax) {
   EXPECT_THROW(greedy.run({3, 40}, {6, 6}), Error);  // token outside the vocabulary
   EXPECT_THROW(greedy.run({3, 4}, {8, 6}), Error);   // position outside the cache
   EXPECT_THROW(greedy.run({3}, {6}), Error);         // one row of two
+  // cached_logits' one-token-per-row path (decode_logits) checks the positions as well
+  const Tensor step_tokens = Tensor::from_vector(std::vector<int32_t>{3, 4}, {2, 1});
+  try {
+    model.cached_logits(step_tokens, 0, {2, 8}, greedy_cache);
+    ADD_FAILURE() << "no error for a position outside the KV cache";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cached_logits: row 1 at position 8 is outside the KV cache of 8 positions"),
+              std::string::npos)
+        << e.what();
+  }
 }

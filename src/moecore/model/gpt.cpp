@@ -257,6 +257,7 @@ void GPTModel::recompute_before_backward(int64_t i, Ctx& ctx) {
   }
   if (lc.mlp_input.defined()) {
     const TimedRegion timed("recompute-forward", 2, lc.mlp_input.device());
+    const MemoryCategoryScope module(ActivationModule::kMlp);  // saved again, under its name
     mlp_[static_cast<size_t>(i)].forward(lc.mlp_input, lc.mlp, ctx.batch);
     lc.mlp_input = Tensor();
   }
@@ -666,6 +667,12 @@ Tensor GPTModel::cached_logits(const Tensor& tokens, int64_t first_row, const st
                static_cast<int64_t>(start.size()) == rows && cache.rows > 0,
            "cached_logits: tokens must be [1, S] or [R, 1] i32 with one start per row, got ", tokens.describe());
   if (seq == 1 && first_row == 0 && rows == cache.rows) {
+    // decode_logits trusts its device positions (the CUDA decode attention writes the cache at
+    // them unchecked): check them here, as forward_cached does on the other path.
+    for (int64_t r = 0; r < rows; ++r)
+      MC_CHECK(start[static_cast<size_t>(r)] >= 0 && start[static_cast<size_t>(r)] < cache.max_len, "cached_logits: row ",
+               r, " at position ", start[static_cast<size_t>(r)], " is outside the KV cache of ", cache.max_len,
+               " positions");
     const std::vector<int32_t> pos(start.begin(), start.end());
     return decode_logits(tokens, Tensor::from_vector(pos, {rows}, tokens.device()), cache);
   }

@@ -141,7 +141,7 @@ class GPTModel {
   // One decoding step of every cache row from device inputs: tokens [R, 1] i32, positions [R] i32
   // (each row's new token and its position), R = cache.rows. Returns the logits [R, V] in the
   // compute dtype. On a GPU nothing is read back to the host where the ops allow it (the MoE
-  // layers with device-side expert offsets): train/decode_graph.h captures it in a CUDA graph.
+  // layers with device-side expert offsets): train/decode_step.h captures it in a CUDA graph.
   // cached_logits with S == 1 and first_row 0 is this call. With --multi-latent-attention the
   // positions are read back to the host (MlaAttention::forward_cached takes host positions), so
   // that step cannot be captured: decode_graphable() is false.

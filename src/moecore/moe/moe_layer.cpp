@@ -99,6 +99,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   Tensor dx_shared;
   if (ctx.shared_dropped) {  // --recompute-modules shared_experts: their forward again (output not needed)
     phase.emplace("moe-shared-expert", 2, dev);
+    const MemoryCategoryScope module(ActivationModule::kSharedExperts);  // saved again, under its name
     Tensor unused = Tensor::zeros(dy.shape(), dy.dtype(), dev);
     shared_.forward(ctx.x, ctx.batch, unused, ctx.shared);
     ctx.shared_dropped = false;
