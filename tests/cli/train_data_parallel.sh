@@ -19,11 +19,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 base=(train --config "$src/configs/tiny.yaml" --device cpu --train-iters 3 --lr-warmup-iters 1 --log-interval 1
       --eval-interval 0 --micro-batch-size 4 --global-batch-size 16)
 values() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*' "$1" | cut -d: -f2; }
-# agree TOL: every line of stdin holds two values (from paste) within TOL relative of each other;
-# a missing value (lists of different lengths) fails too.
-agree() {
-  awk -v tol="$1" '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > tol * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }'
-}
+. "$(dirname "$0")/layout_compare.sh"  # agree TOL: two values a line within TOL relative (a missing one fails)
 compare() {  # file_a file_b [relative tolerance, default 2e-5]
   paste <(values "$1") <(values "$2") | agree "${3:-2e-5}"
 }

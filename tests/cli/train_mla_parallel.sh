@@ -18,24 +18,8 @@ mla=(train --config "$src/configs/tiny.yaml" --device cpu --train-iters 3 --lr-w
      --moe-router-num-groups 2 --moe-router-group-topk 1 --moe-shared-expert-intermediate-size 32
      --moe-router-load-balancing-type seq_aux_loss)
 values() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*' "$1" | cut -d: -f2; }
-agree() {  # every stdin line: two values within $1 relative (a missing value fails)
-  awk -v tol="$1" '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > tol * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }'
-}
-run() {  # out np args...: mpirun (np > 1) or one process
-  local out=$1 np=$2; shift 2
-  rm -f "$dir/$out.jsonl"
-  if [ "$np" = 1 ]; then
-    "$bin" "$@" --metrics-file "$dir/$out.jsonl" > "$dir/$out.log" 2>&1 || { cat "$dir/$out.log"; exit 1; }
-  else
-    "$mpiexec" -np "$np" "$bin" "$@" --metrics-file "$dir/$out.jsonl" > "$dir/$out.log" 2>&1 || { cat "$dir/$out.log"; exit 1; }
-  fi
-  [ "$(values "$dir/$out.jsonl" | wc -l)" -ge 3 ] || { cat "$dir/$out.log"; echo "FAIL: nothing logged"; exit 1; }
-}
-check() {  # tolerance label: the last run against the single-rank one
-  paste <(values "$dir/ranks.jsonl") <(values "$dir/single.jsonl") | agree "$1" ||
-    { echo "FAIL: $2 differs from one rank"; exit 1; }
-  echo "$2: same losses and grad norm as one rank"
-}
+MIN_LOGGED=3
+. "$(dirname "$0")/layout_compare.sh"  # agree, run, check
 layouts() {  # extra-flags -- layouts (each "np flags...")
   local extra=$1; shift 2
   read -r -a x <<<"$extra"

@@ -21,18 +21,7 @@ moe=(train --config "$src/configs/tiny.yaml" --device cpu --train-iters 3 --lr-w
 values() {
   grep -o '"lm_loss":[^,}]*\|"mtp_[0-9]_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*' "$1" | cut -d: -f2
 }
-agree() {  # every stdin line: two values within $1 relative (a missing value fails)
-  awk -v tol="$1" '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > tol * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }'
-}
-run() {  # out np args...: mpirun (np > 1) or one process
-  local out=$1 np=$2; shift 2
-  rm -f "$dir/$out.jsonl"
-  if [ "$np" = 1 ]; then
-    "$bin" "$@" --metrics-file "$dir/$out.jsonl" > "$dir/$out.log" 2>&1 || { cat "$dir/$out.log"; exit 1; }
-  else
-    "$mpiexec" -np "$np" "$bin" "$@" --metrics-file "$dir/$out.jsonl" > "$dir/$out.log" 2>&1 || { cat "$dir/$out.log"; exit 1; }
-  fi
-}
+. "$(dirname "$0")/layout_compare.sh"  # agree, run, check
 check() {  # label: the last run's values against the single-rank one's
   paste <(values "$dir/ranks.jsonl") <(values "$dir/single.jsonl") | agree 2e-5 ||
     { echo "FAIL: $1 differs from one rank"; exit 1; }

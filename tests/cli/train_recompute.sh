@@ -15,17 +15,9 @@ base=(train --config "$src/configs/tiny.yaml" --device cpu --train-iters 3 --lr-
       --moe-shared-expert-intermediate-size 32 --moe-input-jitter-eps 0.05
       --moe-router-load-balancing-type global_aux_loss --moe-z-loss-coeff 0.001)
 values() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*' "$1"; }
+MIN_LOGGED=9
+. "$(dirname "$0")/layout_compare.sh"  # agree, run, check
 peak() { grep -o '"mem_max_allocated_bytes":[0-9]*' "$1" | cut -d: -f2 | sort -n | tail -n 1; }
-run() {  # out np args...
-  local out=$1 np=$2; shift 2
-  rm -f "$dir/$out.jsonl"
-  if [ "$np" = 1 ]; then
-    "$bin" "$@" --metrics-file "$dir/$out.jsonl" > "$dir/$out.log" 2>&1 || { cat "$dir/$out.log"; exit 1; }
-  else
-    "$mpiexec" -np "$np" "$bin" "$@" --metrics-file "$dir/$out.jsonl" > "$dir/$out.log" 2>&1 || { cat "$dir/$out.log"; exit 1; }
-  fi
-  [ "$(values "$dir/$out.jsonl" | wc -l)" -ge 9 ] || { cat "$dir/$out.log"; echo "FAIL: nothing logged"; exit 1; }
-}
 options=("--recompute-granularity selective --recompute-modules moe"
          "--recompute-granularity selective --recompute-modules mlp moe_act"
          "--recompute-granularity selective --recompute-modules core_attn shared_experts"

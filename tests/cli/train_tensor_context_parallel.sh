@@ -26,24 +26,8 @@ dense=(train --mock-data --vocab-size 128 --seq-length 32 --num-layers 2 --hidde
        --qk-layernorm --ffn-hidden-size 96 --device cpu --train-iters 3 --lr 3e-3 --lr-warmup-iters 1 --log-interval 1
        --eval-interval 0 --micro-batch-size 4 --global-batch-size 16 --clip-grad 1.0)
 values() { grep -o '"lm_loss":[^,}]*\|"load_balancing_loss":[^,}]*\|"grad_norm":[^,}]*' "$1" | cut -d: -f2; }
-agree() {  # every stdin line: two values within $1 relative (a missing value fails)
-  awk -v tol="$1" '{ d = $1 - $2; if (d < 0) d = -d; if (NF != 2 || d > tol * ($2 < 0 ? -$2 : $2) + 1e-12) { print "differs: " $0; bad = 1 } } END { exit bad }'
-}
-run() {  # out np args...: mpirun (np > 1) or one process
-  local out=$1 np=$2; shift 2
-  rm -f "$dir/$out.jsonl"
-  if [ "$np" = 1 ]; then
-    "$bin" "$@" --metrics-file "$dir/$out.jsonl" > "$dir/$out.log" 2>&1 || { cat "$dir/$out.log"; exit 1; }
-  else
-    "$mpiexec" -np "$np" "$bin" "$@" --metrics-file "$dir/$out.jsonl" > "$dir/$out.log" 2>&1 || { cat "$dir/$out.log"; exit 1; }
-  fi
-  [ "$(values "$dir/$out.jsonl" | wc -l)" -ge 3 ] || { cat "$dir/$out.log"; echo "FAIL: nothing logged"; exit 1; }
-}
-check() {  # tolerance label: the last run against the single-rank one
-  paste <(values "$dir/ranks.jsonl") <(values "$dir/single.jsonl") | agree "$1" ||
-    { echo "FAIL: $2 differs from one rank"; exit 1; }
-  echo "$2: same losses and grad norm as one rank"
-}
+MIN_LOGGED=3
+. "$(dirname "$0")/layout_compare.sh"  # agree, run, check
 layouts() {  # model-array-name extra-flags -- layouts (each "np flags...")
   local -n model=$1; local name=$1 extra=$2; shift 3
   read -r -a x <<<"$extra"
