@@ -42,15 +42,15 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
   return m;
 }
 
-// Dv: the value head dim (0: D).
-void check_case(DType dtype, int64_t D, bool rope, int64_t Dv = 0) {
+// Dv: the value head dim (0: D). last: the third row's position (the cache holds last + 1).
+void check_case(DType dtype, int64_t D, bool rope, int64_t Dv = 0, int32_t last = 39) {
   if (Dv == 0) Dv = D;
   std::mt19937 rng(static_cast<unsigned>(D + 1000 * Dv + (rope ? 1 : 0)));
-  const int64_t R = 3, Hq = 4, Hkv = 2, max_len = 40;
+  const int64_t R = 3, Hq = 4, Hkv = 2, max_len = last + 1;
   Tensor q = random_tensor({R, 1, Hq, D}, dtype, rng), k = random_tensor({R, 1, Hkv, D}, dtype, rng);
   Tensor v = random_tensor({R, 1, Hkv, Dv}, dtype, rng);
   Tensor kc = random_tensor({R, max_len, Hkv, D}, dtype, rng), vc = random_tensor({R, max_len, Hkv, Dv}, dtype, rng);
-  const Tensor pos = Tensor::from_vector(std::vector<int32_t>{0, 17, 39}, {R});
+  const Tensor pos = Tensor::from_vector(std::vector<int32_t>{0, 17, last}, {R});
   const Device dev = Device::cuda(0);
   Tensor gq = q.to(dev), gk = k.to(dev), gv = v.to(dev), gkc = kc.to(dev), gvc = vc.to(dev), gpos = pos.to(dev);
   Tensor out = Tensor::empty({R, 1, Hq, Dv}, dtype), lse = Tensor::empty({R, Hq, 1}, DType::F32);
@@ -80,6 +80,17 @@ TEST(GpuDecodeAttention, MatchesCpuBf16) {
   MC_REQUIRE_CUDA();
   for (int64_t d : {64, 128})
     for (bool rope : {true, false}) check_case(DType::BF16, d, rope);
+}
+
+// Long caches: the keys split into many chunks per (row, head), chunks of several keys, the
+// last chunk shorter, and caches beyond one block's shared memory for the scores (4096 f32 keys).
+TEST(GpuDecodeAttention, LongCachesMatchCpu) {
+  MC_REQUIRE_CUDA();
+  for (int32_t last : {700, 5000, 12999}) {
+    check_case(DType::F32, 128, true, 0, last);
+    check_case(DType::BF16, 128, true, 0, last);
+  }
+  check_case(DType::BF16, 192, true, 128, 3001);
 }
 
 // Head dims beyond 64 and 128: 16 (an imported Qwen3-MoE's), 96, MLA's 192 / 128, odd 33 and

@@ -23,7 +23,8 @@ using ops::cast_to;
 // lo; 8 + 8 + 8 mantissa bits, all of fp32's 24), so every product is exact and only the fp32
 // accumulation rounds, as in the fp32 GEMM. The input gradient, rounded to bf16 anyway, takes the
 // three largest of the products (hi hi, hi mid, mid hi: relative error ~2^-16) and is added to dx
-// in the same GEMM. MOECORE_ROUTER_GEMM=fp32 keeps the fp32 GEMMs (cuBLAS, no TF32).
+// in the same GEMM. MOECORE_ROUTER_GEMM=fp32 keeps the fp32 GEMMs (cuBLAS, no TF32), as do
+// batches of fewer than kSplitRouterMinTokens tokens.
 bool split_router_gemm_enabled() {
   const char* env = env_switch("MOECORE_ROUTER_GEMM");
   const std::string v = env ? env : "";
@@ -31,6 +32,11 @@ bool split_router_gemm_enabled() {
            "': expected bf16x3 (the default: three bf16 parts per fp32 operand) or fp32");
   return v != "fp32";
 }
+
+// Below this many tokens (decoding: one per sequence) the three bf16 GEMMs and the weight's
+// split into parts take longer than the input's cast and one fp32 GEMM, which the router uses
+// there instead.
+constexpr int64_t kSplitRouterMinTokens = 64;
 
 bool uses_aux_loss(const MoeConfig& m) {
   return m.aux_loss_coeff > 0 && (m.load_balancing == LoadBalancing::AuxLoss ||
@@ -54,7 +60,7 @@ Tensor TopKRouter::logits(const Tensor& x, int64_t batch, bool training, uint64_
   const bool jitter = training && moe_.input_jitter_eps > 0;
   Tensor logits = Tensor::empty({tokens, e}, router_dtype_, x.device());
   if (x.device().is_cuda() && x.dtype() == DType::BF16 && router_dtype_ == DType::F32 && !jitter &&
-      split_router_gemm_enabled()) {
+      tokens >= kSplitRouterMinTokens && split_router_gemm_enabled()) {
     // fp32 logits from bf16 GEMMs (ops::bf16_parts), the smallest part first.
     const std::vector<Tensor> w = ops::bf16_parts(gate_weight_->weight, 3);
     ops::gemm(x, w[2], logits, false, true);

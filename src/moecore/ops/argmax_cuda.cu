@@ -23,11 +23,24 @@ __global__ void __launch_bounds__(kThreads) argmax_rows_kernel(const float* x, i
   const float* row = x + blockIdx.x * cols;
   float bv = __int_as_float(0x7fc00000);  // NaN: ranks last
   int64_t bi = cols;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-    if (better(row[c], c, bv, bi)) {
-      bv = row[c];
-      bi = c;
+  // Eight loads in flight per thread, then their comparisons (the order does not matter: `better`
+  // is a total order).
+  for (int64_t c0 = threadIdx.x; c0 < cols; c0 += 8 * int64_t(blockDim.x)) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = c0 + j * int64_t(blockDim.x);
+      v[j] = c < cols ? row[c] : __int_as_float(0x7fc00000);
     }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int64_t c = c0 + j * int64_t(blockDim.x);
+      if (c < cols && better(v[j], c, bv, bi)) {
+        bv = v[j];
+        bi = c;
+      }
+    }
+  }
   for (int o = 16; o > 0; o >>= 1) {
     const float v = __shfl_down_sync(0xffffffffu, bv, o);
     const int64_t i = __shfl_down_sync(0xffffffffu, bi, o);

@@ -65,7 +65,7 @@ void decode_attention(Tensor& q, Tensor& k_new, const Tensor& v_new, Tensor& k_c
                       const Tensor& positions, bool rope, double rope_base, double scale, Tensor& out, Tensor& lse) {
   check_decode(q, k_new, v_new, k_cache, v_cache, positions, out, lse);
   const int64_t D = q.size(3), Dv = v_cache.size(3);
-  if (q.device().is_cpu() || k_cache.size(1) > kDecodeAttentionMaxKeys || D % 2 != 0 || D > 256 || Dv > 256) {
+  if (q.device().is_cpu() || D % 2 != 0 || D > 256 || Dv > 256) {
     decode_attention_rows(q, k_new, v_new, k_cache, v_cache, positions.to_vector<int32_t>(), rope, rope_base, scale,
                           out, lse);
     return;

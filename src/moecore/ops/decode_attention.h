@@ -13,20 +13,17 @@
 // with Sq = 1, Sk = p + 1. q is rotated in place; k_new may be overwritten.
 // Dtypes: f32 or bf16 (f64 on the CPU), all tensors alike but lse; arithmetic in fp32.
 // CPU: per row ops::rope_forward, two copies and ops::attention_forward (the reference). CUDA:
-// two kernels for the whole batch, whatever the rows' lengths: one rotates q and k and writes
-// the cache (angles in double as the RoPE op's table), one block per (row, query head) holds
-// the row's scores in shared memory (softmax over the p + 1 keys, then the weighted sum of the
-// values, its keys split over the block's warps); caches longer than kDecodeAttentionMaxKeys, odd or
-// > 256 D, or Dv > 256 fall back to the per-row path (which reads the positions on the host; its
-// ops::attention_forward takes any D and Dv on CUDA too).
+// three kernels for the whole batch, whatever the rows' lengths: one rotates q and k and writes
+// the cache (angles in double as the RoPE op's table); one block per (row, query head, key chunk)
+// takes its chunk of the p + 1 keys (softmax max and sum over the chunk, the unnormalised value
+// sum); one merges each (row, head)'s chunks. Odd or > 256 D, or Dv > 256, fall back to the
+// per-row path (which reads the positions on the host; its ops::attention_forward takes any D
+// and Dv on CUDA too).
 #pragma once
 
 #include "moecore/core/tensor.h"
 
 namespace moecore::ops {
-
-// Keys the CUDA kernel holds in shared memory (f32 scores; with the query under 48 KiB).
-inline constexpr int64_t kDecodeAttentionMaxKeys = 11776;
 
 void decode_attention(Tensor& q, Tensor& k_new, const Tensor& v_new, Tensor& k_cache, Tensor& v_cache,
                       const Tensor& positions, bool rope, double rope_base, double scale, Tensor& out, Tensor& lse);

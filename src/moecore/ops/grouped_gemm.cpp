@@ -129,6 +129,9 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<in
   check_shape(op, "out", out, {x.size(0), w.size(1)});
   check_dtypes(op, "x", x, "w", w, "out", out, false);
 #if MOECORE_WITH_CUDA
+  if (x.device().is_cuda() && grouped_gemm_impl() == GroupedGemmImpl::Auto && x.size(0) <= kGroupedGemvMaxRows &&
+      cuda::grouped_gemv_forward(x, w, rows_per_group, out))
+    return;
   if (use_cuda_grouped(x) && cuda::grouped_gemm_forward(x, w, rows_per_group, out)) return;
   if (use_hopper(w, false) && cuda::hopper_grouped_gemm_forward(x, w, rows_per_group, out)) return;
 #endif
@@ -241,6 +244,10 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& ro
   check_weights("grouped_gemm_forward", "w", w);
   check_offsets("grouped_gemm_forward", rows, w.size(0), x);
 #if MOECORE_WITH_CUDA
+  if (rows.host.empty() && rows.offsets.defined() && grouped_gemm_impl() == GroupedGemmImpl::Auto &&
+      x.ndim() == 2 && out.ndim() == 2 && x.size(1) == w.size(2) && out.size(0) == x.size(0) &&
+      out.size(1) == w.size(1) && x.size(0) <= kGroupedGemvMaxRows && cuda::grouped_gemv_forward(x, w, rows.offsets, out))
+    return;
   if (device_rows_ran(false, rows, w, [&] {
         return x.ndim() == 2 && out.ndim() == 2 && x.size(1) == w.size(2) && out.size(0) == x.size(0) &&
                out.size(1) == w.size(1) && out.dtype() == x.dtype() && w.dtype() == x.dtype() &&

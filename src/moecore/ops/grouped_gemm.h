@@ -31,6 +31,9 @@
 //   Auto     by the expert weight's shape: Hopper for all three GEMMs when one expert's matrix
 //            (N x K) has fewer than 40M elements, the loop for all three from there (Mixtral-8x7B
 //            experts, 58.7M: cuBLAS's large GEMMs are faster there); see grouped_gemm.cpp.
+// Few rows (M <= kGroupedGemvMaxRows, bf16, under Auto): the forward runs as a
+// grouped matrix-vector product instead (gemv_cuda.cu), which reads each used expert's
+// weights once at the copy bandwidth; decoding a token's top-k experts is this case.
 // Row counts on the device only (ExpertRows without host counts, e.g. a routing plan made
 // without its host copy): the Hopper kernel reads the offsets where the implementation would
 // run it for that GEMM, so the call enqueues work and returns without waiting for the GPU;
@@ -82,6 +85,7 @@ void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const ExpertRows& r
 void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const ExpertRows& rows, Tensor& dw, bool accumulate = true);
 
 enum class GroupedGemmImpl { Loop, Grouped, Hopper, Mixed, Auto };
+inline constexpr int64_t kGroupedGemvMaxRows = 8;  // beyond, the Hopper kernel is faster (16 prompts x top-2)
 // True when forward, dgrad and wgrad with the expert weight w ([E, N, K]; its gradient in f32 or
 // w's dtype) run from device offsets alone under the current implementation (Hopper, or Auto
 // below its size limit, on a GPU and shape the kernel takes).
@@ -110,6 +114,15 @@ bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::v
 bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out);
 bool hopper_grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const Tensor& offsets, Tensor& dx);
 bool hopper_grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const Tensor& offsets, Tensor& dw, bool accumulate);
+// The forward for at most kGroupedGemvMaxRows rows from device offsets (gemv_cuda.cu);
+// false, having computed nothing, where it cannot run the case (not bf16, K not a multiple of 8,
+// unaligned, more rows).
+bool grouped_gemv_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out);
+// The same from host row counts (the offsets go up through a pinned slot, no synchronisation).
+bool grouped_gemv_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out);
+// Its parts: whether it takes the case, and the launch with the offsets already on the device.
+bool grouped_gemv_takes(const Tensor& x, const Tensor& w, const Tensor& out);
+void grouped_gemv_launch(const Tensor& x, const Tensor& w, const int32_t* offsets, Tensor& out, void* stream);
 // Whether the kernel takes an expert weight w like this one (the checks of hopper::available
 // that depend on w alone: build, GPU, dtype, dims, experts).
 bool hopper_grouped_gemm_takes(const Tensor& w);

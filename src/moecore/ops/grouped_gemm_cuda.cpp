@@ -243,13 +243,12 @@ bool run(Kind kind, const Tensor& a, const Tensor& b, const std::vector<int64_t>
   return true;
 }
 
-// The Hopper kernel with host row counts: the offsets go to the device through a pinned slot
-// (the same no-synchronisation reuse rule as the pointer arrays above).
-bool run_hopper(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, const std::vector<int64_t>& rows,
-                Tensor& c, bool accumulate = true) {
+// Host row counts as device offsets for a kernel: written into a pinned slot and copied up on
+// the current stream (the same no-synchronisation reuse rule as the pointer arrays above); then
+// launch(offsets on the device, stream).
+template <typename Launch>
+void with_device_offsets(const Device& dev, const std::vector<int64_t>& rows, Launch&& launch) {
   const int64_t experts = static_cast<int64_t>(rows.size());
-  if (!hopper::available(a, b, c, experts)) return false;
-  const Device dev = a.device();
   MC_CUDA_CHECK(cudaSetDevice(dev.index));
   cudaStream_t stream = static_cast<cudaStream_t>(current_stream(dev).handle());
   SlotPool& pool = slot_pool(dev.index);
@@ -261,17 +260,34 @@ bool run_hopper(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, cons
     for (int64_t e = 0; e < experts; ++e) host[e] = static_cast<int>(begin), begin += rows[e];
     host[experts] = static_cast<int>(begin);
     MC_CUDA_CHECK(cudaMemcpyAsync(slot.dev, slot.host, ints * sizeof(int), cudaMemcpyHostToDevice, stream));
-    hopper::grouped_gemm(mode, a, b, c, reinterpret_cast<const int*>(slot.dev), static_cast<int>(experts), stream,
-                         accumulate);
+    launch(reinterpret_cast<const int*>(slot.dev), stream);
   } catch (...) {
     pool.release(slot, stream);
     throw;
   }
   pool.release(slot, stream);
+}
+
+// The Hopper kernel with host row counts.
+bool run_hopper(hopper::GroupedMode mode, const Tensor& a, const Tensor& b, const std::vector<int64_t>& rows,
+                Tensor& c, bool accumulate = true) {
+  const int64_t experts = static_cast<int64_t>(rows.size());
+  if (!hopper::available(a, b, c, experts)) return false;
+  with_device_offsets(a.device(), rows, [&](const int* offsets, cudaStream_t stream) {
+    hopper::grouped_gemm(mode, a, b, c, offsets, static_cast<int>(experts), stream, accumulate);
+  });
   return true;
 }
 
 }  // namespace
+
+bool grouped_gemv_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows, Tensor& out) {
+  if (!grouped_gemv_takes(x, w, out)) return false;
+  with_device_offsets(x.device(), rows, [&](const int* offsets, cudaStream_t stream) {
+    grouped_gemv_launch(x, w, offsets, out, stream);
+  });
+  return true;
+}
 
 bool hopper_grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows, Tensor& out) {
   return run_hopper(hopper::GroupedMode::Forward, x, w, rows, out);
