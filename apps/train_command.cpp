@@ -236,6 +236,11 @@ void register_parallel_flags(cli::FlagSet& f, TrainArgs& a) {
                "allowed; GPU ranks are watched only when the flag is given)");
   f.add_choice("moe-token-dispatcher-type", &a.token_dispatcher, {"allgather", "alltoall", "flex"},
                "expert-parallel token dispatch: allgather (default) or alltoall");
+  f.add_int("emulate-world-size", &a.emulate_world_size,
+            "run ONE process as one rank of a job of this many ranks (with --emulate-rank): its shard and steps, "
+            "communication replaced by local stand-ins, so --memory-report measures that rank's peak; losses are "
+            "not meaningful (0: off)");
+  f.add_int("emulate-rank", &a.emulate_rank, "with --emulate-world-size: which rank to emulate (0 <= R < N)");
 }
 
 // Megatron flags for fusions moecore always runs (accepted) and features it lacks (refused by name).
@@ -271,7 +276,7 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_list("offload-modules", &a.offload_modules, "not available: activation offloading (refused)");
   f.add_bool("optimizer-cpu-offload", &a.optimizer_cpu_offload, "not available: optimizer offloading (refused)");
   f.add_bool("fake-init-process-group", &a.fake_init_process_group,
-             "not available: emulated ranks for memory planning (refused)");
+             "Megatron's fake process group (refused: use --emulate-world-size N --emulate-rank R)");
   f.add_int("manual-gc-interval", &a.manual_gc_interval, "Python's garbage collector: moecore has none (refused)");
   f.add_string("ckpt-format", &a.ckpt_format, "not available: one checkpoint format (refused)");
   f.add_bool("auto-detect-ckpt-format", &a.auto_detect_ckpt_format, "not available: one checkpoint format (refused)");
@@ -487,6 +492,32 @@ void check_schedule_flags(TrainArgs& a) {
            "--load '", a.load, "' is a file; expected a checkpoint directory (a --save directory or an iter_* in it)");
 }
 
+// --emulate-world-size N --emulate-rank R: this one process stands for rank R of an N-rank job
+// (comm/emulated_communicator.h). Returns the place the layout checks see: rank R of N.
+comm::LaunchEnv emulated_launch(const TrainArgs& a, const comm::LaunchEnv& launched) {
+  if (a.emulate_world_size == 0 && a.emulate_rank == -1) return launched;
+  MC_CHECK(a.emulate_world_size != 0, "--emulate-rank ", a.emulate_rank,
+           " needs --emulate-world-size N (the number of ranks of the job whose rank to emulate)");
+  MC_CHECK(a.emulate_world_size >= 1, "--emulate-world-size ", a.emulate_world_size,
+           " must be >= 1 (the number of ranks of the job to emulate)");
+  MC_CHECK(a.emulate_rank != -1, "--emulate-world-size ", a.emulate_world_size,
+           " needs --emulate-rank R: which of the ranks to run (0 <= R < ", a.emulate_world_size, ")");
+  MC_CHECK(a.emulate_rank >= 0 && a.emulate_rank < a.emulate_world_size, "--emulate-rank ", a.emulate_rank,
+           " is outside the emulated world of ", a.emulate_world_size, " ranks (--emulate-world-size); expected 0 <= R < ",
+           a.emulate_world_size);
+  MC_CHECK(launched.world == 1, "--emulate-world-size runs one process standing for rank ", a.emulate_rank, " of ",
+           a.emulate_world_size, ", but the launcher (", launched.launcher, ") started this one as rank ", launched.rank,
+           " of ", launched.world, "; start a single process, without mpirun / srun / torchrun");
+  MC_CHECK(a.save.empty(), "--save with --emulate-world-size: an emulated rank holds one shard trained on stand-in "
+           "values, not a checkpoint; drop --save");
+  MC_CHECK(a.load.empty(), "--load with --emulate-world-size: the emulated rank's memory does not depend on the weights "
+           "and its shard alone cannot be loaded consistently; drop --load");
+  comm::LaunchEnv env = launched;
+  env.world = static_cast<int>(a.emulate_world_size);
+  env.rank = static_cast<int>(a.emulate_rank);
+  return env;
+}
+
 // The launched ranks and the parallel layout (Megatron's rules) against the model.
 void check_parallel_layout(TrainArgs& a, const comm::LaunchEnv& env) {
   ModelConfig& m = a.model;
@@ -500,12 +531,13 @@ void check_parallel_layout(TrainArgs& a, const comm::LaunchEnv& env) {
     MC_CHECK(size >= 1, flag, " ", size, " must be >= 1");
   MC_CHECK(a.ep == 1 || e.num_experts > 0, "--expert-model-parallel-size ", a.ep, " needs an MoE model (--num-experts)");
   MC_CHECK(a.etp == 1 || e.num_experts > 0, "--expert-tensor-parallel-size ", a.etp, " needs an MoE model (--num-experts)");
+  const char* ranks = a.emulated() ? " emulated ranks (--emulate-world-size)" : " launched ranks";
   MC_CHECK(a.world % (a.tp * a.cp * a.pp) == 0, "--tensor-model-parallel-size ", a.tp, " x --context-parallel-size ",
-           a.cp, " x --pipeline-model-parallel-size ", a.pp, " does not divide the ", a.world,
-           " launched ranks; expected a divisor of the world size");
+           a.cp, " x --pipeline-model-parallel-size ", a.pp, " does not divide the ", a.world, ranks,
+           "; expected a divisor of the world size");
   MC_CHECK(a.world % (a.etp * a.ep * a.pp) == 0, "--expert-model-parallel-size ", a.ep,
            " x --expert-tensor-parallel-size ", a.etp, " x --pipeline-model-parallel-size ", a.pp, " does not divide the ",
-           a.world, " launched ranks; expected a divisor of the world size");
+           a.world, ranks, "; expected a divisor of the world size");
   // The layout as process groups (Megatron's rules: order, pp placement, sizes vs the model).
   parallel::validate(a.parallel_config(), parallel::ModelDims{});
   MC_CHECK(m.num_attention_heads % a.tp == 0 && m.kv_heads() % a.tp == 0, "--tensor-model-parallel-size ", a.tp,
@@ -658,8 +690,11 @@ void check_feature_flags(TrainArgs& a) {
            "--recompute-modules moe_act saves the expert activation's memory");
   MC_CHECK(!a.optimizer_cpu_offload, "--optimizer-cpu-offload is not available in this version: AdamW's states stay on "
            "the device (--use-precision-aware-optimizer keeps them in bf16); drop the flag");
-  MC_CHECK(!a.fake_init_process_group, "--fake-init-process-group is not available in this version: launch the ranks "
-           "(mpirun, torchrun); drop the flag");
+  // Megatron's flag takes the world size and rank from WORLD_SIZE and RANK, which moecore reads as a
+  // torchrun launch; the explicit flags say the same without the ambiguity.
+  MC_CHECK(!a.fake_init_process_group, "--fake-init-process-group is not available in this version: to measure one "
+           "rank of a large job on one device, use --emulate-world-size N --emulate-rank R (one process, no "
+           "launcher) with --memory-report");
   MC_CHECK(a.manual_gc_interval == 0, "--manual-gc-interval controls Python's garbage collector; moecore has none: "
            "drop the flag");
   MC_CHECK(!a.overlap_moe_ep_comm, "--overlap-moe-expert-parallel-comm is not available in this version: the "
@@ -878,11 +913,11 @@ void finalize_train_args(TrainArgs& a) {
   apply_model_flags(a);
   check_schedule_flags(a);
   // Ranks: data parallelism over every process the launcher started (world = DP).
-  const comm::LaunchEnv env = comm::read_launch_env();
-  check_parallel_layout(a, env);
+  const comm::LaunchEnv launched = comm::read_launch_env();
+  check_parallel_layout(a, emulated_launch(a, launched));  // --emulate-world-size: rank R of N
   check_recompute_flags(a);
   check_feature_flags(a);
-  resolve_device(a, env);
+  resolve_device(a, launched);
   if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";
 }
 

@@ -6,7 +6,8 @@
 #          layouts print the one-GPU losses); tests/gpu/train_nccl_timeout_gpu.sh
 #          (--distributed-timeout-minutes: a stopped GPU rank ends the job with the watchdog's
 #          message); tests/gpu/train_torchrun_gpu.sh (the same under
-#          torchrun, NCCL bootstrapped over TCP)
+#          torchrun, NCCL bootstrapped over TCP); tests/gpu/train_emulated_rank_gpu.sh (each
+#          rank of EP=2, TP=2, PP=2, DP=2 layouts emulated alone has the real rank's peak)
 #   perf:  bench_comm (NCCL all-to-all / all-reduce / all-gather bus bandwidth at dispatch sizes)
 #          on 2 and, with 4+ GPUs, 4 ranks; mixtral-small (bf16, global batch 16) on one GPU,
 #          DP=2, EP=2 (alltoall, allgather), PP=2, TP=2+SP, CP=2, TP=2+SP with EP=2, and with 4+
@@ -52,6 +53,9 @@ if [ "$what" != perf ]; then
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "same losses|waited|PASS" "$build/train_nccl_timeout_gpu.log" || true
   step train_torchrun_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_torchrun_gpu.sh "$build/moecore" .
+  step train_emulated_rank_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_emulated_rank_gpu.sh "$build/moecore" . \
+    "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
+  grep -E "emulated|FAIL" "$build/train_emulated_rank_gpu.log" || true
   grep -E "same|differ|torchrun" "$build/train_torchrun_gpu.log" | tail -8 || true
 fi
 if [ "$what" != check ]; then

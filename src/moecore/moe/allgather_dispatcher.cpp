@@ -1,5 +1,7 @@
 #include "moecore/moe/allgather_dispatcher.h"
 
+#include "moecore/comm/emulated_communicator.h"
+
 namespace moecore {
 
 using dispatch_detail::CommTimer;
@@ -42,9 +44,32 @@ TokenRows AllGatherDispatcher::token_dispatch(const TokenRows& local, Ctx& ctx) 
   return out;
 }
 
+// An emulated group (comm/emulated_communicator.h) gathers this rank's expert ids into every
+// rank's rows. Emulation assumes symmetry instead: the rows gathered from EP rank e go to this
+// rank's experts as this rank's own rows go to e's experts, so the local experts get the rows of
+// this rank's tokens routed anywhere, once per ETP rank (EP rank of slot g: g / ETP, the order
+// tp-cp-ep-dp-pp's tp_ep groups).
+void AllGatherDispatcher::symmetric_ids(std::vector<int32_t>& ids) const {
+  const int64_t per_slot = static_cast<int64_t>(ids.size()) / gather_size_, etp = gather_size_ / ep_size_;
+  const int64_t mine = first_expert_;
+  for (int64_t g = 0; g < gather_size_; ++g) {
+    const int64_t theirs = g / etp * local_experts_;
+    if (theirs == mine) continue;
+    for (int64_t i = g * per_slot; i < (g + 1) * per_slot; ++i) {
+      int32_t& id = ids[static_cast<size_t>(i)];
+      if (id >= theirs && id < theirs + local_experts_) {
+        id = static_cast<int32_t>(id - theirs + mine);
+      } else if (id >= mine && id < mine + local_experts_) {
+        id = static_cast<int32_t>(id - mine + theirs);
+      }
+    }
+  }
+}
+
 TokenRows AllGatherDispatcher::dispatch_postprocess(const TokenRows& received, Ctx& ctx) const {
   const Device dev = received.rows.device();
-  const std::vector<int32_t> ids = ctx.indices.to_vector<int32_t>();
+  std::vector<int32_t> ids = ctx.indices.to_vector<int32_t>();
+  if (comm::is_emulated(gather_)) symmetric_ids(ids);
   std::vector<uint8_t> keep(ids.size(), 1);
   if (ctx.kept.defined()) keep = ctx.kept.to_vector<uint8_t>();
   // Only this rank's experts, renumbered 0..L-1; every other assignment is "dropped" here.

@@ -42,6 +42,8 @@ class AllGatherDispatcher final : public TokenDispatcher {
  private:
   Tensor gather_rows(const Tensor& in) const;          // [T, ...] -> [G*T, ...]
   Tensor reduce_scatter_rows(const Tensor& in) const;  // [G*T, ...] -> [T, ...], summed
+  // Emulation: the gathered expert ids of the other ranks made symmetric to this rank's.
+  void symmetric_ids(std::vector<int32_t>& ids) const;
 
   comm::Communicator* gather_ = nullptr;
   int64_t gather_size_ = 1;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "moecore/comm/emulated_communicator.h"
 #include "moecore/ops/elementwise.h"
 
 namespace moecore {
@@ -31,6 +32,19 @@ Tensor AllToAllDispatcher::unsort_rows(const Tensor& sorted, Ctx& ctx) const {
   Tensor arrival = Tensor::empty(with_rows(sorted, ctx.sort.num_tokens), sorted.dtype(), sorted.device());
   ops::moe_permute_backward(sorted, ctx.sort, arrival);  // unsort: a gather by the sort plan
   return arrival;
+}
+
+// An emulated EP group (comm/emulated_communicator.h) gathers this rank's counts into every row,
+// which says nothing of what the others send here. Emulation assumes symmetry instead: rank s
+// sends this rank's local expert l what this rank sends s's local expert l, so this rank receives
+// from each rank as many rows as it sends there (its rows in all: its own T x k kept rows).
+void AllToAllDispatcher::symmetric_counts(std::vector<int32_t>& all) const {
+  const auto at = [&](int64_t src, int64_t expert) -> int32_t& {
+    return all[static_cast<size_t>(src * num_experts_ + expert)];
+  };
+  for (int64_t s = 0; s < ep_size_; ++s)
+    for (int64_t l = 0; l < local_experts_; ++l)
+      if (s != ep_rank_) at(s, first_expert_ + l) = at(ep_rank_, s * local_experts_ + l);
 }
 
 TokenRows AllToAllDispatcher::dispatch_preprocess(const DispatchInput& in, Ctx& ctx) const {
@@ -71,7 +85,8 @@ TokenRows AllToAllDispatcher::dispatch_preprocess(const DispatchInput& in, Ctx& 
     CommTimer timer(*ep_);
     ep_->all_gather(ctx.routing.tokens_per_expert.view({1, num_experts_}), counts_all);
   }
-  const std::vector<int32_t> all = counts_all.to_vector<int32_t>();
+  std::vector<int32_t> all = counts_all.to_vector<int32_t>();
+  if (comm::is_emulated(ep_)) symmetric_counts(all);
   auto count = [&](int64_t src, int64_t expert) {
     return static_cast<int64_t>(all[static_cast<size_t>(src * num_experts_ + expert)]);
   };

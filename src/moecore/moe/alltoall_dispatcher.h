@@ -50,6 +50,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
 
  private:
   Tensor all_to_all_rows(const Tensor& in, const std::vector<int64_t>& send, const std::vector<int64_t>& recv) const;
+  // Emulation: the gathered [EP, E] counts made symmetric (what rank s sends here = what this rank sends s).
+  void symmetric_counts(std::vector<int32_t>& all) const;
   // The received rows (source, local expert) -> (local expert, source), by the Ctx's sort plan.
   Tensor sort_rows(const Tensor& received, Ctx& ctx) const;
   Tensor unsort_rows(const Tensor& sorted, Ctx& ctx) const;

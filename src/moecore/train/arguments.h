@@ -101,7 +101,14 @@ struct TrainArgs {
   bool overlap_grad_reduce = false;  // --overlap-grad-reduce: reduce layer gradients during the backward
   std::string token_dispatcher = "allgather";  // --moe-token-dispatcher-type (Megatron's default)
   DispatcherType dispatcher = DispatcherType::AllGather;
-  int64_t world = 1, rank = 0, local_rank = 0;  // from the launcher's environment
+  int64_t world = 1, rank = 0, local_rank = 0;  // from the launcher's environment (or the emulated world)
+  // --emulate-world-size N --emulate-rank R: this one process is rank R of an N-rank job
+  // (world = N, rank = R above), its communication local stand-ins (comm/emulated_communicator.h):
+  // the rank's shard, steps and peak memory are the real rank's, its losses are not. 0: off.
+  int64_t emulate_world_size = 0, emulate_rank = -1;
+  bool emulated() const { return emulate_world_size > 0; }
+  // The process that prints the log and writes the metrics: Megatron's last rank, or the emulated one.
+  bool logging_rank() const { return emulated() || rank == world - 1; }
   Device device;
   bool mock_data = false;
   std::string config_file;

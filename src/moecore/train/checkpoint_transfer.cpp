@@ -138,7 +138,7 @@ TrainingState load_training_checkpoint(const TrainArgs& args, const std::vector<
     const int64_t loaded_iteration = state.iteration;
     if (args.finetune) state = TrainingState{};
     if (args.no_load_optim && !args.finetune) state.optimizer_offset = state.iteration - state.skipped_iterations;
-    if (args.rank == args.world - 1)
+    if (args.logging_rank())
       std::printf("loaded checkpoint from %s at iteration %lld%s\n", args.load.c_str(),
                   static_cast<long long>(loaded_iteration),
                   args.finetune ? " (--finetune: its weights only; iteration 0, fresh AdamW moments and schedule)"

@@ -259,9 +259,15 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
 void TrainMetrics::write_memory_report(TrainingRun& run, int64_t it) {
   memory_reported_ = true;
   const RankMemoryReport mine = local_memory_report(allocator_for(run.dev), run.args.rank);
-  const std::vector<RankMemoryReport> all = gather_memory_reports(run.groups->world(), mine, run.args.world);
+  // An emulated rank reports itself only (the other ranks do not exist).
+  const std::vector<RankMemoryReport> all = run.args.emulated() ? std::vector<RankMemoryReport>{mine}
+                                            : gather_memory_reports(run.groups->world(), mine, run.args.world);
   if (!logger_) return;
   std::printf("%s", format_memory_report(all, it).c_str());
+  if (run.args.emulated())
+    std::printf("     (rank %lld of an emulated world of %lld: measured on this process, communication replaced by "
+                "local stand-ins)\n",
+                static_cast<long long>(run.args.rank), static_cast<long long>(run.args.world));
   std::fflush(stdout);
   if (metrics_.is_open()) metrics_ << memory_report_json(all, it).dump() << "\n" << std::flush;
 }

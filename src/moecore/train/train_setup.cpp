@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include "moecore/comm/collective_watchdog.h"
+#include "moecore/comm/emulated_communicator.h"
 #include "moecore/core/env_switches.h"
 #include "moecore/model/tensor_parallel.h"
 #include "moecore/train/checkpoint_transfer.h"
@@ -74,9 +75,13 @@ void TrainingRun::open_groups() {
   std::unique_ptr<comm::Communicator> world;
   // The watchdog runs before the world exists, so that every communicator is watched (NCCL ones
   // only with --distributed-timeout-minutes given: each collective then records a CUDA event).
-  if (args.world > 1 && (!dev.is_cuda() || args.watch_nccl_collectives))
+  // An emulated rank (--emulate-world-size) has no peers to wait for: no watchdog.
+  if (args.world > 1 && !args.emulated() && (!dev.is_cuda() || args.watch_nccl_collectives))
     comm::set_collective_timeout(args.distributed_timeout_minutes * 60.0, args.rank);
-  if (args.world > 1) world = dev.is_cuda() ? comm::make_nccl_world(dev) : comm::make_mpi_world();
+  if (args.world > 1)
+    world = args.emulated() ? comm::make_emulated_world(static_cast<int>(args.rank), static_cast<int>(args.world), dev)
+            : dev.is_cuda() ? comm::make_nccl_world(dev)
+                            : comm::make_mpi_world();
   check_same_flags(world.get(), args);
   // Process groups (Parallel Folding): the dense generator gives this rank's data-parallel and
   // pipeline groups, the expert generator its expert-parallel and expert-data-parallel groups.
@@ -91,7 +96,7 @@ void TrainingRun::open_groups() {
   dp_rank = layout.dp_rank;
   stage = layout.pp_rank;
   stages = args.pp;
-  logger = args.rank == args.world - 1;
+  logger = args.logging_rank();
   writer = args.rank == 0;
 }
 
@@ -181,6 +186,12 @@ void print_run_summary(const TrainingRun& run) {
   }
   if (run.pp) sum_over_ranks(run.pp, counted);
   const int64_t model_params = static_cast<int64_t>(counted[0] + 0.5);
+  if (logger && args.emulated())
+    std::printf("moecore train: EMULATING rank %lld of %lld (--emulate-world-size): this rank's shard and steps on "
+                "one process, its communication replaced by local stand-ins of the right sizes; the memory (and "
+                "--memory-report) is the rank's, the losses, norms and the parameter count%s are NOT meaningful\n",
+                static_cast<long long>(args.rank), static_cast<long long>(args.world),
+                stages > 1 ? " (this stage's)" : "");
   if (logger)
     std::printf("moecore train: %lld parameters (%lld active matmul), %s, %s compute, %lld data-parallel rank(s), "
                 "%lld micro-batches of %lld per rank, %.3g model FLOPs per step\n",

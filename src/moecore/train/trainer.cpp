@@ -68,7 +68,7 @@ std::unique_ptr<SaveDirLock> guard_output_paths(const TrainArgs& args) {
     lock = std::make_unique<SaveDirLock>(args.save);
     probe_writable_dir(args.save, "--save");
   }
-  if (args.rank == args.world - 1) {  // the logging rank writes the metrics
+  if (args.logging_rank()) {  // the logging rank writes the metrics
     if (!args.metrics_file.empty()) probe_writable_file(args.metrics_file, "--metrics-file");
     if (!args.tensorboard_dir.empty()) probe_writable_dir(args.tensorboard_dir, "--tensorboard-dir");
   }
