@@ -47,6 +47,7 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, bo
     f.add_double("nvlink-gbps", &pf.nvlink_gbps, "GB/s per GPU inside a node (default: the profile's)");
     f.add_double("network-gbps", &pf.network_gbps, "GB/s per GPU between nodes (default: the profile's)");
   };
+  use.defaults = {{"train-iters", "1"}};  // the schedule does not change a step
   use.before_finalize = [&](TrainArgs& a) {
     if (pf.gpus == 0 && pf.nodes > 0 && pf.gpus_per_node > 0) pf.gpus = pf.nodes * pf.gpus_per_node;
     if (pf.gpus <= 0)
@@ -61,6 +62,7 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, bo
       a.fp8_format.clear();
     }
     a.device_text = "cpu";  // the planner runs here; --gpu names the hardware predicted
+    if (a.data_path.empty()) a.mock_data = true;  // the planner reads no data
     comm::LaunchEnv env;
     env.world = static_cast<int>(pf.gpus);
     env.local_world = static_cast<int>(std::min<int64_t>(pf.gpus, pf.gpus_per_node > 0 ? pf.gpus_per_node : 8));

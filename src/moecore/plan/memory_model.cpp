@@ -4,7 +4,8 @@
 #include <cmath>
 
 #include "moecore/core/allocator.h"
-#include "moecore/model/param_count.h"
+#include "moecore/model/gpt.h"
+#include "moecore/model/params.h"
 #include "moecore/train/pipeline.h"
 
 namespace moecore::plan {
@@ -43,32 +44,6 @@ struct Items {
     parts.rounding += o.parts.rounding * times;
   }
 };
-
-// Each layer's parameters from the model's own registration (model/param_count.h).
-struct LayerParams {
-  double attention = 0, norms = 0, router = 0, experts = 0, shared = 0, dense_mlp = 0;
-  double embedding = 0, output = 0, final_norm = 0, mtp = 0;
-};
-
-LayerParams layer_params(const ModelConfig& cfg) {
-  const ParamCount c = count_parameters(cfg);
-  int64_t moe_layers = 0;
-  for (int64_t i = 0; i < cfg.num_layers; ++i) moe_layers += cfg.is_moe(i) ? 1 : 0;
-  const double layers = static_cast<double>(cfg.num_layers), moe = static_cast<double>(std::max<int64_t>(1, moe_layers)),
-               dense = static_cast<double>(std::max<int64_t>(1, cfg.num_layers - moe_layers));
-  LayerParams p;
-  p.final_norm = static_cast<double>(cfg.hidden_size * (cfg.rmsnorm ? 1 : 2));
-  p.attention = static_cast<double>(c.part("attention")) / layers;
-  p.norms = (static_cast<double>(c.part("norms")) - p.final_norm) / layers;
-  p.router = static_cast<double>(c.part("router")) / moe;
-  p.experts = static_cast<double>(c.part("routed_experts")) / moe;
-  p.shared = static_cast<double>(c.part("shared_experts")) / moe;
-  p.dense_mlp = static_cast<double>(c.part("dense_mlp")) / dense;
-  p.embedding = static_cast<double>(c.part("embedding"));
-  p.output = static_cast<double>(c.part("output_layer"));
-  p.mtp = static_cast<double>(c.part("mtp"));
-  return p;
-}
 
 struct Shapes {  // one micro-batch on one rank
   double b = 4;         // compute bytes (bf16: 2)
@@ -127,6 +102,11 @@ void attention_items(const TrainArgs& a, const Shapes& s, Items& it) {
   }
   const double d = static_cast<double>(m.head_dim()), kv = static_cast<double>(m.kv_heads()) / s.tp;
   const double q = s.T * heads * d * s.b, k = s.T * kv * d * s.b;
+  if (m.qk_layernorm) {  // the norms keep their inputs (q and k before the norm) and statistics
+    it.add(ActivationModule::kCoreAttn, q);
+    it.add(ActivationModule::kCoreAttn, k);
+    it.add(ActivationModule::kCoreAttn, s.T * (heads + kv) * stat);
+  }
   if (s.cp > 1) {  // CP: the local queries and one local K/V, K and V of the whole sequence, the output
     it.add(ActivationModule::kCoreAttn, q);
     it.add(ActivationModule::kCoreAttn, k);
@@ -195,6 +175,39 @@ Items full_recompute_items(const TrainArgs& a, const Shapes& s, int64_t layer) {
   return it;
 }
 
+// One multi-token-prediction depth (model/mtp.h) on the head stage, under "mtp" (its attention
+// included: MtpLayer names no module inside), its MoE layer's parts under their own names: the
+// depth's embeddings, [enorm | hnorm] and their statistics, eh_proj's output, the layer's norms,
+// attention and residuals, its output (the next depth's input) and the final norm's statistics.
+Items mtp_items(const TrainArgs& a, const Shapes& s) {
+  const ModelConfig& m = a.model;
+  Items inner, it;
+  attention_items(a, s, inner);
+  for (int t = 0; t < kNumMemoryTags; ++t) {
+    const MemoryTag tag = static_cast<MemoryTag>(t);
+    if (memory_tag_category(tag) != MemoryCategory::kActivations) continue;
+    it.parts.by_tag[memory_tag(ActivationModule::kMtp)] += inner.parts.by_tag[tag];
+  }
+  it.parts.rounding += inner.parts.rounding;
+  const double u = s.Tl * s.H * s.b, stat = s.rms ? 4 : 8;
+  it.add(ActivationModule::kBatch, s.T * 4, 2);  // the depth's shifted tokens and labels
+  it.add(ActivationModule::kMtp, u);             // its embeddings
+  it.add(ActivationModule::kMtp, 2 * u);         // [enorm(emb) | hnorm(h)]
+  it.add(ActivationModule::kMtp, u, 3);          // eh_proj's output, h + attention, the depth's output
+  it.add(ActivationModule::kMtp, s.Tl * stat, 5);
+  const int64_t last = m.num_layers - 1;
+  if (m.is_moe(last)) {
+    it.add(ActivationModule::kMtp, u);  // the MoE input (router and dispatch read it)
+    moe_items(a, s, m.recompute.moe, it);
+  } else {
+    const double f = static_cast<double>(m.ffn_hidden_size) / s.tp;
+    it.add(ActivationModule::kMtp, s.sp ? s.T * s.H * s.saved_in : u);
+    it.add(ActivationModule::kMtp, s.T * f * (s.swiglu ? 2 : 1) * s.b);
+    it.add(ActivationModule::kMtp, s.T * f * s.saved_in);
+  }
+  return it;
+}
+
 // The chunk forwards alive at the first backward of pipeline rank `stage`, as chunk indices.
 std::vector<int64_t> in_flight_chunks(const TrainArgs& a, int64_t stage) {
   const int64_t p = a.pp, v = a.virtual_stages();
@@ -216,27 +229,62 @@ std::vector<int64_t> in_flight_chunks(const TrainArgs& a, int64_t stage) {
 
 }  // namespace
 
+namespace {
+// Where a parameter lives: its decoder layer (-1: none) and whether it is on the first / head stage.
+struct Placement {
+  int64_t layer = -1;
+  bool embedding = false, head = false;
+};
+Placement placement_of(const std::string& name) {
+  Placement p;
+  const std::string layers = "decoder.layers.";
+  if (name.rfind(layers, 0) == 0) p.layer = std::stoll(name.substr(layers.size()));
+  else if (name.rfind("embedding.", 0) == 0) p.embedding = true;
+  else p.head = true;  // output_layer, decoder.final_layernorm, mtp.*
+  return p;
+}
+// The share of a parameter one rank holds: experts over EP x ETP; the dense matrices over TP
+// (attention, MLPs, shared experts, vocabulary); norms, the router, position embeddings and the
+// MTP's eh_proj whole.
+double rank_share(const Param& p, const TrainArgs& a) {
+  if (p.expert) return 1.0 / static_cast<double>(a.ep * a.etp);
+  const std::string& n = p.name;
+  const bool whole = p.shape.size() < 2 || n.find("layernorm") != std::string::npos ||
+                     n.find(".router.") != std::string::npos || n.find("position_embeddings") != std::string::npos ||
+                     n.find("eh_proj") != std::string::npos || n.find("norm") != std::string::npos;
+  return whole ? 1.0 : 1.0 / static_cast<double>(a.tp);
+}
+}  // namespace
+
 RankParams rank_params(const TrainArgs& a, int64_t stage) {
   const ModelConfig& m = a.model;
-  const LayerParams lp = layer_params(m);
-  const double tp = static_cast<double>(a.tp), experts_split = static_cast<double>(a.ep * a.etp);
+  ParamStore store(Device::cpu(), DType::F32, DType::F32, 0);
+  store.set_shapes_only(true);
+  const GPTModel model(m, store);  // the whole model's registration, one rank
+  const std::vector<PipelineStage> chunks =
+      stage_layers(m.num_layers, a.pp, a.virtual_stages(), a.first_stage_layers, a.last_stage_layers, stage);
+  bool first = false, head = false;
+  for (const PipelineStage& c : chunks) {
+    first = first || c.has_embedding;
+    head = head || c.has_head;
+  }
   RankParams r;
-  for (const PipelineStage& c : stage_layers(m.num_layers, a.pp, a.virtual_stages(), a.first_stage_layers,
-                                              a.last_stage_layers, stage)) {
-    for (int64_t i = c.first_layer; i < c.end_layer; ++i) {
-      r.dense += lp.attention / tp + lp.norms;
-      if (m.is_moe(i)) {
-        r.dense += lp.router + lp.shared / tp;
-        r.expert += lp.experts / experts_split;
-      } else {
-        r.dense += lp.dense_mlp / tp;
-      }
+  for (const auto& p : store.all()) {
+    if (!p->trainable) continue;
+    const Placement at = placement_of(p->name);
+    bool here = false;
+    if (at.layer >= 0) {
+      for (const PipelineStage& c : chunks) here = here || (at.layer >= c.first_layer && at.layer < c.end_layer);
+    } else if (at.embedding) {
+      // A head stage without the first stage's embedding keeps a copy (tied, or read by MTP).
+      here = first || (head && m.head_stage_has_embedding() && p->name.find("word_embeddings") != std::string::npos);
+    } else {
+      here = head;
     }
-    if (c.has_embedding) r.dense += lp.embedding / tp;
-    if (c.has_head) {
-      r.dense += lp.final_norm + lp.mtp / tp;
-      r.dense += m.untie_embeddings ? lp.output / tp : (c.has_embedding ? 0 : lp.embedding / tp);
-    }
+    if (!here) continue;
+    const double n = static_cast<double>(shape_numel(p->full_shape())) * rank_share(*p, a);
+    (p->expert ? r.expert : r.dense) += n;
+    r.tensors.push_back(n);
   }
   return r;
 }
@@ -247,7 +295,7 @@ namespace {
 // and their peak while the store and the optimizer are set up.
 struct StateBytes {
   Items steady;
-  double setup_peak = 0;
+  Items setup;  // at the set-up's peak
 };
 
 StateBytes state_bytes(const TrainArgs& a, const RankParams& p) {
@@ -277,16 +325,47 @@ StateBytes state_bytes(const TrainArgs& a, const RankParams& p) {
       s.steady.add(MemoryCategory::kWeights, n * 2);
     }
   }
+  double moment_rounding = 0;  // the per-parameter moments, each rounded by the allocator
+  for (double n : p.tensors)
+    for (double bytes : {n * ea, n * eas})
+      moment_rounding += static_cast<double>(CachingAllocator::round_size(static_cast<size_t>(std::ceil(bytes)))) - bytes;
+  if (!a.use_distributed_optimizer) s.steady.parts.rounding += moment_rounding;
   // ParamStore::add gives every parameter its own master, compute copy, gradient and moments;
-  // initialize() then moves the dense, then the expert parameters into flat buffers (gradients
-  // and masters, 8 bytes each), freeing the per-parameter ones as it goes; the distributed
-  // optimizer allocates its shards before it frees the per-parameter moments.
-  const double per_param = 4 + wc + 4 + moments, flat = 8;
-  const double after_flat = 4 + (a.bf16 && !rem ? 6 : 4) + moments;
-  const double first = p.total() * per_param + p.dense * flat;
-  const double second = p.dense * after_flat + p.expert * (per_param + flat);
-  const double shards = p.total() * after_flat + p.dense * moments / dense_shard + p.expert * moments / expert_shard;
-  s.setup_peak = std::max({first, second, a.use_distributed_optimizer ? shards : 0.0});
+  // initialize() then moves the dense, then the expert parameters into flat buffers (a gradient
+  // buffer and the masters: fp32, or bf16 high halves + int16 remainders), freeing the
+  // per-parameter ones as it goes; the distributed optimizer allocates its shards before it
+  // frees the per-parameter moments.
+  auto per_param = [&](Items& it, double n) {  // master, compute copy, gradient; moments elsewhere
+    it.add_unrounded(MemoryCategory::kWeights, n * (4 + wc));
+    it.add_unrounded(MemoryCategory::kGradients, n * 4);
+  };
+  auto flat = [&](Items& it, double n) {
+    it.add(MemoryCategory::kGradients, n * 4);
+    if (rem) {
+      it.add(MemoryCategory::kWeights, n * 2, 2);
+    } else {
+      it.add(MemoryCategory::kWeights, n * 4);
+    }
+  };
+  auto moments_all = [&](Items& it) {
+    it.add_unrounded(MemoryCategory::kOptimizerState, p.total() * moments);
+    it.parts.rounding += moment_rounding;
+  };
+  Items first, second;
+  per_param(first, p.total());
+  moments_all(first);
+  flat(first, p.dense);
+  flat(second, p.dense);
+  if (a.bf16 && !rem) second.add_unrounded(MemoryCategory::kWeights, p.dense * 2);  // the bf16 copies stay
+  moments_all(second);
+  per_param(second, p.expert);
+  flat(second, p.expert);
+  s.setup = first.parts.total() > second.parts.total() ? first : second;
+  if (a.use_distributed_optimizer) {
+    Items shards = s.steady;
+    shards.add_unrounded(MemoryCategory::kOptimizerState, p.total() * moments);
+    if (shards.parts.total() > s.setup.parts.total()) s.setup = shards;
+  }
   return s;
 }
 
@@ -311,6 +390,8 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
       Items& it = per_chunk[c];
       it.add(ActivationModule::kBatch, s.T * 4, 2);  // tokens and labels (i32)
       if (st.has_embedding) it.add(ActivationModule::kEmbedding, s.Tl * s.H * s.b);
+      if (st.has_embedding && m.position_embedding_type == "learned_absolute")
+        it.add(ActivationModule::kEmbedding, s.Tl * 4);  // the position ids
       const int64_t n = a.model.recompute.full_num_layers;
       for (int64_t i = st.first_layer; i < st.end_layer; ++i) {
         const int64_t offset = i - st.first_layer;
@@ -336,12 +417,15 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
     for (int64_t c : flight) act.merge(per_chunk[static_cast<size_t>(c)]);
     act.merge(rebuilt);
     const bool head = chunks.back().has_head;
-    if (head) act.add(ActivationModule::kResidual, s.Tl * s.H * s.b, -1);  // the final norm's input, freed
+    // The final norm's input is freed by the first backward; with MTP the first depth keeps it,
+    // and the last depth's output goes instead.
+    if (head && m.mtp_num_layers == 0) act.add(ActivationModule::kResidual, s.Tl * s.H * s.b, -1);
+    if (head && m.mtp_num_layers > 0) act.merge(mtp_items(a, s), static_cast<double>(m.mtp_num_layers));
     // The backward of the last layer's experts (or MLP): the incoming gradient, the rows'
     // gradients, the activation's and fc1's gradients; selective recomputation rebuilds here.
     const int64_t last_layer = chunks.back().end_layer - 1;
     Items ws;
-    ws.add(MemoryCategory::kWorkspace, s.Tl * s.H * s.b);
+    ws.add(MemoryCategory::kWorkspace, s.Tl * s.H * s.b, head && m.mtp_num_layers > 0 ? 2 : 1);
     if (m.is_moe(last_layer)) {
       ws.add(MemoryCategory::kWorkspace, s.rows * s.H * s.b, 2);
       ws.add(MemoryCategory::kWorkspace, s.rows * s.F * s.b);
@@ -392,11 +476,26 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
     step.merge(comm);
     sm.parts = step.parts;
     sm.peak_at = "step";
-    if (o.whole_run_peak && state.setup_peak > step.parts.total()) {
-      Items setup;
-      setup.add(MemoryCategory::kWeights, state.setup_peak);  // the set-up's parts: not split further
-      sm.parts = setup.parts;
-      sm.parts.rounding = 0;
+    if (head) {  // the end of the head stage's forward: the final norm and the fused output layer
+      // (logits and their gradient in fp32 over this rank's vocabulary, the loss statistics)
+      // beside every saved tensor, before the first backward frees any or allocates workspace.
+      Items fwd = state.steady;
+      fwd.merge(act);
+      fwd.merge(rebuilt, -1);
+      if (m.mtp_num_layers == 0) fwd.add(ActivationModule::kResidual, s.Tl * s.H * s.b);
+      fwd.add(ActivationModule::kFinalNorm, s.Tl * s.H * s.b);
+      fwd.add(ActivationModule::kFinalNorm, s.Tl * (s.rms ? 4 : 8));
+      // The head reads every token of the TP group (SP gathers them); TP adds the gathered input
+      // and the input gradient reduced over TP.
+      fwd.add(ActivationModule::kOutputLayer, s.T * static_cast<double>(m.vocab_size) / s.tp * 4, 2);
+      fwd.add(ActivationModule::kOutputLayer, s.T * 4, a.tp > 1 ? 2 : 3);
+      if (a.tp > 1) fwd.add(ActivationModule::kOutputLayer, s.T * s.H * s.b);
+      if (s.sp) fwd.add(ActivationModule::kOutputLayer, s.T * s.H * s.b);
+      fwd.merge(comm);
+      if (fwd.parts.total() > sm.parts.total()) sm.parts = fwd.parts;
+    }
+    if (o.whole_run_peak && state.setup.parts.total() > sm.parts.total()) {
+      sm.parts = state.setup.parts;
       sm.peak_at = "setup";
     }
     out.push_back(sm);

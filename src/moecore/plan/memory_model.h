@@ -50,6 +50,7 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
 // The parameters of one pipeline rank: dense (split over TP) and experts (over EP x ETP).
 struct RankParams {
   double dense = 0, expert = 0;
+  std::vector<double> tensors;  // each parameter's elements on the rank
   double total() const { return dense + expert; }
 };
 RankParams rank_params(const TrainArgs& a, int64_t stage);
