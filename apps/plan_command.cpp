@@ -28,10 +28,11 @@ struct PlanFlags {
   std::string gpu = "h100", profile;
   double nvlink_gbps = 0, network_gbps = 0;
   bool search = false;
+  int64_t search_top = 10;
 };
 
 // The train flags of argv with the planner's own flags, parsed and checked for `world` ranks.
-TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, bool* fp8, bool* help,
+TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, plan::PlanOptions* o, bool* help,
                          std::string* help_text) {
   TrainFlagsUse use;
   use.command = "moecore plan";
@@ -42,6 +43,7 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, bo
     f.add_string("gpu", &pf.gpu, "hardware profile: h100, h200 or cpu (the CPU ranks of the tests)");
     f.add_string("profile", &pf.profile, "JSON file overriding the profile's fields (docs/planning.md)");
     f.add_bool("search", &pf.search, "rank every valid layout of the cluster by predicted tokens/s");
+    f.add_int("search-top", &pf.search_top, "--search: how many of the best layouts to print (default 10)");
     f.add_int("nodes", &pf.nodes, "nodes of the cluster (default: --gpus / --gpus-per-node)");
     f.add_int("gpus-per-node", &pf.gpus_per_node, "GPUs per node (default: the profile's)");
     f.add_double("nvlink-gbps", &pf.nvlink_gbps, "GB/s per GPU inside a node (default: the profile's)");
@@ -57,9 +59,15 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, bo
     if (!a.fp8_recipe.empty() || !a.fp8_format.empty()) {
       MC_CHECK(a.fp8_recipe == "blockwise", "--fp8-recipe '", a.fp8_recipe,
                "': the planner models FP8 as --fp8-recipe blockwise only (a prediction; training has no FP8 yet)");
-      *fp8 = true;
+      o->fp8 = true;
       a.fp8_recipe.clear();
       a.fp8_format.clear();
+    }
+    // The dispatch / combine overlapped with another micro-batch's computation (Megatron's
+    // --overlap-moe-expert-parallel-comm, with or without --delay-wgrad-compute): a prediction.
+    if (a.overlap_moe_ep_comm) {
+      o->ep_overlap = true;
+      a.overlap_moe_ep_comm = a.delay_wgrad_compute = false;
     }
     a.device_text = "cpu";  // the planner runs here; --gpu names the hardware predicted
     if (a.data_path.empty()) a.mock_data = true;  // the planner reads no data
@@ -85,7 +93,7 @@ plan::Cluster cluster_of(const PlanFlags& pf, const plan::HardwareProfile& hw) {
 
 double memory_limit(const plan::HardwareProfile& hw, int64_t local_ranks) {
   if (hw.cpu) return device_memory_bytes(false, 0, local_ranks);
-  return hw.memory_gb * 1e9;
+  return (hw.memory_gb - hw.reserved_gb) * 1e9;  // what the allocator can have
 }
 
 void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::HardwareProfile& hw,
@@ -100,6 +108,7 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
               static_cast<long long>(a.world / (a.pp * a.ep * a.etp)), static_cast<long long>(a.micro_batch_size),
               static_cast<long long>(a.global_batch_size), static_cast<long long>(a.model.seq_length),
               o.fp8 ? ", FP8 blockwise (prediction)" : "");
+  if (o.ep_overlap) std::printf(" dispatch / combine overlapped with computation (prediction: not in training yet)\n");
   std::printf(" predicted memory per rank (GB; expected, balanced expert routing):\n");
   std::printf("   %-20s", "stage");
   for (const auto& s : mem) std::printf(" %10lld", static_cast<long long>(s.stage));
@@ -158,7 +167,11 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
   const nlohmann::json out = {{"gpus", cl.gpus},       {"gpu", hw.name},          {"fits", limit <= 0 || worst <= limit},
                               {"memory_limit_bytes", limit}, {"peak_bytes", worst}, {"stages", stages},
                               {"step_s", t.step_s},    {"tokens_per_s", t.tokens_per_s},
-                              {"tflops_per_gpu", t.tflops_per_gpu}, {"mfu", t.mfu}, {"fp8_prediction", o.fp8}};
+                              {"step_parts_s", {{"compute", t.compute_s}, {"ep_dispatch_combine", t.ep_comm_s},
+                                                {"tp_cp", t.tp_cp_comm_s}, {"pp", t.pp_comm_s}, {"bubble", t.bubble_s},
+                                                {"dp", t.dp_comm_s}, {"optimizer", t.optimizer_s}}},
+                              {"tflops_per_gpu", t.tflops_per_gpu}, {"mfu", t.mfu}, {"fp8_prediction", o.fp8},
+                              {"ep_overlap_prediction", o.ep_overlap}};
   std::printf("%s\n", out.dump().c_str());
   std::fflush(stdout);
 }
@@ -167,9 +180,10 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
 
 int run_plan(const std::vector<std::string>& argv) {
   PlanFlags pf;
-  bool fp8 = false, help = false;
+  plan::PlanOptions o;
+  bool help = false;
   std::string help_text;
-  const TrainArgs a = parse_for_plan(argv, pf, &fp8, &help, &help_text);
+  const TrainArgs a = parse_for_plan(argv, pf, &o, &help, &help_text);
   if (help) {
     std::cout << help_text;
     return 0;
@@ -177,21 +191,21 @@ int run_plan(const std::vector<std::string>& argv) {
   plan::HardwareProfile hw = plan::builtin_hardware_profile(pf.gpu);
   if (!pf.profile.empty()) plan::apply_profile_file(hw, pf.profile);
   const plan::Cluster cl = cluster_of(pf, hw);
-  plan::PlanOptions o;
-  o.fp8 = fp8;
   o.whole_run_peak = hw.cpu;
   if (pf.search) {
     plan::SearchSpace space;
     space.base_argv = argv;
     space.parse = [&](const std::vector<std::string>& candidate) {
       PlanFlags p2 = pf;
-      bool f = false, h = false;
+      plan::PlanOptions o2;
+      bool h = false;
       std::string ht;
-      return parse_for_plan(candidate, p2, &f, &h, &ht);
+      return parse_for_plan(candidate, p2, &o2, &h, &ht);
     };
     const std::vector<plan::Candidate> ranked =
         plan::search_layouts(space, o, hw, cl, memory_limit(hw, std::min<int64_t>(cl.gpus, cl.gpus_per_node)));
-    std::cout << plan::format_search(ranked, cl, hw);
+    MC_CHECK(pf.search_top >= 1, "--search-top ", pf.search_top, " must be >= 1");
+    std::cout << plan::format_search(ranked, cl, hw, static_cast<size_t>(pf.search_top));
     return 0;
   }
   print_plan(a, o, hw, cl, plan::predict_memory(a, o), plan::predict_step_time(a, o, hw, cl));

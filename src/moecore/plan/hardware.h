@@ -15,10 +15,12 @@ struct HardwareProfile {
   std::string name;
   double peak_bf16_tflops = 0;   // dense bf16 tensor-core peak
   double peak_fp8_tflops = 0;    // dense fp8 peak (0: no fp8)
-  double gemm_efficiency = 0;    // fraction of the peak large GEMMs reach
+  double gemm_efficiency = 0;    // fraction of the bf16 peak large GEMMs reach
+  double fp8_gemm_efficiency = 0;  // fraction of the fp8 peak (blockwise-scaled GEMMs)
   double grouped_gemm_efficiency = 0;  // the experts' grouped GEMMs
   double attention_efficiency = 0;     // the attention kernels
   double memory_gb = 0;          // device memory
+  double reserved_gb = 0;        // of it not for the allocator: CUDA context, library workspaces, NCCL
   double hbm_gbps = 0;           // device memory bandwidth
   double nvlink_gbps = 0;        // to a GPU of the same node
   double network_gbps = 0;       // to a GPU of another node

@@ -56,10 +56,13 @@ std::vector<Candidate> search_layouts(const SearchSpace& space, const PlanOption
   const std::vector<std::string> base = without_layout_flags(space.base_argv);
   const TrainArgs model = space.parse(base);  // the model (and an error for bad base flags)
   const int64_t n = cl.gpus, layers = model.model.num_layers, experts = model.model.moe.num_experts;
-  const std::vector<std::pair<std::string, std::vector<std::string>>> recompute = {
+  std::vector<std::pair<std::string, std::vector<std::string>>> recompute = {
       {"none", {}},
       {"moe_act", {"--recompute-granularity", "selective", "--recompute-modules", "moe_act"}},
       {"full", {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"}}};
+  if (model.model.mla.enabled)  // MLA: the up projections too (CP excluded by the train command's check)
+    recompute.insert(recompute.begin() + 2, {"mla+moe_act", {"--recompute-granularity", "selective", "--recompute-modules",
+                                                             "mla_up_proj", "moe_act"}});
   std::vector<Candidate> fitting;
   for (int64_t tp : divisors(n, cl.gpus_per_node))
     for (int64_t cp : divisors(n / tp, 2))
@@ -71,7 +74,7 @@ std::vector<Candidate> search_layouts(const SearchSpace& space, const PlanOption
               if (experts == 0 && (ep > 1 || etp > 1)) continue;
               if (experts > 0 && experts % ep != 0) continue;
               for (const auto& [name, flags] : recompute) {
-                if (name == "moe_act" && experts == 0) continue;
+                if (name.find("moe_act") != std::string::npos && experts == 0) continue;
                 std::vector<std::string> argv = base;
                 std::vector<std::string> lf = {"--tensor-model-parallel-size", std::to_string(tp),
                                                "--context-parallel-size", std::to_string(cp),
@@ -107,18 +110,19 @@ std::vector<Candidate> search_layouts(const SearchSpace& space, const PlanOption
   return fitting;
 }
 
-std::string format_search(const std::vector<Candidate>& ranked, const Cluster& cl, const HardwareProfile& hw) {
+std::string format_search(const std::vector<Candidate>& ranked, const Cluster& cl, const HardwareProfile& hw,
+                          size_t top) {
   std::string s;
   char line[512];
   std::snprintf(line, sizeof line, "moecore plan --search: %lld GPUs (%s, %lld per node): %zu layouts fit; the best %zu:\n",
                 static_cast<long long>(cl.gpus), hw.name.c_str(), static_cast<long long>(cl.gpus_per_node),
-                ranked.size(), std::min<size_t>(10, ranked.size()));
+                ranked.size(), std::min<size_t>(top, ranked.size()));
   s += line;
   s += " rank  TP CP PP VPP  DP |  EP ETP EDP  recompute   memory GB   step s   tokens/s  TFLOP/s/GPU   MFU\n";
-  nlohmann::json top = nlohmann::json::array();
-  for (size_t i = 0; i < std::min<size_t>(10, ranked.size()); ++i) {
+  nlohmann::json best = nlohmann::json::array();
+  for (size_t i = 0; i < std::min<size_t>(top, ranked.size()); ++i) {
     const Candidate& c = ranked[i];
-    std::snprintf(line, sizeof line, " %4zu %3lld %2lld %2lld %3lld %3lld | %3lld %3lld %3lld  %-9s %11.2f %8.3f %10.0f %12.1f %5.1f%%\n",
+    std::snprintf(line, sizeof line, " %4zu %3lld %2lld %2lld %3lld %3lld | %3lld %3lld %3lld  %-11s %9.2f %8.3f %10.0f %12.1f %5.1f%%\n",
                   i + 1, static_cast<long long>(c.tp), static_cast<long long>(c.cp), static_cast<long long>(c.pp),
                   static_cast<long long>(c.vpp), static_cast<long long>(c.dp), static_cast<long long>(c.ep),
                   static_cast<long long>(c.etp), static_cast<long long>(c.edp), c.recompute.c_str(), c.peak_bytes / 1e9,
@@ -126,12 +130,12 @@ std::string format_search(const std::vector<Candidate>& ranked, const Cluster& c
     s += line;
     std::string flags;
     for (const std::string& f : c.layout_flags) flags += (flags.empty() ? "" : " ") + f;
-    top.push_back({{"rank", i + 1}, {"tp", c.tp}, {"cp", c.cp}, {"pp", c.pp}, {"vpp", c.vpp}, {"dp", c.dp},
+    best.push_back({{"rank", i + 1}, {"tp", c.tp}, {"cp", c.cp}, {"pp", c.pp}, {"vpp", c.vpp}, {"dp", c.dp},
                    {"ep", c.ep}, {"etp", c.etp}, {"edp", c.edp}, {"recompute", c.recompute},
                    {"peak_bytes", c.peak_bytes}, {"step_s", c.time.step_s}, {"tokens_per_s", c.time.tokens_per_s},
                    {"tflops_per_gpu", c.time.tflops_per_gpu}, {"mfu", c.time.mfu}, {"flags", flags}});
   }
-  s += nlohmann::json({{"fitting", ranked.size()}, {"top", top}}).dump() + "\n";
+  s += nlohmann::json({{"fitting", ranked.size()}, {"top", best}}).dump() + "\n";
   return s;
 }
 

@@ -1,6 +1,6 @@
 // `moecore plan --search`: every (TP, CP, PP, VPP) x (EP, ETP) layout of a cluster (DP and EDP
-// follow: Parallel Folding, the expert layout independent of the attention layout) with three
-// recomputation choices (none, selective moe_act, full uniform per layer), each checked by the
+// follow: Parallel Folding, the expert layout independent of the attention layout) with the
+// recomputation choices none, selective moe_act, full uniform per layer, each checked by the
 // train command's own parsing (an invalid layout is skipped), predicted, dropped when its largest
 // rank does not fit, and ranked by predicted tokens/s.
 #pragma once
@@ -24,7 +24,7 @@ struct SearchSpace {
 
 struct Candidate {
   std::vector<std::string> layout_flags;  // the flags that select this layout
-  std::string recompute;                  // "none", "moe_act", "full"
+  std::string recompute;                  // "none", "moe_act", "mla+moe_act", "full"
   int64_t tp = 1, cp = 1, pp = 1, vpp = 1, dp = 1, ep = 1, etp = 1, edp = 1;
   double peak_bytes = 0;
   StepTime time;
@@ -33,7 +33,8 @@ struct Candidate {
 // Fitting layouts, best first; `considered` / `valid` counts in the first entry's notes.
 std::vector<Candidate> search_layouts(const SearchSpace& space, const PlanOptions& o, const HardwareProfile& hw,
                                       const Cluster& cl, double memory_limit);
-// The top ten as a table, then one JSON line.
-std::string format_search(const std::vector<Candidate>& ranked, const Cluster& cl, const HardwareProfile& hw);
+// The best `top` as a table, then one JSON line.
+std::string format_search(const std::vector<Candidate>& ranked, const Cluster& cl, const HardwareProfile& hw,
+                          size_t top);
 
 }  // namespace moecore::plan

@@ -92,8 +92,12 @@ void attention_items(const TrainArgs& a, const Shapes& s, Items& it) {
     const double qd = static_cast<double>(m.mla.q_head_dim()), vd = static_cast<double>(m.mla.v_head_dim);
     const double latent = static_cast<double>(m.mla.q_lora_rank + m.mla.kv_lora_rank + m.mla.qk_pos_emb_head_dim);
     it.add(ActivationModule::kCoreAttn, s.T * latent * s.b, 2);  // the down projections and their norms
-    it.add(ActivationModule::kCoreAttn, s.T * heads * qd * s.b, 2);
-    it.add(ActivationModule::kCoreAttn, s.T * heads * vd * s.b);
+    if (m.mla.recompute_up_proj) {  // --recompute-modules mla_up_proj: q, k, v rebuilt from the latents
+      it.add(ActivationModule::kCoreAttn, s.T * static_cast<double>(m.mla.qk_pos_emb_head_dim) * s.b);  // k_pe
+    } else {
+      it.add(ActivationModule::kCoreAttn, s.T * heads * qd * s.b, 2);
+      it.add(ActivationModule::kCoreAttn, s.T * heads * vd * s.b);
+    }
     if (!m.recompute.core_attn) {
       it.add(ActivationModule::kCoreAttn, s.T * heads * vd * s.saved_in);
       it.add(ActivationModule::kCoreAttn, lse);
@@ -254,13 +258,51 @@ double rank_share(const Param& p, const TrainArgs& a) {
                      n.find("eh_proj") != std::string::npos || n.find("norm") != std::string::npos;
   return whole ? 1.0 : 1.0 / static_cast<double>(a.tp);
 }
+
+// The whole model's trainable parameters as GPTModel registers them (one rank, shapes only),
+// kept for the last model asked about (a --search plans one model in many layouts).
+struct Registered {
+  std::string name;
+  double numel = 0;
+  bool expert = false, whole = false;  // whole: not split over TP (rank_share)
+};
+std::string shape_key(const ModelConfig& m) {
+  std::string k;
+  for (int64_t v : {m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups,
+                    m.kv_channels, m.vocab_size, m.max_position_embeddings, m.seq_length, m.mtp_num_layers,
+                    m.moe.num_experts, m.moe.ffn_hidden_size, m.moe.shared_expert_size, m.mla.q_lora_rank,
+                    m.mla.kv_lora_rank, m.mla.qk_head_dim, m.mla.qk_pos_emb_head_dim, m.mla.v_head_dim})
+    k += std::to_string(v) + ",";
+  for (bool v : {m.rmsnorm, m.mla.enabled, m.swiglu, m.add_bias_linear, m.add_qkv_bias, m.untie_embeddings,
+                 m.qk_layernorm, m.moe.shared_expert_gate, m.moe.enable_expert_bias})
+    k += v ? "1" : "0";
+  k += m.position_embedding_type + ",";
+  for (bool v : m.moe_layer) k += v ? "1" : "0";
+  return k;
+}
+const std::vector<Registered>& registered_params(const ModelConfig& m) {
+  static std::string key;
+  static std::vector<Registered> list;
+  const std::string now = shape_key(m);
+  if (now == key) return list;
+  ParamStore store(Device::cpu(), DType::F32, DType::F32, 0);
+  store.set_shapes_only(true);
+  const GPTModel model(m, store);
+  list.clear();
+  for (const auto& p : store.all()) {
+    if (!p->trainable) continue;
+    TrainArgs one;  // TP 2: tells the split parameters from the whole ones
+    one.tp = 2;
+    list.push_back({p->name, static_cast<double>(shape_numel(p->full_shape())), p->expert,
+                    !p->expert && rank_share(*p, one) == 1.0});
+  }
+  key = now;
+  return list;
+}
 }  // namespace
 
 RankParams rank_params(const TrainArgs& a, int64_t stage) {
   const ModelConfig& m = a.model;
-  ParamStore store(Device::cpu(), DType::F32, DType::F32, 0);
-  store.set_shapes_only(true);
-  const GPTModel model(m, store);  // the whole model's registration, one rank
   const std::vector<PipelineStage> chunks =
       stage_layers(m.num_layers, a.pp, a.virtual_stages(), a.first_stage_layers, a.last_stage_layers, stage);
   bool first = false, head = false;
@@ -269,21 +311,20 @@ RankParams rank_params(const TrainArgs& a, int64_t stage) {
     head = head || c.has_head;
   }
   RankParams r;
-  for (const auto& p : store.all()) {
-    if (!p->trainable) continue;
-    const Placement at = placement_of(p->name);
+  for (const Registered& p : registered_params(m)) {
+    const Placement at = placement_of(p.name);
     bool here = false;
     if (at.layer >= 0) {
       for (const PipelineStage& c : chunks) here = here || (at.layer >= c.first_layer && at.layer < c.end_layer);
     } else if (at.embedding) {
       // A head stage without the first stage's embedding keeps a copy (tied, or read by MTP).
-      here = first || (head && m.head_stage_has_embedding() && p->name.find("word_embeddings") != std::string::npos);
+      here = first || (head && m.head_stage_has_embedding() && p.name.find("word_embeddings") != std::string::npos);
     } else {
       here = head;
     }
     if (!here) continue;
-    const double n = static_cast<double>(shape_numel(p->full_shape())) * rank_share(*p, a);
-    (p->expert ? r.expert : r.dense) += n;
+    const double n = p.numel / (p.expert ? static_cast<double>(a.ep * a.etp) : p.whole ? 1.0 : static_cast<double>(a.tp));
+    (p.expert ? r.expert : r.dense) += n;
     r.tensors.push_back(n);
   }
   return r;

@@ -14,6 +14,17 @@ double group_bandwidth(const Cluster& cl, const HardwareProfile& hw, int64_t n, 
   const bool inside = n * span <= cl.gpus_per_node;
   return (inside ? cl.nvlink_gbps : cl.network_gbps) * 1e9 * hw.collective_efficiency;
 }
+// An all-to-all over n ranks `span` apart: the share of each rank's data for peers in its own
+// node crosses NVLink, the rest the network, both at once; returns the time of `bytes` (what the
+// rank sends to the other ranks).
+double all_to_all_s(const Cluster& cl, const HardwareProfile& hw, double bytes, int64_t n, int64_t span) {
+  if (n <= 1) return 0;
+  const int64_t in_node = std::max<int64_t>(1, std::min(n, cl.gpus_per_node / std::max<int64_t>(1, span)));
+  const double local = static_cast<double>(in_node - 1) / static_cast<double>(n - 1);
+  const double nv = cl.nvlink_gbps * 1e9 * hw.collective_efficiency, net = cl.network_gbps * 1e9 * hw.collective_efficiency;
+  const double t_local = nv > 0 ? bytes * local / nv : 0, t_remote = net > 0 ? bytes * (1 - local) / net : 0;
+  return std::max(t_local, t_remote);
+}
 // Ring all-gather / reduce-scatter time of `bytes` (the whole result) over n ranks.
 double ring_s(double bytes, int64_t n, double bw) {
   return n <= 1 || bw <= 0 ? 0.0 : bytes * static_cast<double>(n - 1) / static_cast<double>(n) / bw;
@@ -24,9 +35,13 @@ StepTime predict_step_time(const TrainArgs& a, const PlanOptions& o, const Hardw
   const ModelConfig& m = a.model;
   StepTime t;
   const double b = a.bf16 ? 2 : 4;
-  const double peak = (o.fp8 && hw.peak_fp8_tflops > 0 ? hw.peak_fp8_tflops : hw.peak_bf16_tflops) * 1e12;
-  const double gemm = peak * hw.gemm_efficiency, grouped = peak * hw.grouped_gemm_efficiency,
-               attn = hw.peak_bf16_tflops * 1e12 * hw.attention_efficiency;
+  // FP8 (blockwise): the GEMMs at the fp8 peak and its efficiency (grouped ones scaled alike);
+  // attention stays in bf16.
+  const bool fp8 = o.fp8 && hw.peak_fp8_tflops > 0;
+  const double bf16_peak = hw.peak_bf16_tflops * 1e12;
+  const double gemm = fp8 ? hw.peak_fp8_tflops * 1e12 * hw.fp8_gemm_efficiency : bf16_peak * hw.gemm_efficiency;
+  const double grouped = gemm * hw.grouped_gemm_efficiency / hw.gemm_efficiency;
+  const double attn = bf16_peak * hw.attention_efficiency;
   const double tp = static_cast<double>(a.tp), cp = static_cast<double>(a.cp);
   const double H = static_cast<double>(m.hidden_size), S = static_cast<double>(m.seq_length);
   const double T = static_cast<double>(a.micro_batch_size) * S / cp;  // tokens per rank in attention
@@ -56,8 +71,8 @@ StepTime predict_step_time(const TrainArgs& a, const PlanOptions& o, const Hardw
   // Dispatch + combine: each rank's rows leave for the other EP ranks ((EP - 1) / EP of them).
   const double ep = static_cast<double>(a.ep);
   const double a2a_bytes = Tl * k * H * b * (ep - 1) / ep * static_cast<double>(a.etp);
-  const double ep_bw = group_bandwidth(cl, hw, a.ep * a.etp, 1);
-  const double a2a_s = a.ep * a.etp > 1 && ep_bw > 0 ? 2 * a2a_bytes / ep_bw : 0;  // dispatch and combine
+  // The expert ranks of a group are consecutive (ETP varies fastest, then EP: Parallel Folding).
+  const double a2a_s = 2 * all_to_all_s(cl, hw, a2a_bytes, a.ep, a.etp);  // dispatch and combine
   // TP with SP: an all-gather and a reduce-scatter around attention and each dense MLP / shared expert.
   const double tp_bw = group_bandwidth(cl, hw, a.tp, 1);
   const double tp_s = 2 * ring_s(T * H * b, a.tp, tp_bw);
@@ -79,8 +94,15 @@ StepTime predict_step_time(const TrainArgs& a, const PlanOptions& o, const Hardw
         if (a.recompute_granularity == "full") rec += layer;
         else {
           if (m.recompute.core_attn) rec += attn_core_s;
+          if (m.mla.enabled && m.mla.recompute_up_proj) {  // the up projections again
+            const double hq = static_cast<double>(m.num_attention_heads), rope = static_cast<double>(m.mla.qk_pos_emb_head_dim);
+            const double q_in = m.mla.q_lora_rank > 0 ? static_cast<double>(m.mla.q_lora_rank) : H;
+            rec += 2 * T * (q_in * hq * qk + static_cast<double>(m.mla.kv_lora_rank) * hq * (qk - rope + vd)) / tp / gemm;
+          }
           if (m.recompute.moe && m.is_moe(i)) rec += moe_s;
           if (m.recompute.mlp && !m.is_moe(i)) rec += dense_s;
+          if (m.moe.recompute_act && m.is_moe(i) && hw.hbm_gbps > 0)  // the activation again: memory bound
+            rec += Tl * k * F / static_cast<double>(a.etp) * (m.swiglu ? 3 : 2) * b / (hw.hbm_gbps * 1e9);
         }
       }
       if (c.has_head) fwd += 2 * T * H * static_cast<double>(m.vocab_size) / tp / gemm *
@@ -96,7 +118,13 @@ StepTime predict_step_time(const TrainArgs& a, const PlanOptions& o, const Hardw
   }
   // Backward = 2 x forward compute, the same collectives again (their transposes).
   const double per_micro = 3 * stage_fwd + recompute;
-  const double comm_per_micro = 2 * stage_comm, a2a_per_micro = 2 * stage_a2a * (a.recompute_granularity == "full" ? 1.5 : 1);
+  const double comm_per_micro = 2 * stage_comm;
+  double a2a_per_micro = 2 * stage_a2a * (a.recompute_granularity == "full" ? 1.5 : 1);
+  // Overlapped with another micro-batch's computation: only what the computation cannot cover.
+  if (o.ep_overlap) {
+    a2a_per_micro = std::max(0.0, a2a_per_micro - per_micro);
+    t.notes.push_back("--overlap-moe-expert-parallel-comm: a prediction; moecore does not overlap the dispatch yet");
+  }
   const double pp_bw = group_bandwidth(cl, hw, a.pp, a.tp * a.cp * a.data_parallel_size());
   const double pp_s = a.pp > 1 && pp_bw > 0 ? 2 * Tl * H * b / pp_bw : 0;
   const double m_d = static_cast<double>(micro);
