@@ -458,8 +458,8 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
     for (int64_t c : flight) act.merge(per_chunk[static_cast<size_t>(c)]);
     act.merge(rebuilt);
     const bool head = chunks.back().has_head;
-    // The final norm's input is freed by the first backward; with MTP the first depth keeps it,
-    // and the last depth's output goes instead.
+    // The final norm's input is freed by the first backward (with MTP the first depth keeps it);
+    // the MTP depths' tensors (model/mtp.h) on the head stage.
     if (head && m.mtp_num_layers == 0) act.add(ActivationModule::kResidual, s.Tl * s.H * s.b, -1);
     if (head && m.mtp_num_layers > 0) act.merge(mtp_items(a, s), static_cast<double>(m.mtp_num_layers));
     // The backward of the last layer's experts (or MLP): the incoming gradient, the rows'
