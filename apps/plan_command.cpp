@@ -69,6 +69,8 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
       o->ep_overlap = true;
       a.overlap_moe_ep_comm = a.delay_wgrad_compute = false;
     }
+    MC_CHECK(a.device_text.empty() || a.device_text == "cpu", "moecore plan: --device ", a.device_text,
+             " is not for the planner (it runs on the host); name the predicted hardware with --gpu");
     a.device_text = "cpu";  // the planner runs here; --gpu names the hardware predicted
     if (a.data_path.empty()) a.mock_data = true;  // the planner reads no data
     comm::LaunchEnv env;
