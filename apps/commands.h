@@ -16,5 +16,6 @@ int run_dataset_info(const std::vector<std::string>& args);  // dataset_info_com
 int run_convert(const std::vector<std::string>& args);       // convert_command.cpp
 int run_report(const std::vector<std::string>& args);        // report_command.cpp
 int run_eval(const std::vector<std::string>& args);          // eval_command.cpp
+int run_plan(const std::vector<std::string>& args);          // plan_command.cpp
 
 }  // namespace moecore

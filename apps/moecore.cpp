@@ -9,6 +9,7 @@
 //   moecore dataset-info  describe a .bin/.idx dataset (dataset_info_command.cpp)
 //   moecore convert       HF <-> moecore checkpoints (convert_command.cpp)
 //   moecore report        an HTML page of a run's metrics (report_command.cpp)
+//   moecore plan          predicted memory and step time of a layout (plan_command.cpp)
 //
 // Every error ends here: one line "moecore: error: ..." on stderr and exit code 1 (2 for usage
 // errors), never an abort.
@@ -46,7 +47,7 @@ const std::vector<Subcommand>& subcommands() {
       {"dataset-info", "describe a .bin/.idx dataset", moecore::run_dataset_info, ""},
       {"convert", "HF <-> moecore checkpoints (Mixtral, Qwen3-MoE)", moecore::run_convert, ""},
       {"report", "an HTML page of a run's metrics", moecore::run_report, ""},
-      {"plan", "memory and throughput planner", nullptr, "the planner work"},
+      {"plan", "predicted memory and step time of a layout; --search for a cluster", moecore::run_plan, ""},
   };
   return list;
 }

@@ -856,7 +856,7 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
   if (!a.load.empty() && checkpoint_exists(a.load)) take_model_flags_from_checkpoint(flags, a, use.also_from_checkpoint);
   a.flag_values = flags.values();
   if (use.before_finalize) use.before_finalize(a);
-  finalize_train_args(a);  // first: flags refused by name (features not available) say so
+  finalize_train_args(a, use.launch_env ? &*use.launch_env : nullptr);  // first: flags refused by name (features not available) say so
   check_moe_flags_need_experts(flags, a);
   a.watch_nccl_collectives = flags.given("distributed-timeout-minutes");
   check_mla_flags_need_mla(user_mla_flags, a);
@@ -909,15 +909,15 @@ std::vector<std::pair<std::string, std::string>> train_flag_values(
 
 TrainFlagCodec train_flag_codec() { return {train_flag_values, train_args_from_saved}; }
 
-void finalize_train_args(TrainArgs& a) {
+void finalize_train_args(TrainArgs& a, const comm::LaunchEnv* launched) {
   apply_model_flags(a);
   check_schedule_flags(a);
   // Ranks: data parallelism over every process the launcher started (world = DP).
-  const comm::LaunchEnv launched = comm::read_launch_env();
-  check_parallel_layout(a, emulated_launch(a, launched));  // --emulate-world-size: rank R of N
+  const comm::LaunchEnv env = launched ? *launched : comm::read_launch_env();
+  check_parallel_layout(a, emulated_launch(a, env));  // --emulate-world-size: rank R of N
   check_recompute_flags(a);
   check_feature_flags(a);
-  resolve_device(a, launched);
+  resolve_device(a, env);
   if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";
 }
 

@@ -3,11 +3,13 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "moecore/cli/flags.h"
+#include "moecore/comm/bootstrap.h"
 #include "moecore/train/arguments.h"
 
 namespace moecore {
@@ -21,6 +23,8 @@ struct TrainFlagsUse {
   std::vector<std::pair<std::string, std::string>> defaults;  // set before --config and the command line
   std::vector<std::string> also_from_checkpoint;              // flags --load supplies too when not given
   std::function<void(TrainArgs&)> before_finalize;            // after parsing, before the checks
+  std::optional<comm::LaunchEnv> launch_env;  // the ranks to check the layout against (moecore plan:
+                                              // the planned cluster); unset: the process environment
 };
 // Parses argv (with --config FILE applied first), fills derived values and validates every
 // combination; raises cli::UsageError / Error naming the flag. With --load, the model flags left
@@ -29,8 +33,8 @@ TrainArgs parse_train_args(const std::vector<std::string>& argv, bool* help_requ
                            const TrainFlagsUse& use = {});
 // "--data-path p" or "--data-path w1 p1 w2 p2": (weight, prefix) pairs.
 std::vector<std::pair<double, std::string>> parse_data_path(const std::vector<std::string>& items);
-// Derived values and checks, after parsing.
-void finalize_train_args(TrainArgs& args);
+// Derived values and checks, after parsing; launched: the ranks (null: the process environment).
+void finalize_train_args(TrainArgs& args, const comm::LaunchEnv* launched = nullptr);
 // Rebuilds the arguments a checkpoint was trained with (its saved flag values), on `device`.
 TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::string>>& saved,
                                 const std::string& device, const std::string& origin);

@@ -1,0 +1,217 @@
+// `moecore plan`: the predicted per-rank memory (the parts of --memory-report) and step time of a
+// training layout, or with --search the best layouts of a cluster. It takes every train flag
+// (apps/train_command.cpp) and runs the train command's parsing and checks against --gpus ranks,
+// so a layout the train command refuses is refused here with the same message; the models are in
+// src/moecore/plan/. The last line of the output is one JSON object.
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "moecore/core/error.h"
+#include "moecore/plan/hardware.h"
+#include "moecore/plan/layout_search.h"
+#include "moecore/plan/memory_model.h"
+#include "moecore/plan/step_time.h"
+#include "moecore/train/memory_estimate.h"
+#include "train_command.h"
+
+namespace moecore {
+
+namespace {
+
+struct PlanFlags {
+  int64_t gpus = 0, nodes = 0, gpus_per_node = 0;
+  std::string gpu = "h100", profile;
+  double nvlink_gbps = 0, network_gbps = 0;
+  bool search = false;
+  int64_t search_top = 10;
+};
+
+// The train flags of argv with the planner's own flags, parsed and checked for `world` ranks.
+TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, plan::PlanOptions* o, bool* help,
+                         std::string* help_text) {
+  TrainFlagsUse use;
+  use.command = "moecore plan";
+  use.summary = "Predicted per-rank memory and step time of a training layout (the train flags), or --search "
+                "for the best layouts of a cluster.";
+  use.extra_flags = [&](cli::FlagSet& f) {
+    f.add_int("gpus", &pf.gpus, "GPUs (ranks) of the layout; --search: default --nodes x --gpus-per-node");
+    f.add_string("gpu", &pf.gpu, "hardware profile: h100, h200 or cpu (the CPU ranks of the tests)");
+    f.add_string("profile", &pf.profile, "JSON file overriding the profile's fields (docs/planning.md)");
+    f.add_bool("search", &pf.search, "rank every valid layout of the cluster by predicted tokens/s");
+    f.add_int("search-top", &pf.search_top, "--search: how many of the best layouts to print (default 10)");
+    f.add_int("nodes", &pf.nodes, "nodes of the cluster (default: --gpus / --gpus-per-node)");
+    f.add_int("gpus-per-node", &pf.gpus_per_node, "GPUs per node (default: the profile's)");
+    f.add_double("nvlink-gbps", &pf.nvlink_gbps, "GB/s per GPU inside a node (default: the profile's)");
+    f.add_double("network-gbps", &pf.network_gbps, "GB/s per GPU between nodes (default: the profile's)");
+  };
+  use.defaults = {{"train-iters", "1"}};  // the schedule does not change a step
+  use.before_finalize = [&](TrainArgs& a) {
+    if (pf.gpus == 0 && pf.nodes > 0 && pf.gpus_per_node > 0) pf.gpus = pf.nodes * pf.gpus_per_node;
+    if (pf.gpus <= 0)
+      throw cli::UsageError("moecore plan needs --gpus N (the GPUs of the layout), or --nodes and --gpus-per-node",
+                            __FILE__, __LINE__);
+    // FP8: a prediction only (training refuses it); blockwise is the recipe modelled.
+    if (!a.fp8_recipe.empty() || !a.fp8_format.empty()) {
+      MC_CHECK(a.fp8_recipe == "blockwise", "--fp8-recipe '", a.fp8_recipe,
+               "': the planner models FP8 as --fp8-recipe blockwise only (a prediction; training has no FP8 yet)");
+      o->fp8 = true;
+      a.fp8_recipe.clear();
+      a.fp8_format.clear();
+    }
+    // The dispatch / combine overlapped with another micro-batch's computation (Megatron's
+    // --overlap-moe-expert-parallel-comm, with or without --delay-wgrad-compute): a prediction.
+    if (a.overlap_moe_ep_comm) {
+      o->ep_overlap = true;
+      a.overlap_moe_ep_comm = a.delay_wgrad_compute = false;
+    }
+    MC_CHECK(a.device_text.empty() || a.device_text == "cpu", "moecore plan: --device ", a.device_text,
+             " is not for the planner (it runs on the host); name the predicted hardware with --gpu");
+    a.device_text = "cpu";  // the planner runs here; --gpu names the hardware predicted
+    if (a.data_path.empty()) a.mock_data = true;  // the planner reads no data
+    comm::LaunchEnv env;
+    env.world = static_cast<int>(pf.gpus);
+    env.local_world = static_cast<int>(std::min<int64_t>(pf.gpus, pf.gpus_per_node > 0 ? pf.gpus_per_node : 8));
+    env.launcher = "none";
+    use.launch_env = env;
+  };
+  return parse_train_args(argv, help, help_text, use);
+}
+
+plan::Cluster cluster_of(const PlanFlags& pf, const plan::HardwareProfile& hw) {
+  plan::Cluster c;
+  c.gpus = pf.gpus;
+  c.gpus_per_node = pf.gpus_per_node > 0 ? pf.gpus_per_node : hw.gpus_per_node;
+  c.nvlink_gbps = pf.nvlink_gbps > 0 ? pf.nvlink_gbps : hw.nvlink_gbps;
+  c.network_gbps = pf.network_gbps > 0 ? pf.network_gbps : hw.network_gbps;
+  MC_CHECK(pf.nodes <= 0 || pf.nodes * c.gpus_per_node == pf.gpus, "--nodes ", pf.nodes, " x --gpus-per-node ",
+           c.gpus_per_node, " is not --gpus ", pf.gpus);
+  return c;
+}
+
+double memory_limit(const plan::HardwareProfile& hw, int64_t local_ranks) {
+  if (hw.cpu) return device_memory_bytes(false, 0, local_ranks);
+  return (hw.memory_gb - hw.reserved_gb) * 1e9;  // what the allocator can have
+}
+
+void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::HardwareProfile& hw,
+                const plan::Cluster& cl, const std::vector<plan::StageMemory>& mem, const plan::StepTime& t) {
+  const double limit = memory_limit(hw, std::min<int64_t>(cl.gpus, cl.gpus_per_node));
+  const double unit = 1e9;
+  std::printf("moecore plan: %lld GPUs (%s), TP %lld CP %lld PP %lld VPP %lld DP %lld | EP %lld ETP %lld EDP %lld, "
+              "micro-batch %lld, global batch %lld, seq %lld%s\n",
+              static_cast<long long>(cl.gpus), hw.name.c_str(), static_cast<long long>(a.tp),
+              static_cast<long long>(a.cp), static_cast<long long>(a.pp), static_cast<long long>(a.virtual_stages()),
+              static_cast<long long>(a.data_parallel_size()), static_cast<long long>(a.ep), static_cast<long long>(a.etp),
+              static_cast<long long>(a.world / (a.pp * a.ep * a.etp)), static_cast<long long>(a.micro_batch_size),
+              static_cast<long long>(a.global_batch_size), static_cast<long long>(a.model.seq_length),
+              o.fp8 ? ", FP8 blockwise (prediction)" : "");
+  if (o.ep_overlap) std::printf(" dispatch / combine overlapped with computation (prediction: not in training yet)\n");
+  std::printf(" predicted memory per rank (GB; expected, balanced expert routing):\n");
+  std::printf("   %-20s", "stage");
+  for (const auto& s : mem) std::printf(" %10lld", static_cast<long long>(s.stage));
+  std::printf("\n");
+  auto row = [&](const char* name, auto get) {
+    std::printf("   %-20s", name);
+    for (const auto& s : mem) std::printf(" %10.4f", get(s) / unit);
+    std::printf("\n");
+  };
+  for (MemoryCategory c : {MemoryCategory::kWeights, MemoryCategory::kGradients, MemoryCategory::kOptimizerState,
+                           MemoryCategory::kActivations}) {
+    row(memory_category_name(c), [&](const plan::StageMemory& s) { return s.parts.category(c); });
+    if (c != MemoryCategory::kActivations) continue;
+    for (int t = 0; t < kNumMemoryTags; ++t) {
+      const MemoryTag tag = static_cast<MemoryTag>(t);
+      if (memory_tag_category(tag) != MemoryCategory::kActivations) continue;
+      bool any = false;
+      for (const auto& s : mem) any = any || s.parts.by_tag[tag] > 0;
+      if (!any) continue;
+      std::string name = std::string("  ") + memory_tag_name(tag);
+      row(name.c_str(), [&](const plan::StageMemory& s) { return s.parts.by_tag[tag]; });
+    }
+  }
+  row("communication", [](const plan::StageMemory& s) { return s.parts.category(MemoryCategory::kCommunication); });
+  row("workspace", [](const plan::StageMemory& s) { return s.parts.category(MemoryCategory::kWorkspace); });
+  row("allocator_overhead", [](const plan::StageMemory& s) { return s.parts.rounding; });
+  row("peak", [](const plan::StageMemory& s) { return s.parts.total(); });
+  std::printf("   %-20s", "in flight / peak at");
+  for (const auto& s : mem) std::printf(" %6lld/%-3s", static_cast<long long>(s.in_flight), s.peak_at == "step" ? "stp" : "set");
+  std::printf("\n");
+  double worst = 0;
+  for (const auto& s : mem) worst = std::max(worst, s.parts.total());
+  std::printf(" largest rank: %.4f GB of %.4f GB: %s\n", worst / unit, limit / unit,
+              limit <= 0 ? "unknown" : worst <= limit ? "fits" : "DOES NOT FIT");
+  std::printf(" predicted step: %.4f s (compute %.4f, EP dispatch/combine %.4f, TP/CP %.4f, PP %.4f, bubble %.4f, "
+              "DP %.4f, optimizer %.4f)\n",
+              t.step_s, t.compute_s, t.ep_comm_s, t.tp_cp_comm_s, t.pp_comm_s, t.bubble_s, t.dp_comm_s, t.optimizer_s);
+  std::printf(" %.0f tokens/s, %.1f TFLOP/s/GPU, MFU %.1f%% of %.0f TFLOP/s bf16\n", t.tokens_per_s, t.tflops_per_gpu,
+              100 * t.mfu, hw.peak_bf16_tflops);
+  for (const std::string& n : t.notes) std::printf(" note: %s\n", n.c_str());
+  nlohmann::json stages = nlohmann::json::array();
+  for (const auto& s : mem) {
+    nlohmann::json j = {{"stage", s.stage}, {"peak_bytes", s.parts.total()}, {"peak_at", s.peak_at},
+                        {"in_flight", s.in_flight}, {"allocator_overhead", s.parts.rounding}};
+    for (int c = 0; c < kNumMemoryCategories; ++c)
+      j[memory_category_name(static_cast<MemoryCategory>(c))] = s.parts.category(static_cast<MemoryCategory>(c));
+    nlohmann::json modules = nlohmann::json::object();
+    for (int t2 = 0; t2 < kNumMemoryTags; ++t2) {
+      const MemoryTag tag = static_cast<MemoryTag>(t2);
+      if (memory_tag_category(tag) == MemoryCategory::kActivations && s.parts.by_tag[tag] > 0)
+        modules[memory_tag_name(tag)] = s.parts.by_tag[tag];
+    }
+    j["activation_modules"] = modules;
+    stages.push_back(j);
+  }
+  const nlohmann::json out = {{"gpus", cl.gpus},       {"gpu", hw.name},          {"fits", limit <= 0 || worst <= limit},
+                              {"memory_limit_bytes", limit}, {"peak_bytes", worst}, {"stages", stages},
+                              {"step_s", t.step_s},    {"tokens_per_s", t.tokens_per_s},
+                              {"step_parts_s", {{"compute", t.compute_s}, {"ep_dispatch_combine", t.ep_comm_s},
+                                                {"tp_cp", t.tp_cp_comm_s}, {"pp", t.pp_comm_s}, {"bubble", t.bubble_s},
+                                                {"dp", t.dp_comm_s}, {"optimizer", t.optimizer_s}}},
+                              {"tflops_per_gpu", t.tflops_per_gpu}, {"mfu", t.mfu}, {"fp8_prediction", o.fp8},
+                              {"ep_overlap_prediction", o.ep_overlap}};
+  std::printf("%s\n", out.dump().c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int run_plan(const std::vector<std::string>& argv) {
+  PlanFlags pf;
+  plan::PlanOptions o;
+  bool help = false;
+  std::string help_text;
+  const TrainArgs a = parse_for_plan(argv, pf, &o, &help, &help_text);
+  if (help) {
+    std::cout << help_text;
+    return 0;
+  }
+  plan::HardwareProfile hw = plan::builtin_hardware_profile(pf.gpu);
+  if (!pf.profile.empty()) plan::apply_profile_file(hw, pf.profile);
+  const plan::Cluster cl = cluster_of(pf, hw);
+  o.whole_run_peak = hw.cpu;
+  if (pf.search) {
+    plan::SearchSpace space;
+    space.base_argv = argv;
+    space.parse = [&](const std::vector<std::string>& candidate) {
+      PlanFlags p2 = pf;
+      plan::PlanOptions o2;
+      bool h = false;
+      std::string ht;
+      return parse_for_plan(candidate, p2, &o2, &h, &ht);
+    };
+    const std::vector<plan::Candidate> ranked =
+        plan::search_layouts(space, o, hw, cl, memory_limit(hw, std::min<int64_t>(cl.gpus, cl.gpus_per_node)));
+    MC_CHECK(pf.search_top >= 1, "--search-top ", pf.search_top, " must be >= 1");
+    std::cout << plan::format_search(ranked, cl, hw, static_cast<size_t>(pf.search_top));
+    return 0;
+  }
+  print_plan(a, o, hw, cl, plan::predict_memory(a, o), plan::predict_step_time(a, o, hw, cl));
+  return 0;
+}
+
+}  // namespace moecore

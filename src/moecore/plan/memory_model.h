@@ -1,0 +1,59 @@
+// The planner's memory model: one rank's peak memory, split into the parts of `moecore train
+// --memory-report` (core/memory_categories.h), for any layout the train command accepts.
+//
+// It follows the code rather than a rule of thumb: the model state is what ParamStore and the
+// optimizer allocate (flat gradient and master buffers, AdamW moments, the distributed
+// optimizer's shards, bf16 weights with split masters), the activations are the tensors each
+// module's forward keeps in its Ctx (model/, moe/), per micro-batch in flight on the stage (1F1B:
+// the warm-up depth + 1; interleaved: the warm-up's chunk forwards + 1), and the workspace is the
+// gradients alive in the experts' backward of the first backward (where the step peaks). Each
+// tensor is rounded as the allocator rounds it. Dropless MoE routes a varying number of tokens to
+// each expert: the model takes the expected, balanced count (every rank gets tokens x top-k rows).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moecore/core/memory_categories.h"
+#include "moecore/train/arguments.h"
+
+namespace moecore::plan {
+
+struct PlanOptions {
+  bool fp8 = false;          // --fp8-recipe blockwise (a prediction: FP8 is not in training yet)
+  bool ep_overlap = false;   // --overlap-moe-expert-parallel-comm (a prediction: not in training yet)
+  bool whole_run_peak = false;  // the CPU allocator's peak counts the set-up too (a GPU's is per step)
+};
+
+// Bytes by tag (core/memory_categories.h) and the allocator's rounding of them.
+struct MemoryParts {
+  std::array<double, kNumMemoryTags> by_tag{};
+  double rounding = 0;
+  double category(MemoryCategory c) const;
+  double tagged() const;
+  double total() const { return tagged() + rounding; }  // the allocator's peak
+};
+
+struct StageMemory {
+  int64_t stage = 0;           // pipeline rank
+  int64_t in_flight = 0;       // chunk forwards whose activations are alive at the peak
+  std::string peak_at;         // "step" or "setup"
+  MemoryParts parts;           // at the peak
+  double state_params = 0;     // parameters on the rank
+};
+
+// One entry per pipeline stage (every TP / CP / EP / DP rank of a stage is alike under the
+// balanced-routing assumption). a: finalized train arguments (parse_train_args).
+std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o);
+
+// The parameters of one pipeline rank: dense (split over TP) and experts (over EP x ETP).
+struct RankParams {
+  double dense = 0, expert = 0;
+  std::vector<double> tensors;  // each parameter's elements on the rank
+  double total() const { return dense + expert; }
+};
+RankParams rank_params(const TrainArgs& a, int64_t stage);
+
+}  // namespace moecore::plan
