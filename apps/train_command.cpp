@@ -17,6 +17,7 @@
 
 #include "moecore/comm/bootstrap.h"
 #include "moecore/core/system_info.h"
+#include "moecore/model/activation_offload.h"
 #include "moecore/data/tokenizer.h"
 #include "moecore/train/checkpoint.h"
 #include "moecore/train/memory_estimate.h"
@@ -272,8 +273,11 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_int("num-distributed-optimizer-instances", &a.distributed_optimizer_instances,
             "not available: hybrid-sharded data parallelism (refused unless 1)");
   f.add_bool("fine-grained-activation-offloading", &a.fine_grained_activation_offloading,
-             "not available: activation offloading (refused)");
-  f.add_list("offload-modules", &a.offload_modules, "not available: activation offloading (refused)");
+             "move the saved inputs of the --offload-modules to host memory after each layer's forward and back "
+             "before its backward (copies overlapped with computation)");
+  f.add_list("offload-modules", &a.offload_modules,
+             "with --fine-grained-activation-offloading: attn_norm, core_attn, attn_proj, mlp_norm, expert_fc1, "
+             "moe_act (each module's saved input)");
   f.add_bool("optimizer-cpu-offload", &a.optimizer_cpu_offload, "not available: optimizer offloading (refused)");
   f.add_bool("fake-init-process-group", &a.fake_init_process_group,
              "Megatron's fake process group (refused: use --emulate-world-size N --emulate-rank R)");
@@ -642,6 +646,34 @@ void check_recompute_flags(TrainArgs& a) {
   }
 }
 
+// --fine-grained-activation-offloading with --offload-modules (model/activation_offload.h). After
+// check_recompute_flags: a module whose saved input recomputation already drops is refused.
+void check_offload_flags(TrainArgs& a) {
+  MC_CHECK(!a.fine_grained_activation_offloading || !a.offload_modules.empty(),
+           "--fine-grained-activation-offloading: name the modules with --offload-modules (",
+           offload_module_names(), ")");
+  MC_CHECK(a.fine_grained_activation_offloading || a.offload_modules.empty(),
+           "--offload-modules needs --fine-grained-activation-offloading (as in Megatron)");
+  if (!a.fine_grained_activation_offloading) return;
+  const OffloadModules m = parse_offload_modules(a.offload_modules);  // an unknown name raises, listing them
+  const RecomputeConfig& r = a.model.recompute;
+  MC_CHECK(r.full_method.empty(), "--fine-grained-activation-offloading with --recompute-granularity full is not "
+           "available in this version (the recomputed layers keep only their input); use --recompute-granularity "
+           "selective");
+  for (OffloadModule mod : {OffloadModule::kExpertFc1, OffloadModule::kMoeAct}) {
+    if (!m.has(mod)) continue;
+    MC_CHECK(a.model.moe.num_experts > 0, "--offload-modules ", offload_module_name(mod),
+             " needs an MoE model (--num-experts)");
+    MC_CHECK(!r.moe, "--offload-modules ", offload_module_name(mod), " with --recompute-modules moe (or "
+             "--moe-layer-recompute): the MoE layer's saved tensors are dropped and recomputed, none is left to "
+             "offload; drop one of them");
+  }
+  MC_CHECK(!m.has(OffloadModule::kAttnProj) || !r.core_attn, "--offload-modules attn_proj with --recompute-modules "
+           "core_attn: the output projection's input is dropped and recomputed, none is left to offload; drop one "
+           "of them (core_attn can be both: its q, k, v are offloaded, the output recomputed)");
+  a.model.offload_modules = a.offload_modules;
+}
+
 // Layout-dependent MoE limits; Megatron flags moecore accepts or refuses by name; the dispatcher.
 void check_feature_flags(TrainArgs& a) {
   MoeConfig& e = a.model.moe;
@@ -684,10 +716,6 @@ void check_feature_flags(TrainArgs& a) {
   MC_CHECK(a.distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances ",
            a.distributed_optimizer_instances, ": hybrid-sharded data parallelism is not available in this version "
            "(the distributed optimizer shards over the whole data-parallel group); drop the flag");
-  MC_CHECK(!a.fine_grained_activation_offloading && a.offload_modules.empty(),
-           a.fine_grained_activation_offloading ? "--fine-grained-activation-offloading" : "--offload-modules",
-           ": activation offloading is not available in this version; --recompute-granularity selective "
-           "--recompute-modules moe_act saves the expert activation's memory");
   MC_CHECK(!a.optimizer_cpu_offload, "--optimizer-cpu-offload is not available in this version: AdamW's states stay on "
            "the device (--use-precision-aware-optimizer keeps them in bf16); drop the flag");
   // Megatron's flag takes the world size and rank from WORLD_SIZE and RANK, which moecore reads as a
@@ -916,6 +944,7 @@ void finalize_train_args(TrainArgs& a, const comm::LaunchEnv* launched) {
   const comm::LaunchEnv env = launched ? *launched : comm::read_launch_env();
   check_parallel_layout(a, emulated_launch(a, env));  // --emulate-world-size: rank R of N
   check_recompute_flags(a);
+  check_offload_flags(a);
   check_feature_flags(a);
   resolve_device(a, env);
   if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";

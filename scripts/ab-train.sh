@@ -8,7 +8,10 @@
 # (every logged step's lm_loss, load_balancing_loss, z_loss, grad_norm, params_norm).
 # Presets default to the two benchmark models (configs/mixtral-small.yaml, finegrained-small.yaml).
 # AB_LAUNCH prefixes each run (e.g. "mpirun -np 2 -x NCCL_NVLS_ENABLE" for several GPUs) and
-# AB_FLAGS adds flags to both (e.g. "--expert-model-parallel-size 2").
+# AB_FLAGS adds flags to both (e.g. "--expert-model-parallel-size 2"), AB_FLAGS_B to B only: one
+# binary twice compares an option's cost, e.g. activation offloading's step time and peak:
+#   AB_FLAGS_B="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act" \
+#     scripts/ab-train.sh build/moecore build/moecore
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BIN_A BIN_B [ROUNDS] [PRESET...]" >&2; exit 2; }
 bin_a=$1; bin_b=$2; shift 2
@@ -27,10 +30,11 @@ rows=[json.loads(l) for l in open(sys.argv[1])]; print(rows[-1].get(sys.argv[2])
 for preset in "${presets[@]}"; do
   for r in $(seq 1 "$rounds"); do
     for side in a b; do
-      bin=$bin_a; [ $side = b ] && bin=$bin_b
+      bin=$bin_a; side_flags=""
+      [ $side = b ] && { bin=$bin_b; side_flags=${AB_FLAGS_B:-}; }
       m="$work/$preset.$side.$r.jsonl"
       if ! ${AB_LAUNCH:-} "$bin" train --config "$src/configs/$preset.yaml" --train-iters 20 --log-interval 10 \
-          --eval-interval 0 --lr-warmup-iters 2 ${AB_FLAGS:-} --metrics-file "$m" > "$m.log" 2>&1; then
+          --eval-interval 0 --lr-warmup-iters 2 ${AB_FLAGS:-} $side_flags --metrics-file "$m" > "$m.log" 2>&1; then
         echo "ab-train: $preset ($side, round $r) failed:"; tail -5 "$m.log"; status=1; continue
       fi
       echo "{\"bench\":\"ab_train\",\"preset\":\"$preset\",\"binary\":\"$side\",\"round\":$r,\"ms_per_step\":$(field "$m" ms_per_iteration),\"peak_bytes\":$(field "$m" mem_max_allocated_bytes)}"
@@ -53,7 +57,7 @@ for preset in "${presets[@]}"; do
 done
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 printf "\nA = %s, B = %s, %s rounds alternating, on %s%s\n" "$bin_a" "$bin_b" "$rounds" "${card:-no GPU}" \
-  "${AB_LAUNCH:+, launched with $AB_LAUNCH}${AB_FLAGS:+, flags $AB_FLAGS}"
+  "${AB_LAUNCH:+, launched with $AB_LAUNCH}${AB_FLAGS:+, flags $AB_FLAGS}${AB_FLAGS_B:+, B adds $AB_FLAGS_B}"
 printf "| preset | A ms/step median (min) | B ms/step median (min) | B vs A | peak GB A / B | losses bit-identical |\n|---|---|---|---|---|---|\n"
 printf "%s\n" "${rows[@]}"
 exit $status

@@ -637,8 +637,26 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--mtp-num-layers", "-1"}, "--mtp-num-layers -1 must be >= 0"},
       {{"--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "-0.5"}, "--mtp-loss-scaling-factor -0.5 must be a finite"},
       {{"--num-distributed-optimizer-instances", "2"}, "--num-distributed-optimizer-instances 2: hybrid-sharded"},
-      {{"--fine-grained-activation-offloading"}, "--fine-grained-activation-offloading: activation offloading is not"},
-      {{"--offload-modules", "expert_fc1", "moe_act"}, "--offload-modules: activation offloading is not available"},
+      // activation offloading
+      {{"--fine-grained-activation-offloading"}, "--fine-grained-activation-offloading: name the modules with "
+                                                 "--offload-modules (attn_norm, core_attn, attn_proj, mlp_norm"},
+      {{"--offload-modules", "expert_fc1", "moe_act"}, "--offload-modules needs --fine-grained-activation-offloading"},
+      {{"--fine-grained-activation-offloading", "--offload-modules", "core_attn", "qkv_linear"},
+       "--offload-modules 'qkv_linear': expected one of attn_norm, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act"},
+      {{"--fine-grained-activation-offloading", "--offload-modules", "expert_fc1"},
+       "--offload-modules expert_fc1 needs an MoE model (--num-experts)"},
+      {{"--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "--recompute-granularity", "full",
+        "--recompute-method", "block", "--recompute-num-layers", "1"},
+       "--fine-grained-activation-offloading with --recompute-granularity full is not available"},
+      {{"--num-experts", "4", "--disable-bias-linear", "--fine-grained-activation-offloading", "--offload-modules",
+        "moe_act", "--recompute-granularity", "selective", "--recompute-modules", "moe"},
+       "--offload-modules moe_act with --recompute-modules moe (or --moe-layer-recompute): the MoE layer's saved"},
+      {{"--num-experts", "4", "--disable-bias-linear", "--fine-grained-activation-offloading", "--offload-modules",
+        "expert_fc1", "--moe-layer-recompute"},
+       "--offload-modules expert_fc1 with --recompute-modules moe (or --moe-layer-recompute)"},
+      {{"--fine-grained-activation-offloading", "--offload-modules", "attn_proj", "--recompute-granularity",
+        "selective", "--recompute-modules", "core_attn"},
+       "--offload-modules attn_proj with --recompute-modules core_attn: the output projection's input is dropped"},
       {{"--optimizer-cpu-offload"}, "--optimizer-cpu-offload is not available in this version"},
       {{"--fake-init-process-group"}, "--fake-init-process-group is not available in this version"},
       {{"--manual-gc-interval", "100"}, "--manual-gc-interval controls Python's garbage collector"},
@@ -677,6 +695,14 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
   }
   // bf16 compute runs on the CPU too (for testing the mixed-precision paths).
   EXPECT_EQ(parse_error(base_args({"--bf16"})), "");
+  // Offloading with selective recomputation of the same module: its kept tensors are offloaded.
+  EXPECT_EQ(parse_error(base_args({"--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "core_attn",
+                                   "attn_proj", "mlp_norm"})),
+            "");
+  EXPECT_EQ(parse_error(base_args({"--num-experts", "4", "--disable-bias-linear", "--fine-grained-activation-offloading",
+                                   "--offload-modules", "expert_fc1", "moe_act", "core_attn", "--recompute-granularity",
+                                   "selective", "--recompute-modules", "moe_act", "core_attn"})),
+            "");
   // Overlap with the distributed optimizer is accepted (Megatron's recipe).
   EXPECT_EQ(parse_error(base_args({"--overlap-grad-reduce", "--use-distributed-optimizer"})), "");
   EXPECT_EQ(parse_error(base_args({"--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather"})), "");

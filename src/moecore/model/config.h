@@ -99,6 +99,9 @@ struct ModelConfig {
   MoeConfig moe;
   RecomputeConfig recompute;
   std::vector<bool> moe_layer;          // per layer: MoE (true) or dense MLP
+  // --fine-grained-activation-offloading --offload-modules (model/activation_offload.h): a memory
+  // option, not the model; empty: none.
+  std::vector<std::string> offload_modules;
 
   int64_t head_dim() const { return kv_channels; }
   int64_t kv_heads() const { return num_query_groups; }

@@ -51,6 +51,7 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
   MC_CHECK(stage_.first_layer >= 0 && stage_.first_layer <= stage_.end_layer && stage_.end_layer <= cfg.num_layers,
            "pipeline stage layers [", stage_.first_layer, ", ", stage_.end_layer, ") are outside [0, ", cfg.num_layers, ")");
   if (store.master_dtype() == DType::F64) compute_ = DType::F64;
+  offload_ = parse_offload_modules(cfg.offload_modules);
   const int64_t h = cfg.hidden_size;
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
   // Tied embeddings (or MTP): the last pipeline stage keeps its own copy for the output layer or
@@ -232,6 +233,7 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
       if (cfg_.is_moe(i)) moe_[static_cast<size_t>(i)].drop_for_recompute(lc.moe, false);
       lc.moe_dropped = false;
     }
+    if (training && offload_.any()) offload_layer(i, ctx, h.device());
   }
   return h;
 }
@@ -418,6 +420,7 @@ Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bo
   MC_CHECK(labels.shape() == tokens.shape() && labels.dtype() == DType::I32, "labels must match tokens ",
            tokens.describe(), ", got ", labels.describe());
   const MemoryCategoryScope activations(MemoryCategory::kActivations);  // what no module below names
+  const OffloadForwardEnd offload_end(offloader_);  // --offload-modules: the last layer's device copies go
   Tensor input;
   if (stage_.has_embedding) {
     const TimedRegion timed("embedding-forward", 2, tokens.device());
@@ -580,6 +583,7 @@ Tensor GPTModel::mtp_backward(double grad_scale, Ctx& ctx) {
 Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done,
                           const Tensor& d_hidden_out) {
   const MemoryCategoryScope workspace(MemoryCategory::kWorkspace);  // activation gradients, temporaries
+  if (offloader_) offloader_->begin_backward(ctx.offload_stash);  // the highest offloaded layer comes back
   Tensor dh;
   if (stage_.has_head) {
     {
@@ -595,6 +599,7 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
   }
   for (int64_t i = stage_.end_layer - 1; i >= stage_.first_layer; --i) {
     const size_t li = static_cast<size_t>(i);
+    reload_layer(i, ctx);
     recompute_before_backward(i, ctx);
     LayerCtx& lc = ctx.layers[li];
     {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <vector>
 
+#include "moecore/model/activation_offload.h"
 #include "moecore/model/attention_block.h"
 #include "moecore/model/layers.h"
 #include "moecore/model/mla_attention.h"
@@ -97,6 +98,8 @@ class GPTModel {
     // fields used: labels, counts, logits or the fused head's gradient).
     std::vector<MtpLayer::Ctx> mtp_layers;
     std::vector<Ctx> mtp_heads;
+    // --offload-modules: this micro-batch's decoder-layer tensors on the host (model/activation_offload.h).
+    std::shared_ptr<ActivationStash> offload_stash;
   };
 
   // tokens and labels [B, S] i32 on the model's device (labels < 0 are ignored). Returns the mean
@@ -187,6 +190,11 @@ class GPTModel {
   void recompute_layers(int64_t first, int64_t last, Ctx& ctx);
   // Before layer i's backward: rebuilds what recomputation dropped (whole chunk or module).
   void recompute_before_backward(int64_t i, Ctx& ctx);
+  // --offload-modules (model/gpt_offload.cpp): layer i's saved tensors of the chosen modules, in
+  // a fixed order; offload_layer after its forward, reload_layer before its backward.
+  std::vector<OffloadSlot> offload_slots(int64_t i, LayerCtx& lc);
+  void offload_layer(int64_t i, Ctx& ctx, Device device);
+  void reload_layer(int64_t i, Ctx& ctx);
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
   // (CP-local) tokens on the device; ctx.num_labels is the whole sequences' label count.
   Tensor head_forward(const Tensor& h, Ctx& ctx);
@@ -231,6 +239,8 @@ class GPTModel {
   std::vector<MtpLayer> mtp_;  // on the stage with the head
   DType compute_;
   std::function<void(int64_t)> param_wait_;
+  OffloadModules offload_;                          // --offload-modules
+  std::shared_ptr<ActivationOffloader> offloader_;  // created by the first offload
   void wait_params(int64_t unit) const {
     if (param_wait_) param_wait_(unit);
   }

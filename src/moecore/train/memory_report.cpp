@@ -10,8 +10,9 @@ namespace moecore {
 namespace {
 constexpr double kGB = 1e9;
 // The gathered layout of one rank: rank, each tag's bytes, rounding, allocated, reserved, the
-// allocator's peak reserved and peak allocated.
-constexpr size_t kFields = 1 + kNumMemoryTags + 5;
+// allocator's peak reserved and peak allocated, the offloaded activations' host peak and its
+// modules.
+constexpr size_t kFields = 1 + kNumMemoryTags + 5 + 1 + kNumOffloadModules;
 
 // The report's rows in order: the categories, activations followed by their modules.
 const MemoryCategory kCategoryOrder[] = {MemoryCategory::kWeights,       MemoryCategory::kGradients,
@@ -48,6 +49,7 @@ RankMemoryReport local_memory_report(const CachingAllocator& allocator, int64_t 
   const AllocatorStats s = allocator.stats();
   r.peak_reserved = s.peak_reserved_bytes;
   r.peak_allocated = s.peak_allocated_bytes;
+  r.host_offloaded = offload_host_usage();
   return r;
 }
 
@@ -64,6 +66,8 @@ std::vector<RankMemoryReport> gather_memory_reports(comm::Communicator* world, c
   tail[2] = static_cast<double>(mine.at_peak.reserved);
   tail[3] = static_cast<double>(mine.peak_reserved);
   tail[4] = static_cast<double>(mine.peak_allocated);
+  tail[5] = static_cast<double>(mine.host_offloaded.peak);
+  for (int m = 0; m < kNumOffloadModules; ++m) tail[6 + m] = static_cast<double>(mine.host_offloaded.at_peak[static_cast<size_t>(m)]);
   comm::all_reduce_host(*world, all);
   std::vector<RankMemoryReport> out(static_cast<size_t>(world_size));
   for (size_t r = 0; r < out.size(); ++r) {
@@ -78,6 +82,8 @@ std::vector<RankMemoryReport> gather_memory_reports(comm::Communicator* world, c
     o.at_peak.reserved = i64(gt[2]);
     o.peak_reserved = i64(gt[3]);
     o.peak_allocated = i64(gt[4]);
+    o.host_offloaded.peak = i64(gt[5]);
+    for (int m = 0; m < kNumOffloadModules; ++m) o.host_offloaded.at_peak[static_cast<size_t>(m)] = i64(gt[6 + m]);
   }
   return out;
 }
@@ -116,6 +122,19 @@ std::string format_memory_report(const std::vector<RankMemoryReport>& ranks, int
                   static_cast<double>(r.parts_sum()) / unit, unit_name, 100.0 * ratio, static_cast<double>(peak) / unit,
                   unit_name, std::fabs(ratio - 1.0) <= 0.03 ? "within 3%" : "OFF BY MORE THAN 3%");
     s += line;
+    if (r.host_offloaded.peak > 0) {
+      std::string modules;
+      for (int m = 0; m < kNumOffloadModules; ++m) {
+        const int64_t b = r.host_offloaded.at_peak[static_cast<size_t>(m)];
+        if (b == 0) continue;
+        std::snprintf(line, sizeof line, "%s%s %.4f", modules.empty() ? "" : ", ",
+                      offload_module_name(static_cast<OffloadModule>(m)), static_cast<double>(b) / unit);
+        modules += line;
+      }
+      std::snprintf(line, sizeof line, "     host_offloaded %.4f %s at most in host memory, not in the peak (%s)\n",
+                    static_cast<double>(r.host_offloaded.peak) / unit, unit_name, modules.c_str());
+      s += line;
+    }
   }
   return s;
 }
@@ -132,6 +151,14 @@ nlohmann::json memory_report_json(const std::vector<RankMemoryReport>& ranks, in
     nlohmann::json modules = nlohmann::json::object();
     for (const auto& [tag, bytes] : activation_rows(r)) modules[memory_tag_name(tag)] = bytes;
     j["activation_modules"] = modules;
+    if (r.host_offloaded.peak > 0) {  // --offload-modules
+      nlohmann::json offloaded = nlohmann::json::object();
+      for (int m = 0; m < kNumOffloadModules; ++m)
+        if (r.host_offloaded.at_peak[static_cast<size_t>(m)] > 0)
+          offloaded[offload_module_name(static_cast<OffloadModule>(m))] = r.host_offloaded.at_peak[static_cast<size_t>(m)];
+      j["host_offloaded_bytes"] = r.host_offloaded.peak;
+      j["host_offloaded_modules"] = offloaded;
+    }
     per_rank.push_back(j);
   }
   return {{"iteration", iteration}, {"memory_report", per_rank}};

@@ -3,7 +3,7 @@
 // communication buffers, workspace, untagged) plus the allocator's overhead (size rounding and
 // cached free blocks at the moment of the peak), in GB (MB when every peak is below 1 GB) and %
 // of the peak, with a check line that the parts sum to the allocator's measured peak (its peak of
-// reserved bytes). The logging rank prints every rank's report and writes it to metrics.jsonl as
+// reserved bytes); with --offload-modules a line for the activations held in host memory. The logging rank prints every rank's report and writes it to metrics.jsonl as
 // one record
 // {"iteration": N, "memory_report": [per rank]}.
 //
@@ -19,6 +19,7 @@
 
 #include "moecore/comm/communicator.h"
 #include "moecore/core/allocator.h"
+#include "moecore/model/activation_offload.h"
 
 namespace moecore {
 
@@ -27,6 +28,9 @@ struct RankMemoryReport {
   MemoryBreakdown at_peak;       // the ledger's state when the handed-out total peaked
   int64_t peak_reserved = 0;     // the allocator's own counters
   int64_t peak_allocated = 0;
+  // --offload-modules: the most host memory the offloaded activations held (not in the device
+  // peak) and each offload module's share then.
+  OffloadHostUsage host_offloaded;
   int64_t overhead() const { return at_peak.rounding + (at_peak.reserved - at_peak.allocated); }
   int64_t parts_sum() const { return at_peak.tagged_sum() + overhead(); }
   int64_t category_bytes(MemoryCategory c) const;  // activations: every module summed
