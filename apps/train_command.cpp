@@ -345,8 +345,8 @@ void check_fp8_flags(TrainArgs& a) {
   MC_CHECK(!a.moe_router_padding_for_fp8, "--moe-router-padding-for-fp8 is not available yet: the FP8 expert GEMMs "
            "run per expert and need no row padding; drop the flag");
   MC_CHECK(!c.enabled || !a.device.is_cuda(), "--fp8-format / --fp8: FP8 training runs on the CPU backend (emulated "
-           "FP8 GEMMs) in this version; the CUDA FP8 kernels are not built yet: on ", a.device.str(),
-           " train in bf16 (--bf16) or add --device cpu");
+           "FP8 GEMMs) in this version; the CUDA FP8 ops exist (ops/fp8_quant.h) but the model does not use them on "
+           "a GPU yet: on ", a.device.str(), " train in bf16 (--bf16) or add --device cpu");
 }
 
 // Data: mock data or Megatron .bin/.idx datasets with a tokenizer.

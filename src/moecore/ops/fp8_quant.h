@@ -27,7 +27,10 @@
 // and accumulated as acc += P * (sa(m, kb) * sb(n, kb)) in fp32 (DeepSeek's per-block promotion;
 // for PerTensor operands: one block, acc = P * (sa * sb), cuBLASLt's A/B scale pointers). C gets
 // acc (+ beta C) rounded once into its dtype. The code products are exact in fp32 and the sums
-// are sgemm's, so the emulation differs from a GPU only in the summation order.
+// are sgemm's, so the emulation differs from a GPU only in the summation order. On CUDA the
+// quantisers give the CPU's codes and factors bit for bit (fp8_quant_cuda.cu) and fp8_gemm runs
+// cuBLASLt's FP8 GEMM (fp8_gemm_cuda.cpp: per-tensor scale pointers, VEC128 / BLK128x128 block
+// scaling); tests/gpu/test_gpu_fp8.cpp holds both to the CPU.
 // Error bound (tested against fp64 in tests/unit/test_fp8.cpp): |C - A.B^T| <= sum_k |a_k b_k| *
 // (2 u + u^2) + fp32 rounding, u = 2^-4 for E4M3 (3 mantissa bits), 2^-3 for E5M2, for operands
 // inside the normal range (each factor is one rounding of relative error <= u, saturation aside).
