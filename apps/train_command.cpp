@@ -296,10 +296,66 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("moe-use-upcycling", &a.moe_use_upcycling, "not available: dense-to-MoE upcycling (refused)");
   f.add_int("moe-upcycling-granularity", &a.moe_upcycling_granularity,
             "not available: goes with --moe-use-upcycling (refused unless 1)");
-  f.add_string("fp8-format", &a.fp8_format, "not available: FP8 training (refused)");
-  f.add_string("fp8-recipe", &a.fp8_recipe, "not available: FP8 training (refused)");
-  f.add_bool("fp8-param-gather", &a.fp8_param_gather, "not available: FP8 training (refused)");
-  f.add_bool("moe-router-padding-for-fp8", &a.moe_router_padding_for_fp8, "not available: FP8 training (refused)");
+  f.add_bool("fp8-param-gather", &a.fp8_param_gather, "not available: FP8 parameters all-gathered (refused)");
+  f.add_bool("moe-router-padding-for-fp8", &a.moe_router_padding_for_fp8,
+             "not available: routing map padded for FP8 GEMM alignment (refused)");
+}
+
+// FP8 training (model/fp8_linear.h): the transformer layers' linears on FP8 operands.
+void register_fp8_flags(cli::FlagSet& f, TrainArgs& a) {
+  f.add_string("fp8-format", &a.fp8_format,
+               "FP8 training: e4m3 (every operand E4M3) or hybrid (E4M3 forward, E5M2 gradients); CPU-emulated GEMMs");
+  f.add_bool("fp8", &a.fp8, "FP8 training in E4M3 (= --fp8-format e4m3 unless --fp8-format is given)");
+  f.add_string("fp8-recipe", &a.fp8_recipe,
+               "FP8 scaling: delayed (default; amax history), tensorwise (current amax), blockwise (1x128 tiles, "
+               "128x128 weight blocks); mxfp8 needs Blackwell (refused)");
+  f.add_int("fp8-amax-history-len", &a.fp8_amax_history_len, "delayed scaling: amaxes kept per tensor (default 1)");
+  f.add_string("fp8-amax-compute-algo", &a.fp8_amax_compute_algo,
+               "delayed scaling: most_recent (default) or max over the history");
+  f.add_int("fp8-margin", &a.fp8_margin, "delayed scaling: scales divided by 2^margin (default 0)");
+}
+
+// The FP8 flags into a.model.fp8; every misuse refused by name.
+void check_fp8_flags(TrainArgs& a) {
+  Fp8Config& c = a.model.fp8;
+  MC_CHECK(a.fp8_format.empty() || a.fp8_format == "e4m3" || a.fp8_format == "hybrid", "--fp8-format '", a.fp8_format,
+           "': expected e4m3 or hybrid");
+  c.enabled = a.fp8 || !a.fp8_format.empty();
+  c.hybrid = a.fp8_format == "hybrid";
+  MC_CHECK(a.fp8_recipe != "mxfp8", "--fp8-recipe mxfp8 needs a Blackwell GPU (MXFP8 block scaling is native on "
+           "GB200/GB300); on Hopper and on the CPU use --fp8-recipe blockwise");
+  MC_CHECK(a.fp8_recipe.empty() || a.fp8_recipe == "delayed" || a.fp8_recipe == "tensorwise" ||
+               a.fp8_recipe == "blockwise",
+           "--fp8-recipe '", a.fp8_recipe, "': expected delayed, tensorwise or blockwise");
+  MC_CHECK(a.fp8_amax_compute_algo.empty() || a.fp8_amax_compute_algo == "max" ||
+               a.fp8_amax_compute_algo == "most_recent",
+           "--fp8-amax-compute-algo '", a.fp8_amax_compute_algo, "': expected max or most_recent");
+  MC_CHECK(a.fp8_amax_history_len >= 0, "--fp8-amax-history-len ", a.fp8_amax_history_len, ": expected at least 1");
+  MC_CHECK(a.fp8_margin >= 0 && a.fp8_margin <= 64, "--fp8-margin ", a.fp8_margin, ": expected 0 to 64");
+  for (const auto& [given, flag] : {std::pair{!a.fp8_recipe.empty(), "--fp8-recipe"},
+                                    std::pair{a.fp8_amax_history_len != 0, "--fp8-amax-history-len"},
+                                    std::pair{!a.fp8_amax_compute_algo.empty(), "--fp8-amax-compute-algo"},
+                                    std::pair{a.fp8_margin != 0, "--fp8-margin"}})
+    MC_CHECK(!given || c.enabled, flag, " needs FP8 training: add --fp8-format e4m3|hybrid (or --fp8)");
+  c.recipe = a.fp8_recipe == "tensorwise" ? Fp8Config::Recipe::Tensorwise
+             : a.fp8_recipe == "blockwise" ? Fp8Config::Recipe::Blockwise
+                                           : Fp8Config::Recipe::Delayed;
+  const bool delayed = c.recipe == Fp8Config::Recipe::Delayed;
+  for (const auto& [given, flag] : {std::pair{a.fp8_amax_history_len != 0, "--fp8-amax-history-len"},
+                                    std::pair{!a.fp8_amax_compute_algo.empty(), "--fp8-amax-compute-algo"},
+                                    std::pair{a.fp8_margin != 0, "--fp8-margin"}})
+    MC_CHECK(!given || delayed, flag, " applies to --fp8-recipe delayed only; this run uses --fp8-recipe ",
+             a.fp8_recipe);
+  c.amax_history_len = a.fp8_amax_history_len == 0 ? 1 : a.fp8_amax_history_len;
+  c.amax_compute_max = a.fp8_amax_compute_algo == "max";
+  c.margin = a.fp8_margin;
+  MC_CHECK(!a.fp8_param_gather, "--fp8-param-gather is not available yet: FP8 training keeps bf16/fp32 weights and "
+           "all-gathers them as before; drop the flag");
+  MC_CHECK(!a.moe_router_padding_for_fp8, "--moe-router-padding-for-fp8 is not available yet: the FP8 expert GEMMs "
+           "run per expert and need no row padding; drop the flag");
+  MC_CHECK(!c.enabled || !a.device.is_cuda(), "--fp8-format / --fp8: FP8 training runs on the CPU backend (emulated "
+           "FP8 GEMMs) in this version; the CUDA FP8 ops exist (ops/fp8_quant.h) but the model does not use them on "
+           "a GPU yet: on ", a.device.str(), " train in bf16 (--bf16) or add --device cpu");
 }
 
 // Data: mock data or Megatron .bin/.idx datasets with a tokenizer.
@@ -737,11 +793,6 @@ void check_feature_flags(TrainArgs& a) {
            "drop the flag");
   MC_CHECK(a.moe_upcycling_granularity == 1, "--moe-upcycling-granularity ", a.moe_upcycling_granularity,
            ": upcycling is not available in this version (the flag goes with --moe-use-upcycling)");
-  for (const auto& [given, flag] : {std::pair{!a.fp8_format.empty(), "--fp8-format"},
-                                    std::pair{!a.fp8_recipe.empty(), "--fp8-recipe"},
-                                    std::pair{a.fp8_param_gather, "--fp8-param-gather"},
-                                    std::pair{a.moe_router_padding_for_fp8, "--moe-router-padding-for-fp8"}})
-    MC_CHECK(!given, flag, ": FP8 training is not available in this version; train in bf16 (--bf16) and drop the flag");
   MC_CHECK(a.token_dispatcher != "flex", "--moe-token-dispatcher-type flex (DeepEP kernels) is not available in "
            "this version; use alltoall or allgather");
   a.dispatcher = a.token_dispatcher == "alltoall" ? DispatcherType::AllToAll : DispatcherType::AllGather;
@@ -828,6 +879,7 @@ void register_train_flags(cli::FlagSet& f, TrainArgs& a) {
   register_training_flags(f, a);
   register_parallel_flags(f, a);
   register_megatron_compat_flags(f, a);
+  register_fp8_flags(f, a);
   register_data_flags(f, a);
 }
 
@@ -947,6 +999,7 @@ void finalize_train_args(TrainArgs& a, const comm::LaunchEnv* launched) {
   check_offload_flags(a);
   check_feature_flags(a);
   resolve_device(a, env);
+  check_fp8_flags(a);
   if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";
 }
 

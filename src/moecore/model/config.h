@@ -68,6 +68,17 @@ struct RecomputeConfig {
   bool shared_experts = false;
 };
 
+// FP8 training (model/fp8_linear.h): the transformer layers' linears compute with FP8 operands.
+struct Fp8Config {
+  enum class Recipe { Tensorwise, Delayed, Blockwise };
+  bool enabled = false;           // --fp8-format (or --fp8) given
+  bool hybrid = false;            // --fp8-format hybrid: E4M3 forward, E5M2 gradients
+  Recipe recipe = Recipe::Delayed;  // --fp8-recipe (Megatron's default: delayed)
+  int64_t amax_history_len = 1;   // --fp8-amax-history-len (delayed)
+  bool amax_compute_max = false;  // --fp8-amax-compute-algo max (else most_recent; delayed)
+  int64_t margin = 0;             // --fp8-margin: delayed scales divided by 2^margin
+};
+
 struct ModelConfig {
   int64_t num_layers = 2;
   int64_t hidden_size = 64;
@@ -98,6 +109,7 @@ struct ModelConfig {
   double mtp_loss_scaling_factor = 0.1;
   MoeConfig moe;
   RecomputeConfig recompute;
+  Fp8Config fp8;
   std::vector<bool> moe_layer;          // per layer: MoE (true) or dense MLP
   // --fine-grained-activation-offloading --offload-modules (model/activation_offload.h): a memory
   // option, not the model; empty: none.

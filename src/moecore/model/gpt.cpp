@@ -98,7 +98,7 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
     final_norm_ = Norm(store, "decoder.final_layernorm", h, cfg.rmsnorm, cfg.norm_epsilon);
     sequence_parallel({final_norm_.weight, final_norm_.bias});
     head_ = Linear(store, "output_layer", h, cfg.vocab_size, false, std, cfg.untie_embeddings ? nullptr : word_embeddings_,
-                   vocab_split);
+                   vocab_split, /*fp8_eligible=*/false);  // the output layer stays out of FP8, as in Megatron
     for (int64_t k = 0; k < cfg.mtp_num_layers; ++k)
       mtp_.emplace_back(store, "mtp.layers." + std::to_string(k), cfg, moe_par, dense_);
   }

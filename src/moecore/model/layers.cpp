@@ -18,7 +18,7 @@ void add_into(Tensor& a, const Tensor& b) { ops::add(a, b, a); }
 
 // ---- Linear ---------------------------------------------------------------------------
 Linear::Linear(ParamStore& store, const std::string& name, int64_t in_full, int64_t out_full, bool with_bias,
-               double std, Param* shared_weight, const LinearSplit& split)
+               double std, Param* shared_weight, const LinearSplit& split, bool fp8_eligible)
     : in(in_full), out(out_full) {
   const int64_t n = split.kind == LinearSplit::None ? 1 : split.size;
   MC_CHECK(split.kind != LinearSplit::Column || out_full % (n * (split.glu ? 2 : 1)) == 0, "'", name, "': ", out_full,
@@ -49,13 +49,19 @@ Linear::Linear(ParamStore& store, const std::string& name, int64_t in_full, int6
       bias->tp_partial_grad = true;
     }
   }
+  if (store.fp8() && fp8_eligible)
+    fp8 = Fp8Linear(*store.fp8(), store, name, 1, n > 1 ? store.fp8()->tensor_parallel_group() : nullptr);
 }
 
 Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {
   const int64_t rows = x.numel() / in;
   const Tensor x2 = x.view({rows, in});
   Tensor y = Tensor::empty({rows, out}, x.dtype(), x.device());
-  ops::gemm(x2, weight->weight, y, false, true);
+  if (fp8.on()) {
+    fp8.forward(x2, weight->weight, y);
+  } else {
+    ops::gemm(x2, weight->weight, y, false, true);
+  }
   if (bias && adds_bias) {
     // y += ones [rows, 1] @ b [1, out]: the bias broadcast as a rank-1 GEMM.
     Tensor ones = Tensor::empty({rows, 1}, x.dtype(), x.device());
@@ -83,13 +89,21 @@ void Linear::backward_dgrad(const Tensor& dy, Ctx& ctx, Tensor& dx, float beta) 
   const int64_t rows = dy.numel() / out;
   const Tensor dy2 = dy.view({rows, out});
   // dW += dy^T x (accumulated in the master dtype; dW = when the step's first write)
-  ops::gemm(dy2, ctx.x, weight->grad, true, false, 1.0f, weight->grad_beta());
+  if (fp8.on()) {
+    fp8.wgrad(dy2, ctx.x, weight->grad, weight->grad_beta());
+  } else {
+    ops::gemm(dy2, ctx.x, weight->grad, true, false, 1.0f, weight->grad_beta());
+  }
   if (bias && adds_bias) {
     Tensor db = Tensor::empty({out}, bias->grad.dtype(), dy.device());
     ops::sum_leading_dims(dy2, db);
     add_into(bias->grad_to_accumulate(), db);
   }
-  ops::gemm(dy2, weight->weight, dx, false, false, 1.0f, beta);
+  if (fp8.on()) {
+    fp8.dgrad(dy2, weight->weight, dx, beta);
+  } else {
+    ops::gemm(dy2, weight->weight, dx, false, false, 1.0f, beta);
+  }
   ctx = {};
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "moecore/model/config.h"
+#include "moecore/model/fp8_linear.h"
 #include "moecore/model/params.h"
 #include "moecore/model/tensor_parallel.h"
 
@@ -29,13 +30,15 @@ struct LinearSplit {
 };
 
 // y = x W^T (+ b); W [out, in] (this rank's part under a split: in and out are the local sizes).
+// With FP8 training (store.fp8() set) its three GEMMs run through an Fp8Linear
+// (model/fp8_linear.h) unless fp8_eligible is false (the output layer, the shared-expert gate).
 class Linear {
  public:
   Linear() = default;
   // in_full, out_full: the whole layer's sizes. shared_weight: a parameter to reuse as W (tied
   // output layer; already split like this layer).
   Linear(ParamStore& store, const std::string& name, int64_t in_full, int64_t out_full, bool bias, double std,
-         Param* shared_weight = nullptr, const LinearSplit& split = {});
+         Param* shared_weight = nullptr, const LinearSplit& split = {}, bool fp8_eligible = true);
   struct Ctx {
     Tensor x;  // the input (for dW)
   };
@@ -48,6 +51,7 @@ class Linear {
   Param* bias = nullptr;
   int64_t in = 0, out = 0;
   bool adds_bias = true;  // false on ranks > 0 of a row-parallel split
+  Fp8Linear fp8;          // on() with FP8 training
 
  private:
   void backward_dgrad(const Tensor& dy, Ctx& ctx, Tensor& dx, float beta) const;  // dx = beta dx + dy W

@@ -18,6 +18,8 @@
 
 namespace moecore {
 
+class Fp8Context;
+
 enum class Init { Normal, Zeros, Ones };
 
 struct Param {
@@ -98,6 +100,10 @@ class ParamStore {
   Param& add_expert(const std::string& name, const Shape& local_shape, int64_t full_rows, int64_t row_offset,
                     double std, int64_t part_size = 1, int64_t part_rank = 0, int64_t part_dim = 0, bool part_glu = false);
   Param& get(const std::string& name);
+  // FP8 training: the context the model's linears quantise with (model/fp8_linear.h; null: off).
+  // Set before the model is built; the store does not own it.
+  void set_fp8(Fp8Context* ctx) { fp8_ = ctx; }
+  Fp8Context* fp8() const { return fp8_; }
   const std::vector<std::unique_ptr<Param>>& all() const { return params_; }
 
   // Draws every parameter from Philox and zeroes gradients and optimizer state. Also moves the
@@ -163,6 +169,7 @@ class ParamStore {
   DType exp_avg_sq_dtype() const { return exp_avg_sq_; }
 
  private:
+  Fp8Context* fp8_ = nullptr;
   Device device_;
   DType master_, compute_;
   DType exp_avg_, exp_avg_sq_;

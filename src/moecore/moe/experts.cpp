@@ -9,9 +9,55 @@
 
 namespace moecore {
 
+namespace {
+// Expert e's matrix of an expert weight [L, N, K].
+Tensor expert_matrix(const Tensor& w, int64_t e) { return w.slice(0, e, e + 1).view({w.size(1), w.size(2)}); }
+
+// The grouped GEMMs in FP8: one Fp8Linear GEMM per expert with rows (set: the global expert).
+void fp8_forward(const Fp8Linear& f, const Tensor& x, const Tensor& w, const ops::ExpertRows& groups, Tensor& out,
+                 int64_t first) {
+  int64_t r0 = 0;
+  const std::vector<int64_t>& counts = groups.counts();
+  for (size_t e = 0; e < counts.size(); r0 += counts[e], ++e) {
+    if (counts[e] == 0) continue;
+    Tensor y = out.slice(0, r0, r0 + counts[e]);
+    f.forward(x.slice(0, r0, r0 + counts[e]), expert_matrix(w, static_cast<int64_t>(e)), y,
+              first + static_cast<int64_t>(e));
+  }
+}
+
+void fp8_dgrad(const Fp8Linear& f, const Tensor& dy, const Tensor& w, const ops::ExpertRows& groups, Tensor& dx,
+               int64_t first) {
+  int64_t r0 = 0;
+  const std::vector<int64_t>& counts = groups.counts();
+  for (size_t e = 0; e < counts.size(); r0 += counts[e], ++e) {
+    if (counts[e] == 0) continue;
+    Tensor d = dx.slice(0, r0, r0 + counts[e]);
+    f.dgrad(dy.slice(0, r0, r0 + counts[e]), expert_matrix(w, static_cast<int64_t>(e)), d, 0.0f,
+            first + static_cast<int64_t>(e));
+  }
+}
+
+// dw_e (+)= dy_e^T x_e; an expert without rows keeps its gradient (accumulate) or gets zeros.
+void fp8_wgrad(const Fp8Linear& f, const Tensor& dy, const Tensor& x, const ops::ExpertRows& groups, Tensor& dw,
+               bool accumulate, int64_t first) {
+  int64_t r0 = 0;
+  const std::vector<int64_t>& counts = groups.counts();
+  for (size_t e = 0; e < counts.size(); r0 += counts[e], ++e) {
+    Tensor g = expert_matrix(dw, static_cast<int64_t>(e));
+    if (counts[e] == 0) {
+      if (!accumulate) ops::fill(g, 0.0);
+      continue;
+    }
+    f.wgrad(dy.slice(0, r0, r0 + counts[e]), x.slice(0, r0, r0 + counts[e]), g, accumulate ? 1.0f : 0.0f,
+            first + static_cast<int64_t>(e));
+  }
+}
+}  // namespace
+
 GroupedExperts::GroupedExperts(ParamStore& store, const std::string& prefix, const ModelConfig& cfg,
                                int64_t local_experts, int64_t first_expert, comm::Communicator* etp_group)
-    : swiglu_(cfg.swiglu), recompute_act_(cfg.moe.recompute_act), hidden_(cfg.hidden_size) {
+    : swiglu_(cfg.swiglu), recompute_act_(cfg.moe.recompute_act), first_expert_(first_expert), hidden_(cfg.hidden_size) {
   const int64_t e = cfg.moe.num_experts, h = cfg.hidden_size, f = cfg.moe.ffn_hidden_size;
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
   // This rank's experts: rows [first, first + L) of the [E, ...] expert weights.
@@ -23,9 +69,14 @@ GroupedExperts::GroupedExperts(ParamStore& store, const std::string& prefix, con
                            first_expert, std, etp, etp_rank, 1, swiglu_);
   fc2_ = &store.add_expert(prefix + ".experts.linear_fc2.weight", {local_experts, h, fl}, e, first_expert, out_std, etp,
                            etp_rank, 2);
+  if (store.fp8()) {  // delayed state for all E experts on every rank (filled by the step's max over the ranks)
+    fp8_fc1_ = Fp8Linear(*store.fp8(), store, prefix + ".experts.linear_fc1", e, etp > 1 ? etp_group : nullptr);
+    fp8_fc2_ = Fp8Linear(*store.fp8(), store, prefix + ".experts.linear_fc2", e, etp > 1 ? etp_group : nullptr);
+  }
 }
 
 bool GroupedExperts::device_rows() const {
+  if (fp8_fc1_.on()) return false;  // the FP8 loop reads the counts on the host
   return ops::grouped_gemm_device_rows(fc1_->weight) && ops::grouped_gemm_device_rows(fc2_->weight);
 }
 
@@ -45,13 +96,21 @@ Tensor GroupedExperts::forward(const Tensor& rows, const Tensor& row_probs, cons
   ctx.row_probs = row_probs;
   std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kExpertFc1);
   ctx.fc1_out = Tensor::empty({n, fc1_->shape[1]}, rows.dtype(), dev);
-  ops::grouped_gemm_forward(rows, fc1_->weight, groups, ctx.fc1_out);
+  if (fp8_fc1_.on()) {
+    fp8_forward(fp8_fc1_, rows, fc1_->weight, groups, ctx.fc1_out, first_expert_);
+  } else {
+    ops::grouped_gemm_forward(rows, fc1_->weight, groups, ctx.fc1_out);
+  }
   module.emplace(ActivationModule::kMoeAct);
   ctx.act = Tensor::empty({n, fc2_->shape[2]}, rows.dtype(), dev);
   activation(ctx, ctx.act);
   module.emplace(ActivationModule::kExpertFc2);
   Tensor out = Tensor::empty({n, hidden_}, rows.dtype(), dev);
-  ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, out);
+  if (fp8_fc2_.on()) {
+    fp8_forward(fp8_fc2_, ctx.act, fc2_->weight, groups, out, first_expert_);
+  } else {
+    ops::grouped_gemm_forward(ctx.act, fc2_->weight, groups, out);
+  }
   if (recompute_act_) ctx.act = Tensor();  // --recompute-modules moe_act: rebuilt in the backward
   return out;
 }
@@ -64,8 +123,13 @@ Tensor GroupedExperts::backward(const Tensor& d_out, const ops::ExpertRows& grou
     activation(ctx, ctx.act);
   }
   Tensor d_act = Tensor::empty(ctx.act.shape(), d_out.dtype(), dev);
-  ops::grouped_gemm_dgrad(d_out, fc2_->weight, groups, d_act);
-  ops::grouped_gemm_wgrad(d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates());
+  if (fp8_fc2_.on()) {
+    fp8_dgrad(fp8_fc2_, d_out, fc2_->weight, groups, d_act, first_expert_);
+    fp8_wgrad(fp8_fc2_, d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates(), first_expert_);
+  } else {
+    ops::grouped_gemm_dgrad(d_out, fc2_->weight, groups, d_act);
+    ops::grouped_gemm_wgrad(d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates());
+  }
   Tensor d_fc1 = Tensor::empty(ctx.fc1_out.shape(), d_out.dtype(), dev);
   d_row_probs = Tensor();
   if (swiglu_) {
@@ -75,8 +139,13 @@ Tensor GroupedExperts::backward(const Tensor& d_out, const ops::ExpertRows& grou
     ops::gelu_backward(ctx.fc1_out, d_act, d_fc1);
   }
   Tensor d_rows = Tensor::empty(ctx.input.shape(), d_out.dtype(), dev);
-  ops::grouped_gemm_dgrad(d_fc1, fc1_->weight, groups, d_rows);
-  ops::grouped_gemm_wgrad(d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates());
+  if (fp8_fc1_.on()) {
+    fp8_dgrad(fp8_fc1_, d_fc1, fc1_->weight, groups, d_rows, first_expert_);
+    fp8_wgrad(fp8_fc1_, d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates(), first_expert_);
+  } else {
+    ops::grouped_gemm_dgrad(d_fc1, fc1_->weight, groups, d_rows);
+    ops::grouped_gemm_wgrad(d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates());
+  }
   return d_rows;
 }
 

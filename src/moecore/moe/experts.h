@@ -9,6 +9,9 @@
 //   from fc1's output in the backward (rows x F elements per layer saved).
 //   Expert tensor parallelism: ETP rank r holds part r of each expert's FFN (fc1 rows per GLU
 //   half, fc2 columns); its output rows are partial sums, which the dispatcher's combine sums.
+//   FP8 training (model/fp8_linear.h): fc1 and fc2 run one FP8 GEMM per expert with rows (the
+//   counts read on the host), each expert its own quantised operands and delayed-scaling set
+//   (indexed by the global expert); a device-offset FP8 grouped kernel is later work.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +19,7 @@
 
 #include "moecore/comm/communicator.h"
 #include "moecore/model/config.h"
+#include "moecore/model/fp8_linear.h"
 #include "moecore/model/params.h"
 #include "moecore/ops/grouped_gemm.h"
 
@@ -50,6 +54,8 @@ class GroupedExperts {
 
   bool swiglu_ = true;
   bool recompute_act_ = false;
+  int64_t first_expert_ = 0;
+  Fp8Linear fp8_fc1_, fp8_fc2_;  // on() with FP8 training
   int64_t hidden_ = 0;
   Param* fc1_ = nullptr;  // experts.linear_fc1.weight [L, 2F or F, H]
   Param* fc2_ = nullptr;  // experts.linear_fc2.weight [L, H, F]

@@ -16,7 +16,7 @@ SharedExperts::SharedExperts(ParamStore& store, const std::string& prefix, const
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
   mlp_ = Mlp(store, prefix + ".shared_experts", h, cfg.moe.shared_expert_size, cfg.swiglu, false, std, out_std, dense);
   if (gated_) {
-    gate_ = Linear(store, prefix + ".shared_experts.gate", h, 1, false, std);
+    gate_ = Linear(store, prefix + ".shared_experts.gate", h, 1, false, std, nullptr, {}, /*fp8_eligible=*/false);
     if (dense.sp()) gate_.weight->tp_partial_grad = true;
   }
 }

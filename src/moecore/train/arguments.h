@@ -73,7 +73,11 @@ struct TrainArgs {
        moe_enable_deepep = false, moe_layer_recompute = false, moe_use_upcycling = false,
        moe_router_padding_for_fp8 = false, fp8_param_gather = false;
   int64_t moe_upcycling_granularity = 1;
-  std::string fp8_format, fp8_recipe;
+  // FP8 training (resolved into model.fp8 by the train command): --fp8-format / --fp8, --fp8-recipe,
+  // --fp8-amax-history-len, --fp8-amax-compute-algo, --fp8-margin.
+  std::string fp8_format, fp8_recipe, fp8_amax_compute_algo;
+  bool fp8 = false;
+  int64_t fp8_amax_history_len = 0, fp8_margin = 0;  // 0 history: not given (1)
   // Flags of Megatron's example scripts: dropout (0 only: the model has none), the masked-softmax
   // kernel switch (moecore's attention has no such kernel), --no-position-embedding (turns
   // learned_absolute into none) and the checkpoint format flags (refused: one format).

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "moecore/model/fp8_linear.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/train/save_dir_guard.h"
 #include "moecore/train/tensorboard.h"
@@ -333,8 +334,16 @@ TrainingState load_checkpoint(const std::string& dir,
   verify_checksums(ckpt.string(), tensors);
   std::map<std::string, Tensor> by_name;
   for (const NamedTensor& nt : tensors) by_name[nt.name] = nt.tensor;
+  bool fresh_fp8_noted = false;
   const TensorFetch fetch = [&](const std::string& name, const Shape& shape, DType dtype) {
     auto it = by_name.find(name);
+    if (it == by_name.end() && is_fp8_scaling_state(name)) {  // FP8 delayed scaling starts afresh
+      if (!fresh_fp8_noted)
+        std::printf("note: checkpoint %s has no FP8 delayed-scaling state (%s): the amax histories start empty\n",
+                    ckpt.string().c_str(), name.c_str());
+      fresh_fp8_noted = true;
+      return Tensor();
+    }
     MC_CHECK(it != by_name.end(), "checkpoint '", ckpt.string(), "' has no tensor '", name,
              "': it was saved from a different model configuration");
     MC_CHECK(it->second.shape() == shape && it->second.dtype() == dtype, "checkpoint '", ckpt.string(),
@@ -347,6 +356,8 @@ TrainingState load_checkpoint(const std::string& dir,
   consume(fetch, s.model_only);
   if (elsewhere)
     for (auto it = by_name.begin(); it != by_name.end();) it = elsewhere(it->first) ? by_name.erase(it) : std::next(it);
+  // FP8 delayed-scaling state the model has no place for (a run, eval or generate without it)
+  for (auto it = by_name.begin(); it != by_name.end();) it = is_fp8_scaling_state(it->first) ? by_name.erase(it) : std::next(it);
   MC_CHECK(by_name.empty(), "checkpoint '", ckpt.string(), "' has tensor '", by_name.begin()->first,
            "' that this model does not: it was saved from a different model configuration");
   if (s.model_only) s.iteration = s.consumed_samples = s.skipped_iterations = s.nan_iterations = s.optimizer_offset = 0;
@@ -357,7 +368,9 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params) {
   return load_checkpoint(dir, [&](const TensorFetch& fetch, bool model_only) {
     for (const auto& p : params.all()) {
       MC_CHECK(!p->sharded(), "load_checkpoint: parameter '", p->name, "' is sharded; load through the optimizer");
-      params.set_master(*p, fetch(p->name, p->shape, params.master_dtype()).to(params.device()));
+      const Tensor saved = fetch(p->name, p->shape, params.master_dtype());
+      if (!saved.defined()) continue;  // FP8 delayed-scaling state not in the checkpoint: kept empty
+      params.set_master(*p, saved.to(params.device()));
       if (!p->trainable) continue;
       if (model_only) {
         ops::fill(p->exp_avg, 0.0);

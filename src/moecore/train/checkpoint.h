@@ -77,6 +77,8 @@ TrainingState load_checkpoint(const std::string& dir, ParamStore& params);
 // The general form: `consume` takes each tensor it needs through fetch(name, full shape, dtype),
 // which checks presence, shape and dtype (an Error naming the checkpoint and the tensor);
 // tensors left untaken are an Error afterwards. model_only: no optimizer state in the file.
+// An FP8 delayed-scaling state tensor (model/fp8_linear.h) the checkpoint lacks fetches as an
+// undefined Tensor (the caller keeps its empty state), and one the model lacks is skipped.
 using TensorFetch = std::function<Tensor(const std::string& name, const Shape& shape, DType dtype)>;
 // elsewhere(name): a tensor this rank does not hold but another does (pipeline stages); such
 // tensors may stay untaken.

@@ -674,7 +674,9 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
   };
   for (const auto& p : store_.all()) {
     const DType dt = store_.master_dtype();
-    const Tensor master = local_rows(*p, fetch(p->name, p->full_shape(), dt));
+    const Tensor saved = fetch(p->name, p->full_shape(), dt);
+    if (!saved.defined()) continue;  // FP8 delayed-scaling state not in the checkpoint: kept empty
+    const Tensor master = local_rows(*p, saved);
     if (p->master.defined() || p->remainder.defined()) store_.set_master(*p, master);
     if (sharded_masters_ && p->trainable && store_.param_remainders()) {
       // Split masters: the whole high half (the weights), this rank's shard of the remainders.

@@ -117,6 +117,11 @@ void TrainingRun::build_model() {
   has_head = chunk_stages.back().has_head;
   compute = args.bf16 ? DType::BF16 : DType::F32;
   store = std::make_unique<ParamStore>(dev, DType::F32, compute, static_cast<uint64_t>(args.seed));
+  if (cfg.fp8.enabled) {
+    fp8 = std::make_unique<Fp8Context>(cfg.fp8);
+    fp8->set_tensor_parallel_group(groups->tp());
+    store->set_fp8(fp8.get());
+  }
   const MoeParallel moe_par = groups->moe_parallel(args.dispatcher, args.sequence_parallel);
   const DenseParallel dense_par = groups->dense_parallel(args.sequence_parallel);
   for (const PipelineStage& st : chunk_stages) {

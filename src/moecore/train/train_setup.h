@@ -17,6 +17,7 @@
 
 #include "moecore/comm/communicator.h"
 #include "moecore/core/host_transfer.h"
+#include "moecore/model/fp8_linear.h"
 #include "moecore/model/gpt.h"
 #include "moecore/parallel/process_groups.h"
 #include "moecore/train/arguments.h"
@@ -53,6 +54,7 @@ class TrainingRun {
   std::vector<PipelineStage> chunk_stages;  // one per model chunk of this rank
   std::string stage_sizes;                  // layers per pipeline rank, for the log ("2/2")
   DType compute = DType::F32;
+  std::unique_ptr<Fp8Context> fp8;  // FP8 training (model/fp8_linear.h); null when off
   std::unique_ptr<ParamStore> store;
   std::vector<std::unique_ptr<GPTModel>> chunk_models;
   std::vector<GPTModel*> chunks;

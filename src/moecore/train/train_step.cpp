@@ -98,7 +98,12 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   // Memory accounting: the model names its activations; what the step allocates outside the
   // modules is workspace, the gradient reduction's buffers communication.
   std::optional<MemoryCategoryScope> memory(std::in_place, MemoryCategory::kWorkspace);
+  if (run.fp8) run.fp8->set_recording(true);  // FP8 delayed scaling records the training passes' amaxes
   forward_backward(run, it, losses, has_head && !mtp_losses.empty() ? &mtp_losses : nullptr);
+  if (run.fp8) {
+    run.fp8->set_recording(false);
+    run.fp8->finish_step(run.groups->tp(), run.groups->dp_cp());
+  }
   // The MoE layers' statistics start for the host now; the gradient norm's read below waits for
   // them too (same stream), so reading them afterwards waits no more (not once per layer).
   for (MoeLayer* l : run.moe_layers) l->prefetch_stats();

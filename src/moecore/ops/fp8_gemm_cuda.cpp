@@ -1,0 +1,130 @@
+// CUDA FP8 GEMM through cuBLASLt: C [M, N] = A [M, K] . B [N, K]^T (+ beta C), fp32 accumulation.
+//
+// Row-major to cuBLASLt's column-major as in gemm_cuda.cpp: C^T = B . A^T, so cuBLASLt's first
+// operand is B ([N, K] row-major = K x N column-major, op T) and its second A (K x M, op N): the
+// "TN" layout FP8 tensor cores require on Hopper (both operands K-major), which is why dgrad and
+// wgrad pass transposed copies. Operand types: E4M3 x E4M3, or E5M2 gradients with E4M3 (hybrid).
+// Factors (x = code * scale_inv):
+//   PerTensor  CUBLASLT_MATMUL_DESC_{A,B}_SCALE_POINTER -> the [1] scale_inv on the device
+//   Tile1x128  scale mode VEC128_32F, Block128 scale mode BLK128x128_32F (CUDA 12.9+ headers,
+//              Hopper). The factors are repacked into the layout Transformer Engine hands cuBLASLt:
+//              1x128 tiles of [R, K] as [ceil(K/128), round_up(R, 4)] (rows contiguous), 128x128
+//              blocks as [ceil(R/128), round_up(ceil(K/128), 4)]; tests/gpu/test_gpu_fp8.cpp holds
+//              the result to the CPU emulation, which checks that layout on the device.
+// FAST_ACCUM stays off (every product promoted in fp32, as the emulation). Descriptors are made per
+// call and the heuristic asked per call: correctness first, a tuned path is later work.
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "moecore/core/allocator.h"
+#include "moecore/core/cuda_check.h"
+#include "moecore/ops/fp8_quant.h"
+
+namespace moecore::ops::cuda {
+
+namespace {
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+cublasLtHandle_t fp8_lt_handle(int device) {
+  static std::mutex m;
+  static std::map<int, cublasLtHandle_t> handles;
+  std::lock_guard<std::mutex> lock(m);
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  cublasLtHandle_t h;
+  MC_CUBLAS_CHECK(cublasLtCreate(&h));
+  return handles[device] = h;
+}
+
+struct Descriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Descriptors() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (out) cublasLtMatrixLayoutDestroy(out);
+    if (second) cublasLtMatrixLayoutDestroy(second);
+    if (first) cublasLtMatrixLayoutDestroy(first);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+cudaDataType_t code_type(const Fp8Tensor& t) { return t.format() == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// The operand's factors in cuBLASLt's layout (above) and its scale mode.
+Tensor cublas_factors(const Fp8Tensor& t, int32_t& mode) {
+  if (t.scaling == Fp8Scaling::PerTensor) {
+    mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    return t.scale_inv;
+  }
+  const Tensor host = t.scale_inv.to(Device::cpu());
+  const int64_t sr = host.size(0), sc = host.size(1);
+  const float* s = host.data<float>();
+  Tensor packed;
+  if (t.scaling == Fp8Scaling::Tile1x128) {  // [R, KB] -> [KB, round_up(R, 4)]
+    mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const int64_t ld = round_up(sr, 4);
+    packed = Tensor::zeros({sc, ld}, DType::F32);
+    for (int64_t r = 0; r < sr; ++r)
+      for (int64_t k = 0; k < sc; ++k) packed.data<float>()[k * ld + r] = s[r * sc + k];
+  } else {  // [RB, KB] -> [RB, round_up(KB, 4)]
+    mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int64_t ld = round_up(sc, 4);
+    packed = Tensor::zeros({sr, ld}, DType::F32);
+    for (int64_t r = 0; r < sr; ++r)
+      for (int64_t k = 0; k < sc; ++k) packed.data<float>()[r * ld + k] = s[r * sc + k];
+  }
+  return packed.to(t.data.device());
+}
+}  // namespace
+
+void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta) {
+  const Device dev = c.device();
+  MC_CUDA_CHECK(cudaSetDevice(dev.index));
+  cudaStream_t stream = static_cast<cudaStream_t>(current_stream(dev).handle());
+  const uint64_t M = static_cast<uint64_t>(a.rows()), N = static_cast<uint64_t>(b.rows()),
+                 K = static_cast<uint64_t>(a.cols());
+  if (M == 0 || N == 0) return;
+  MC_CHECK(K > 0 && K % 16 == 0 && N % 16 == 0, "fp8_gemm: cuBLASLt FP8 needs K and N multiples of 16; got M=", M,
+           " N=", N, " K=", K);
+  int32_t mode_first = 0, mode_second = 0;
+  const Tensor factors_first = cublas_factors(b, mode_first), factors_second = cublas_factors(a, mode_second);
+  Descriptors d;
+  MC_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t));
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n));
+  const void* p_first = factors_first.data_ptr();
+  const void* p_second = factors_second.data_ptr();
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p_first, sizeof p_first));
+  MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p_second, sizeof p_second));
+  if (mode_first != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F || mode_second != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) {
+    MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_first, sizeof mode_first));
+    MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_second, sizeof mode_second));
+  }
+  const cudaDataType_t out_type = c.dtype() == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.first, code_type(b), K, N, static_cast<int64_t>(K)));
+  MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.second, code_type(a), K, M, static_cast<int64_t>(K)));
+  MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.out, out_type, N, M, static_cast<int64_t>(N)));
+  MC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+  const size_t ws = kWorkspaceBytes;
+  MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  cublasLtHandle_t handle = fp8_lt_handle(dev.index);
+  cublasLtMatmulHeuristicResult_t result{};
+  int count = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.first, d.second, d.out, d.out, d.pref, 1, &result, &count);
+  MC_CHECK(st == CUBLAS_STATUS_SUCCESS && count > 0, "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", M, " N=", N,
+           " K=", K, " (", fp8_format_name(b.format()), " x ", fp8_format_name(a.format()), ", scale modes ",
+           mode_first, "/", mode_second, "): ", cublasGetStatusName(st));
+  Tensor workspace = Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::U8, dev);
+  const float alpha = 1.0f;
+  MC_CUBLAS_CHECK(cublasLtMatmul(handle, d.op, &alpha, b.data.data_ptr(), d.first, a.data.data_ptr(), d.second, &beta,
+                                 c.data_ptr(), d.out, c.data_ptr(), d.out, &result.algo, workspace.data_ptr(),
+                                 kWorkspaceBytes, stream));
+}
+
+}  // namespace moecore::ops::cuda

@@ -1,0 +1,241 @@
+// FP8 quantisation (ops/fp8_quant.h) against the formats' value tables, the emulated FP8 GEMM
+// against fp64 within the recipes' error bound, and the delayed-scaling update (model/fp8_linear.h).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <vector>
+
+#include "moecore/core/error.h"
+#include "moecore/model/fp8_linear.h"
+#include "moecore/ops/fp8_quant.h"
+#include "op_harness.h"
+
+using namespace moecore;
+using namespace moecore::ops;
+using namespace moecore::testing;
+
+namespace {
+// Every finite value of a format, from its codes (the dtype table), sorted.
+std::vector<double> finite_values(Fp8Format f) {
+  std::vector<double> v;
+  for (int c = 0; c < 256; ++c) {
+    const float x = f == Fp8Format::E4M3 ? e4m3_bits_to_float(static_cast<uint8_t>(c))
+                                         : e5m2_bits_to_float(static_cast<uint8_t>(c));
+    if (std::isfinite(x)) v.push_back(x);
+  }
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+  return v;
+}
+
+float decode(const Fp8Tensor& t, int64_t i) {
+  const uint8_t c = static_cast<const uint8_t*>(t.data.data_ptr())[i];
+  return t.format() == Fp8Format::E4M3 ? e4m3_bits_to_float(c) : e5m2_bits_to_float(c);
+}
+
+Tensor matrix(const std::vector<float>& v, int64_t r, int64_t c) { return Tensor::from_vector(v, {r, c}); }
+
+double unit_roundoff(Fp8Format f) { return f == Fp8Format::E4M3 ? 1.0 / 16 : 1.0 / 8; }
+}  // namespace
+
+class Fp8Formats : public ::testing::TestWithParam<Fp8Format> {};
+
+// Scale 1: each value becomes the nearest table value (ties to the even code), beyond the
+// largest finite value it saturates, and every code's value round-trips.
+TEST_P(Fp8Formats, RoundsToNearestTableValueAndSaturates) {
+  const Fp8Format f = GetParam();
+  const std::vector<double> table = finite_values(f);
+  const double max = table.back();
+  EXPECT_EQ(max, fp8_max(f));
+  std::vector<float> xs;
+  for (double v : table) xs.push_back(static_cast<float>(v));  // exact values
+  for (size_t i = 0; i + 1 < table.size(); ++i) {              // midpoints and near-midpoints
+    const double mid = 0.5 * (table[i] + table[i + 1]);
+    xs.push_back(static_cast<float>(mid));
+    xs.push_back(std::nextafter(static_cast<float>(mid), 1e9f));
+    xs.push_back(std::nextafter(static_cast<float>(mid), -1e9f));
+  }
+  for (float big : {static_cast<float>(max) * 1.01f, 1e6f, -1e9f, INFINITY, -INFINITY}) xs.push_back(big);
+  const Tensor x = matrix(xs, 1, static_cast<int64_t>(xs.size()));
+  const Fp8Tensor q = quantize_per_tensor(x, 1.0f, f);
+  EXPECT_EQ(q.scale_inv.data<float>()[0], 1.0f);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double v = xs[i], got = decode(q, static_cast<int64_t>(i));
+    if (std::fabs(v) >= max) {
+      EXPECT_EQ(got, std::copysign(max, v)) << v;
+      continue;
+    }
+    double best = 1e30;
+    for (double t : table) best = std::min(best, std::fabs(t - v));
+    EXPECT_EQ(std::fabs(got - v), best) << "x=" << v << " got " << got;
+  }
+}
+
+TEST_P(Fp8Formats, TileAndBlockScalesArePowersOfTwoBelowTheRange) {
+  const Fp8Format f = GetParam();
+  const Tensor x = random_tensor({130, 300}, DType::F32, Device::cpu(), -3.0, 3.0);
+  const Fp8Tensor tiles = quantize_tiles(x, f);
+  const Fp8Tensor blocks = quantize_blocks(x, f);
+  ASSERT_EQ(tiles.scale_inv.shape(), Shape({130, 3}));
+  ASSERT_EQ(blocks.scale_inv.shape(), Shape({2, 3}));
+  const std::vector<double> xv = to_doubles(x);
+  for (const Fp8Tensor* t : {&tiles, &blocks}) {
+    const Tensor back = dequantize(*t);
+    const std::vector<double> bv = to_doubles(back);
+    for (int64_t i = 0; i < t->scale_inv.numel(); ++i) {
+      int e = 0;
+      EXPECT_EQ(std::frexp(t->scale_inv.data<float>()[i], &e), 0.5f) << "not a power of two";
+    }
+    // no saturation (scale <= fp8_max / amax) and one rounding each: |err| <= u |x| or below the
+    // subnormal spacing of the tile
+    for (size_t i = 0; i < xv.size(); ++i) {
+      const int64_t r = static_cast<int64_t>(i) / 300, c = static_cast<int64_t>(i) % 300;
+      const float s = t->scaling == Fp8Scaling::Tile1x128 ? t->scale_inv.data<float>()[r * 3 + c / 128]
+                                                          : t->scale_inv.data<float>()[(r / 128) * 3 + c / 128];
+      const double tiny = s * (f == Fp8Format::E4M3 ? std::ldexp(1.0, -9) : std::ldexp(1.0, -16));
+      EXPECT_LE(std::fabs(bv[i] - xv[i]), unit_roundoff(f) * std::fabs(xv[i]) + tiny) << i;
+      EXPECT_LE(std::fabs(bv[i] / s), fp8_max(f));
+    }
+  }
+  // The 128x1 tiles of x are the 1x128 tiles of x^T, quantised from the same values.
+  const Fp8Tensor tt = quantize_tiles(x, f, true);
+  Tensor xt = Tensor::empty({300, 130}, DType::F32);
+  for (int64_t r = 0; r < 130; ++r)
+    for (int64_t c = 0; c < 300; ++c) xt.data<float>()[c * 130 + r] = x.data<float>()[r * 300 + c];
+  const Fp8Tensor ref = quantize_tiles(xt, f);
+  EXPECT_EQ(to_doubles(tt.scale_inv), to_doubles(ref.scale_inv));
+  EXPECT_EQ(to_doubles(dequantize(tt)), to_doubles(dequantize(ref)));
+  // Blocks transpose exactly.
+  EXPECT_EQ(to_doubles(dequantize(fp8_transpose(blocks))), to_doubles(dequantize(quantize_blocks(xt, f))));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Fp8Formats, ::testing::Values(Fp8Format::E4M3, Fp8Format::E5M2),
+                         [](const auto& i) { return std::string(fp8_format_name(i.param)); });
+
+TEST(Fp8Scale, FollowsTheConvention) {
+  EXPECT_EQ(fp8_scale_from_amax(2.0f, Fp8Format::E4M3, false), 224.0f);
+  EXPECT_EQ(fp8_scale_from_amax(3.0f, Fp8Format::E4M3, false), 448.0f / 3.0f);
+  EXPECT_EQ(fp8_scale_from_amax(3.0f, Fp8Format::E4M3, true), 128.0f);  // 149.3 rounded down
+  EXPECT_EQ(fp8_scale_from_amax(1.0f, Fp8Format::E5M2, true), 32768.0f);
+  EXPECT_EQ(fp8_scale_from_amax(0.0f, Fp8Format::E4M3, false), 1.0f);
+  EXPECT_EQ(fp8_scale_from_amax(INFINITY, Fp8Format::E4M3, true), 1.0f);
+  EXPECT_EQ(fp8_scale_from_amax(NAN, Fp8Format::E4M3, false), 1.0f);
+  EXPECT_EQ(fp8_scale_from_amax(1e-40f, Fp8Format::E4M3, false), FLT_MAX);
+  const Tensor x = matrix({-3.0f, 1.0f, 0.5f, 2.0f}, 2, 2);
+  EXPECT_EQ(amax(x), 3.0f);
+  const Fp8Tensor q = quantize_per_tensor(x, 100.0f, Fp8Format::E4M3);
+  EXPECT_EQ(q.scale_inv.data<float>()[0], 1.0f / 100.0f);
+  EXPECT_EQ(decode(q, 0), -288.0f);  // -300 between -288 and -320 (spacing 32 in [256, 448])
+}
+
+// The emulated GEMM against fp64 of the unquantised operands: |C - exact| <= sum_k |a b| (2u + u^2)
+// plus fp32 accumulation (1e-5 relative of the same sum); and against fp64 of the dequantised
+// operands to fp32 accuracy (the scales are applied per 128-wide K block correctly).
+struct GemmCase {
+  Fp8Scaling sa, sb;
+  Fp8Format fa, fb;
+};
+class Fp8Gemm : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(Fp8Gemm, WithinTheErrorBoundOfFp64) {
+  const GemmCase p = GetParam();
+  const int64_t m = 37, n = 45, k = 300;
+  const Tensor a = random_tensor({m, k}, DType::F32, Device::cpu(), -2.0, 2.0);
+  const Tensor b = random_tensor({n, k}, DType::F32, Device::cpu(), -0.05, 0.05);
+  auto quant = [](const Tensor& t, Fp8Scaling s, Fp8Format f) {
+    return s == Fp8Scaling::PerTensor ? quantize_per_tensor(t, fp8_scale_from_amax(amax(t), f, false), f)
+           : s == Fp8Scaling::Tile1x128 ? quantize_tiles(t, f)
+                                        : quantize_blocks(t, f);
+  };
+  const Fp8Tensor qa = quant(a, p.sa, p.fa), qb = quant(b, p.sb, p.fb);
+  Tensor c = poisoned({m, n}, DType::F32);
+  fp8_gemm(qa, qb, c);
+  const std::vector<double> av = to_doubles(a), bv = to_doubles(b), cv = to_doubles(c);
+  const std::vector<double> ad = to_doubles(dequantize(qa)), bd = to_doubles(dequantize(qb));
+  const double u = std::max(unit_roundoff(p.fa), unit_roundoff(p.fb));
+  double worst = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double exact = 0, abs_sum = 0, deq = 0;
+      for (int64_t q = 0; q < k; ++q) {
+        exact += av[i * k + q] * bv[j * k + q];
+        abs_sum += std::fabs(av[i * k + q] * bv[j * k + q]);
+        deq += ad[i * k + q] * bd[j * k + q];
+      }
+      const double got = cv[i * n + j];
+      EXPECT_LE(std::fabs(got - exact), abs_sum * (2 * u + u * u + 1e-5)) << i << "," << j;
+      EXPECT_LE(std::fabs(got - deq), abs_sum * 1e-5) << i << "," << j;
+      worst = std::max(worst, std::fabs(got - exact) / abs_sum);
+    }
+  EXPECT_GT(worst, 0.0);  // quantisation did happen
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, Fp8Gemm,
+    ::testing::Values(GemmCase{Fp8Scaling::PerTensor, Fp8Scaling::PerTensor, Fp8Format::E4M3, Fp8Format::E4M3},
+                      GemmCase{Fp8Scaling::PerTensor, Fp8Scaling::PerTensor, Fp8Format::E5M2, Fp8Format::E4M3},
+                      GemmCase{Fp8Scaling::Tile1x128, Fp8Scaling::Block128, Fp8Format::E4M3, Fp8Format::E4M3},
+                      GemmCase{Fp8Scaling::Tile1x128, Fp8Scaling::Block128, Fp8Format::E5M2, Fp8Format::E4M3},
+                      GemmCase{Fp8Scaling::Tile1x128, Fp8Scaling::Tile1x128, Fp8Format::E5M2, Fp8Format::E4M3}));
+
+TEST(Fp8Gemm, BetaAndBf16Output) {
+  const Tensor a = matrix({1.0f, 2.0f}, 1, 2), b = matrix({3.0f, 4.0f, 0.5f, 0.25f}, 2, 2);
+  const Fp8Tensor qa = quantize_per_tensor(a, 1.0f, Fp8Format::E4M3), qb = quantize_per_tensor(b, 1.0f, Fp8Format::E4M3);
+  Tensor c = matrix({10.0f, 20.0f}, 1, 2);
+  fp8_gemm(qa, qb, c, 1.0f);
+  EXPECT_EQ(to_doubles(c), std::vector<double>({21.0, 21.0}));
+  Tensor h = Tensor::empty({1, 2}, DType::BF16);
+  fp8_gemm(qa, qb, h);
+  EXPECT_EQ(to_doubles(h), std::vector<double>({11.0, 1.0}));
+}
+
+TEST(Fp8Gemm, BadOperandsAreRefused) {
+  const Tensor a = random_tensor({4, 8}, DType::F32), b = random_tensor({5, 6}, DType::F32);
+  const Fp8Tensor qa = quantize_tiles(a, Fp8Format::E4M3), qb = quantize_tiles(b, Fp8Format::E4M3);
+  Tensor c = Tensor::empty({4, 5}, DType::F32);
+  EXPECT_THROW(fp8_gemm(qa, qb, c), Error);  // K 8 vs 6
+  const Fp8Tensor g1 = quantize_tiles(a, Fp8Format::E5M2), g2 = quantize_tiles(a, Fp8Format::E5M2);
+  Tensor c4 = Tensor::empty({4, 4}, DType::F32);
+  EXPECT_THROW(fp8_gemm(g1, g2, c4), Error);  // E5M2 x E5M2
+  Tensor wrong = Tensor::empty({4, 3}, DType::F32);
+  EXPECT_THROW(fp8_gemm(qa, quantize_tiles(a, Fp8Format::E4M3), wrong), Error);  // C shape
+  EXPECT_THROW(fp8_transpose(qa), Error);                                        // 1x128 tiles
+  EXPECT_THROW(quantize_per_tensor(a, 0.0f, Fp8Format::E4M3), Error);            // scale 0
+  EXPECT_THROW(quantize_tiles(random_tensor({2, 3, 4}, DType::F32), Fp8Format::E4M3), Error);  // 3-D
+  EXPECT_THROW(quantize_tiles(random_tensor({2, 3}, DType::F64), Fp8Format::E4M3), Error);     // f64
+}
+
+// Transformer Engine's delayed scaling: history[0] collects the step's amax, the scale comes from
+// max(history) (or history[0]), the history rolls by one and history[0] restarts at 0.
+TEST(Fp8Delayed, HistoryRollsAndScalesFollowTransformerEngine) {
+  for (bool use_max : {true, false}) {
+    Fp8Config cfg;
+    cfg.enabled = true;
+    cfg.recipe = Fp8Config::Recipe::Delayed;
+    cfg.amax_history_len = 3;
+    cfg.amax_compute_max = use_max;
+    Fp8Context ctx(cfg);
+    ParamStore store(Device::cpu(), DType::F32, DType::F32, 1);
+    const Fp8Linear lin(ctx, store, "l", 1, nullptr);
+    const Tensor w = matrix({0.5f, -0.25f}, 1, 2);
+    Tensor y = Tensor::empty({1, 1}, DType::F32);
+    const Param& hist = store.get("l.fp8_amax_history");
+    const Param& scale = store.get("l.fp8_scale");
+    const std::vector<float> amaxes = {2.0f, 4.0f, 1.0f, 1.0f, 1.0f};
+    const std::vector<float> want_max = {224.0f, 112.0f, 112.0f, 112.0f, 448.0f};
+    for (size_t step = 0; step < amaxes.size(); ++step) {
+      ctx.set_recording(true);
+      lin.forward(matrix({amaxes[step], 0.0f}, 1, 2), w, y);
+      ctx.set_recording(false);
+      lin.forward(matrix({100.0f, 0.0f}, 1, 2), w, y);  // not recorded (evaluation)
+      ctx.finish_step(nullptr, nullptr);
+      const float want = use_max ? want_max[step] : 448.0f / amaxes[step];
+      EXPECT_EQ(scale.master.data<float>()[0], want) << "step " << step;
+      EXPECT_EQ(scale.master.data<float>()[1], 448.0f / 0.5f) << "the weight's scale";
+      EXPECT_EQ(hist.master.data<float>()[0], 0.0f);
+      EXPECT_EQ(hist.master.data<float>()[2], amaxes[step]) << "the newest amax rolls to the end";
+    }
+  }
+}
