@@ -11,7 +11,7 @@
 // writes a valid meta.json and valid safetensors files there as seeds.
 //
 // Built by scripts/fuzz.sh; the lines below name what it compiles and links with this file.
-// fuzz-sources: src/moecore/train/checkpoint_meta.cpp src/moecore/interop/safetensors.cpp src/moecore/core/error.cpp src/moecore/core/tensor.cpp src/moecore/core/dtype.cpp src/moecore/core/allocator.cpp src/moecore/core/device.cpp
+// fuzz-sources: src/moecore/train/checkpoint_meta.cpp src/moecore/interop/safetensors.cpp src/moecore/core/error.cpp src/moecore/core/tensor.cpp src/moecore/core/dtype.cpp src/moecore/core/allocator.cpp src/moecore/core/device.cpp src/moecore/core/memory_ledger.cpp src/moecore/core/memory_categories.cpp
 // fuzz-libs:
 #include <unistd.h>
 
