@@ -269,7 +269,13 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("fine-grained-activation-offloading", &a.fine_grained_activation_offloading,
              "not available: activation offloading (refused)");
   f.add_list("offload-modules", &a.offload_modules, "not available: activation offloading (refused)");
-  f.add_bool("optimizer-cpu-offload", &a.optimizer_cpu_offload, "not available: optimizer offloading (refused)");
+  f.add_bool("optimizer-cpu-offload", &a.optimizer_cpu_offload,
+             "keep (--optimizer-offload-fraction of) the fp32 masters and AdamW moments in host memory and update "
+             "them there with a multi-threaded host AdamW (bit-identical results); not with split masters "
+             "(bf16 needs --no-store-param-remainders)");
+  f.add_double("optimizer-offload-fraction", &a.optimizer_offload_fraction,
+               "with --optimizer-cpu-offload: the share 0 < F <= 1 of each rank's optimizer state on the host "
+               "(whole parameters, nearest to F; default 1)");
   f.add_bool("fake-init-process-group", &a.fake_init_process_group,
              "not available: emulated ranks for memory planning (refused)");
   f.add_int("manual-gc-interval", &a.manual_gc_interval, "Python's garbage collector: moecore has none (refused)");
@@ -656,8 +662,15 @@ void check_feature_flags(TrainArgs& a) {
            a.fine_grained_activation_offloading ? "--fine-grained-activation-offloading" : "--offload-modules",
            ": activation offloading is not available in this version; --recompute-granularity selective "
            "--recompute-modules moe_act saves the expert activation's memory");
-  MC_CHECK(!a.optimizer_cpu_offload, "--optimizer-cpu-offload is not available in this version: AdamW's states stay on "
-           "the device (--use-precision-aware-optimizer keeps them in bf16); drop the flag");
+  MC_CHECK(a.optimizer_offload_fraction < 0 || a.optimizer_cpu_offload, "--optimizer-offload-fraction ",
+           a.optimizer_offload_fraction, " needs --optimizer-cpu-offload");
+  if (a.optimizer_cpu_offload) {
+    if (a.optimizer_offload_fraction < 0) a.optimizer_offload_fraction = 1.0;
+    MC_CHECK(a.optimizer_offload_fraction > 0 && a.optimizer_offload_fraction <= 1, "--optimizer-offload-fraction ",
+             a.optimizer_offload_fraction, ": expected 0 < F <= 1");
+    MC_CHECK(!a.bf16 || a.no_store_param_remainders, "--optimizer-cpu-offload with --bf16 keeps whole fp32 masters on "
+             "the host, not split masters (a bf16 weight and a 16-bit remainder): add --no-store-param-remainders");
+  }
   MC_CHECK(!a.fake_init_process_group, "--fake-init-process-group is not available in this version: launch the ranks "
            "(mpirun, torchrun); drop the flag");
   MC_CHECK(a.manual_gc_interval == 0, "--manual-gc-interval controls Python's garbage collector; moecore has none: "

@@ -639,7 +639,9 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--num-distributed-optimizer-instances", "2"}, "--num-distributed-optimizer-instances 2: hybrid-sharded"},
       {{"--fine-grained-activation-offloading"}, "--fine-grained-activation-offloading: activation offloading is not"},
       {{"--offload-modules", "expert_fc1", "moe_act"}, "--offload-modules: activation offloading is not available"},
-      {{"--optimizer-cpu-offload"}, "--optimizer-cpu-offload is not available in this version"},
+      {{"--optimizer-cpu-offload", "--optimizer-offload-fraction", "2"}, "--optimizer-offload-fraction 2: expected 0 < F <= 1"},
+      {{"--optimizer-offload-fraction", "0.5"}, "--optimizer-offload-fraction 0.5 needs --optimizer-cpu-offload"},
+      {{"--optimizer-cpu-offload", "--bf16"}, "--optimizer-cpu-offload with --bf16 keeps whole fp32 masters on the host"},
       {{"--fake-init-process-group"}, "--fake-init-process-group is not available in this version"},
       {{"--manual-gc-interval", "100"}, "--manual-gc-interval controls Python's garbage collector"},
       // activation recomputation

@@ -42,7 +42,8 @@ class Tensor {
   Tensor() = default;
 
   static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
-  // Host memory that the GPU can copy from/to asynchronously (CUDA backend only).
+  // Host memory that the GPU can copy from/to asynchronously (without a CUDA device: plain host
+  // memory of a separate allocator, core/allocator.h).
   static Tensor empty_pinned(const Shape& shape, DType dtype);
   static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
   template <typename T>

@@ -10,8 +10,8 @@ namespace moecore {
 namespace {
 constexpr double kGB = 1e9;
 // The gathered layout of one rank: rank, each tag's bytes, rounding, allocated, reserved, the
-// allocator's peak reserved and peak allocated.
-constexpr size_t kFields = 1 + kNumMemoryTags + 5;
+// allocator's peak reserved and peak allocated, the three host parts.
+constexpr size_t kFields = 1 + kNumMemoryTags + 8;
 
 // The report's rows in order: the categories, activations followed by their modules.
 const MemoryCategory kCategoryOrder[] = {MemoryCategory::kWeights,       MemoryCategory::kGradients,
@@ -48,6 +48,11 @@ RankMemoryReport local_memory_report(const CachingAllocator& allocator, int64_t 
   const AllocatorStats s = allocator.stats();
   r.peak_reserved = s.peak_reserved_bytes;
   r.peak_allocated = s.peak_allocated_bytes;
+  const MemoryBreakdown host = pinned_allocator().breakdown_now();
+  auto host_bytes = [&](MemoryCategory c) { return host.by_tag[memory_tag(c)]; };
+  r.host_weights = host_bytes(MemoryCategory::kWeights);
+  r.host_gradients = host_bytes(MemoryCategory::kGradients);
+  r.host_optimizer_state = host_bytes(MemoryCategory::kOptimizerState);
   return r;
 }
 
@@ -64,6 +69,9 @@ std::vector<RankMemoryReport> gather_memory_reports(comm::Communicator* world, c
   tail[2] = static_cast<double>(mine.at_peak.reserved);
   tail[3] = static_cast<double>(mine.peak_reserved);
   tail[4] = static_cast<double>(mine.peak_allocated);
+  tail[5] = static_cast<double>(mine.host_weights);
+  tail[6] = static_cast<double>(mine.host_gradients);
+  tail[7] = static_cast<double>(mine.host_optimizer_state);
   comm::all_reduce_host(*world, all);
   std::vector<RankMemoryReport> out(static_cast<size_t>(world_size));
   for (size_t r = 0; r < out.size(); ++r) {
@@ -78,6 +86,9 @@ std::vector<RankMemoryReport> gather_memory_reports(comm::Communicator* world, c
     o.at_peak.reserved = i64(gt[2]);
     o.peak_reserved = i64(gt[3]);
     o.peak_allocated = i64(gt[4]);
+    o.host_weights = i64(gt[5]);
+    o.host_gradients = i64(gt[6]);
+    o.host_optimizer_state = i64(gt[7]);
   }
   return out;
 }
@@ -116,6 +127,13 @@ std::string format_memory_report(const std::vector<RankMemoryReport>& ranks, int
                   static_cast<double>(r.parts_sum()) / unit, unit_name, 100.0 * ratio, static_cast<double>(peak) / unit,
                   unit_name, std::fabs(ratio - 1.0) <= 0.03 ? "within 3%" : "OFF BY MORE THAN 3%");
     s += line;
+    if (r.host_weights + r.host_gradients + r.host_optimizer_state > 0) {
+      std::snprintf(line, sizeof line, "     host memory (not in the peak): weights %.4f %s, gradients %.4f %s, "
+                    "optimizer_state %.4f %s\n", static_cast<double>(r.host_weights) / unit, unit_name,
+                    static_cast<double>(r.host_gradients) / unit, unit_name,
+                    static_cast<double>(r.host_optimizer_state) / unit, unit_name);
+      s += line;
+    }
   }
   return s;
 }
@@ -132,6 +150,9 @@ nlohmann::json memory_report_json(const std::vector<RankMemoryReport>& ranks, in
     nlohmann::json modules = nlohmann::json::object();
     for (const auto& [tag, bytes] : activation_rows(r)) modules[memory_tag_name(tag)] = bytes;
     j["activation_modules"] = modules;
+    if (r.host_weights + r.host_gradients + r.host_optimizer_state > 0)
+      j["host"] = {{"weights", r.host_weights}, {"gradients", r.host_gradients},
+                   {"optimizer_state", r.host_optimizer_state}};
     per_rank.push_back(j);
   }
   return {{"iteration", iteration}, {"memory_report", per_rank}};
