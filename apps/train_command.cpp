@@ -131,7 +131,8 @@ void register_moe_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_list("recompute-modules", &a.recompute_modules,
              "with --recompute-granularity selective: moe_act (the experts' activation function), mla_up_proj "
              "(MLA's up projections), moe (each MoE layer from its input), mlp (each dense MLP from its input), "
-             "core_attn (the attention output from q, k, v), shared_experts (from the MoE layer's input)");
+             "core_attn (the attention output from q, k, v), shared_experts (from the MoE layer's input), "
+             "layernorm (the decoder layers' input norms)");
   f.add_choice("recompute-method", &a.model.recompute.full_method, {"uniform", "block"},
                "with --recompute-granularity full: uniform (every chunk of --recompute-num-layers layers from its "
                "input) or block (the first --recompute-num-layers layers of each pipeline stage)");
@@ -575,14 +576,16 @@ void check_recompute_flags(TrainArgs& a) {
   }
   MC_CHECK(a.recompute_granularity != "selective" || !a.recompute_modules.empty(),
            "--recompute-granularity selective: name the modules with --recompute-modules (core_attn, moe_act, moe, "
-           "mlp, shared_experts, mla_up_proj)");
+           "mlp, shared_experts, mla_up_proj, layernorm)");
   if (a.moe_layer_recompute) {
     MC_CHECK(e.num_experts > 0, "--moe-layer-recompute needs an MoE model (--num-experts)");
     r.moe = true;
   }
   for (const std::string& module : a.recompute_modules) {
-    MC_CHECK(module != "layernorm", "--recompute-modules ", module,
-             " is not available in this version (core_attn, moe_act, moe, mlp, shared_experts and mla_up_proj are)");
+    if (module == "layernorm") {
+      r.layernorm = true;
+      continue;
+    }
     if (module == "shared_experts") {
       MC_CHECK(e.shared_expert_size > 0, "--recompute-modules shared_experts needs shared experts "
                "(--moe-shared-expert-intermediate-size)");
@@ -609,8 +612,7 @@ void check_recompute_flags(TrainArgs& a) {
       continue;
     }
     MC_CHECK(module == "moe_act" || module == "moe", "--recompute-modules '", module,
-             "': expected core_attn, moe_act, moe, mlp, shared_experts or mla_up_proj (Megatron's other module: "
-             "layernorm)");
+             "': expected core_attn, moe_act, moe, mlp, shared_experts, mla_up_proj or layernorm");
     MC_CHECK(e.num_experts > 0, "--recompute-modules ", module, " needs an MoE model (--num-experts)");
     (module == "moe" ? r.moe : e.recompute_act) = true;
   }

@@ -91,6 +91,14 @@ class Tensor {
 
   std::string describe() const;  // "Tensor(f32, cuda:0, (4, 8))"
 
+  // ---- released bytes (selective recomputation of a tensor other modules also saved) ----
+  // release_storage frees the bytes of this tensor's storage: every tensor sharing it keeps its
+  // shape but has no data until reacquire_storage gets new bytes (charged to the current memory
+  // category) for all of them; the caller then rewrites the values.
+  void release_storage();
+  void reacquire_storage();
+  bool storage_released() const { return storage_ && !storage_->data; }
+
  private:
   std::shared_ptr<Storage> storage_;
   Shape shape_;

@@ -66,6 +66,9 @@ struct RecomputeConfig {
   // --recompute-modules shared_experts: the shared experts' saved tensors rebuilt from the MoE
   // layer's input at the start of its backward
   bool shared_experts = false;
+  // --recompute-modules layernorm: the decoder layers' input norms' outputs are not kept (their
+  // bytes released after the layer's forward, model/gpt.h) and recomputed before their backward
+  bool layernorm = false;
 };
 
 struct ModelConfig {
