@@ -593,10 +593,6 @@ void check_recompute_flags(TrainArgs& a) {
       continue;
     }
     if (module == "core_attn") {
-      MC_CHECK(!a.model.mla.enabled, "--recompute-modules core_attn with --multi-latent-attention is not available in "
-               "this version (mla_up_proj is)");
-      MC_CHECK(a.cp == 1, "--recompute-modules core_attn with --context-parallel-size ", a.cp,
-               " is not available in this version");
       r.core_attn = true;
       continue;
     }

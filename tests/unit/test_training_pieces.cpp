@@ -665,8 +665,6 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
         "--recompute-modules", "layernorm"}, "--recompute-modules needs --recompute-granularity selective"},
       {{"--recompute-granularity", "selective", "--recompute-modules", "shared_experts"},
        "--recompute-modules shared_experts needs shared experts (--moe-shared-expert-intermediate-size)"},
-      {{"--recompute-granularity", "selective", "--recompute-modules", "core_attn", "--multi-latent-attention"},
-       "--recompute-modules core_attn with --multi-latent-attention is not available in this version"},
       {{"--recompute-granularity", "selective", "--recompute-modules", "moe_act"},
        "--recompute-modules moe_act needs an MoE model"},
       {{"--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type", "ring"},

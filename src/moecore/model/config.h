@@ -61,7 +61,7 @@ struct RecomputeConfig {
   bool moe = false;  // --recompute-modules moe / --moe-layer-recompute: each MoE layer from its input
   bool mlp = false;  // --recompute-modules mlp: each dense MLP from its input
   // --recompute-modules core_attn: the attention output and logsumexp (the output projection's
-  // input) rebuilt from the kept q, k, v (model/attention_block.h; not MLA, not CP)
+  // input) rebuilt from the kept q, k, v (model/attention_block.h, model/core_attention.h)
   bool core_attn = false;
   // --recompute-modules shared_experts: the shared experts' saved tensors rebuilt from the MoE
   // layer's input at the start of its backward
