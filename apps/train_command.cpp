@@ -132,7 +132,8 @@ void register_moe_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_list("recompute-modules", &a.recompute_modules,
              "with --recompute-granularity selective: moe_act (the experts' activation function), mla_up_proj "
              "(MLA's up projections), moe (each MoE layer from its input), mlp (each dense MLP from its input), "
-             "core_attn (the attention output from q, k, v), shared_experts (from the MoE layer's input)");
+             "core_attn (the attention output from q, k, v), shared_experts (from the MoE layer's input), "
+             "layernorm (the decoder layers' input norms)");
   f.add_choice("recompute-method", &a.model.recompute.full_method, {"uniform", "block"},
                "with --recompute-granularity full: uniform (every chunk of --recompute-num-layers layers from its "
                "input) or block (the first --recompute-num-layers layers of each pipeline stage)");
@@ -278,7 +279,13 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_list("offload-modules", &a.offload_modules,
              "with --fine-grained-activation-offloading: attn_norm, core_attn, attn_proj, mlp_norm, expert_fc1, "
              "moe_act (each module's saved input)");
-  f.add_bool("optimizer-cpu-offload", &a.optimizer_cpu_offload, "not available: optimizer offloading (refused)");
+  f.add_bool("optimizer-cpu-offload", &a.optimizer_cpu_offload,
+             "keep (--optimizer-offload-fraction of) the fp32 masters and AdamW moments in host memory and update "
+             "them there with a multi-threaded host AdamW (bit-identical results); not with split masters "
+             "(bf16 needs --no-store-param-remainders)");
+  f.add_double("optimizer-offload-fraction", &a.optimizer_offload_fraction,
+               "with --optimizer-cpu-offload: the share 0 < F <= 1 of each rank's optimizer state on the host "
+               "(whole parameters, nearest to F; default 1)");
   f.add_bool("fake-init-process-group", &a.fake_init_process_group,
              "Megatron's fake process group (refused: use --emulate-world-size N --emulate-rank R)");
   f.add_int("manual-gc-interval", &a.manual_gc_interval, "Python's garbage collector: moecore has none (refused)");
@@ -661,14 +668,16 @@ void check_recompute_flags(TrainArgs& a) {
   }
   MC_CHECK(a.recompute_granularity != "selective" || !a.recompute_modules.empty(),
            "--recompute-granularity selective: name the modules with --recompute-modules (core_attn, moe_act, moe, "
-           "mlp, shared_experts, mla_up_proj)");
+           "mlp, shared_experts, mla_up_proj, layernorm)");
   if (a.moe_layer_recompute) {
     MC_CHECK(e.num_experts > 0, "--moe-layer-recompute needs an MoE model (--num-experts)");
     r.moe = true;
   }
   for (const std::string& module : a.recompute_modules) {
-    MC_CHECK(module != "layernorm", "--recompute-modules ", module,
-             " is not available in this version (core_attn, moe_act, moe, mlp, shared_experts and mla_up_proj are)");
+    if (module == "layernorm") {
+      r.layernorm = true;
+      continue;
+    }
     if (module == "shared_experts") {
       MC_CHECK(e.shared_expert_size > 0, "--recompute-modules shared_experts needs shared experts "
                "(--moe-shared-expert-intermediate-size)");
@@ -676,10 +685,6 @@ void check_recompute_flags(TrainArgs& a) {
       continue;
     }
     if (module == "core_attn") {
-      MC_CHECK(!a.model.mla.enabled, "--recompute-modules core_attn with --multi-latent-attention is not available in "
-               "this version (mla_up_proj is)");
-      MC_CHECK(a.cp == 1, "--recompute-modules core_attn with --context-parallel-size ", a.cp,
-               " is not available in this version");
       r.core_attn = true;
       continue;
     }
@@ -695,8 +700,7 @@ void check_recompute_flags(TrainArgs& a) {
       continue;
     }
     MC_CHECK(module == "moe_act" || module == "moe", "--recompute-modules '", module,
-             "': expected core_attn, moe_act, moe, mlp, shared_experts or mla_up_proj (Megatron's other module: "
-             "layernorm)");
+             "': expected core_attn, moe_act, moe, mlp, shared_experts, mla_up_proj or layernorm");
     MC_CHECK(e.num_experts > 0, "--recompute-modules ", module, " needs an MoE model (--num-experts)");
     (module == "moe" ? r.moe : e.recompute_act) = true;
   }
@@ -772,8 +776,15 @@ void check_feature_flags(TrainArgs& a) {
   MC_CHECK(a.distributed_optimizer_instances == 1, "--num-distributed-optimizer-instances ",
            a.distributed_optimizer_instances, ": hybrid-sharded data parallelism is not available in this version "
            "(the distributed optimizer shards over the whole data-parallel group); drop the flag");
-  MC_CHECK(!a.optimizer_cpu_offload, "--optimizer-cpu-offload is not available in this version: AdamW's states stay on "
-           "the device (--use-precision-aware-optimizer keeps them in bf16); drop the flag");
+  MC_CHECK(a.optimizer_offload_fraction < 0 || a.optimizer_cpu_offload, "--optimizer-offload-fraction ",
+           a.optimizer_offload_fraction, " needs --optimizer-cpu-offload");
+  if (a.optimizer_cpu_offload) {
+    if (a.optimizer_offload_fraction < 0) a.optimizer_offload_fraction = 1.0;
+    MC_CHECK(a.optimizer_offload_fraction > 0 && a.optimizer_offload_fraction <= 1, "--optimizer-offload-fraction ",
+             a.optimizer_offload_fraction, ": expected 0 < F <= 1");
+    MC_CHECK(!a.bf16 || a.no_store_param_remainders, "--optimizer-cpu-offload with --bf16 keeps whole fp32 masters on "
+             "the host, not split masters (a bf16 weight and a 16-bit remainder): add --no-store-param-remainders");
+  }
   // Megatron's flag takes the world size and rank from WORLD_SIZE and RANK, which moecore reads as a
   // torchrun launch; the explicit flags say the same without the ambiguity.
   MC_CHECK(!a.fake_init_process_group, "--fake-init-process-group is not available in this version: to measure one "

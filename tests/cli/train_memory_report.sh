@@ -5,6 +5,7 @@
 # check line per rank within 3%; metrics.jsonl gets one memory_report record whose parts sum to
 # the logged peak (mem_max_allocated_bytes of the logging rank) within 3% and to each rank's
 # allocator peak, with at most 3% of the peak untagged. Only once per run; none without the flag.
+# With --recompute-modules layernorm the norms' rows shrink and the peak drops.
 set -uo pipefail
 bin=$1; src=$2; mpiexec=$3
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -64,6 +65,22 @@ sys.exit(0 if any(x["communication"] > 0 for x in r) else 1)' "$dir/metrics.json
   fail "PP2: no rank shows its pipeline buffers as communication"
 run 2 --memory-report --expert-model-parallel-size 2
 check 2 core_attn expert_fc1 moe_act moe_dispatch
+# --recompute-modules layernorm: the norms' outputs leave the activations (the rerun is charged to
+# attn_norm / mlp_norm again while the backward holds it), the check stays within 3%, the peak drops.
+run 1 --memory-report
+cp "$dir/metrics.jsonl" "$dir/kept.jsonl"
+run 1 --memory-report --recompute-granularity selective --recompute-modules layernorm
+check 1 core_attn expert_fc1 moe_act
+python3 - "$dir/kept.jsonl" "$dir/metrics.jsonl" <<'PY' || fail "--recompute-modules layernorm: the report"
+import json, sys
+def report(path):
+    return next(json.loads(l) for l in open(path) if "memory_report" in l)["memory_report"][0]
+kept, rerun = report(sys.argv[1]), report(sys.argv[2])
+norms = lambda r: r["activation_modules"].get("attn_norm", 0) + r["activation_modules"].get("mlp_norm", 0)
+print("norms at the peak:", norms(kept), "->", norms(rerun), "; peak:", kept["peak_reserved_bytes"], "->", rerun["peak_reserved_bytes"])
+assert norms(rerun) < 0.6 * norms(kept), "the norms' outputs are still kept"
+assert rerun["peak_reserved_bytes"] < kept["peak_reserved_bytes"], "the peak did not drop"
+PY
 run 1
 grep -q "memory report" "$dir/log" && fail "a report without --memory-report"
 grep -q memory_report "$dir/metrics.jsonl" && fail "a memory_report record without --memory-report"

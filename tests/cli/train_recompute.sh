@@ -2,7 +2,7 @@
 # Activation recomputation changes no number: a tiny MoE model (a dense first layer, a shared
 # expert, input jitter, global_aux_loss, z-loss) trains 3 iterations with and without each
 # recomputation option -- --recompute-modules moe, mlp, moe_act, core_attn,
-# shared_experts, --moe-layer-recompute,
+# shared_experts, layernorm (alone and with moe / mlp, which rerun from its output), --moe-layer-recompute,
 # --recompute-granularity full with --recompute-method uniform and block -- on one rank and under
 # TP2+SP, PP2 and EP2 (mpirun, CPU ranks), and logs bit-identical lm loss, balancing loss and grad
 # norm. Full recomputation lowers the peak of allocated memory (the metrics' mem_max_allocated_bytes).
@@ -21,6 +21,9 @@ peak() { grep -o '"mem_max_allocated_bytes":[0-9]*' "$1" | cut -d: -f2 | sort -n
 options=("--recompute-granularity selective --recompute-modules moe"
          "--recompute-granularity selective --recompute-modules mlp moe_act"
          "--recompute-granularity selective --recompute-modules core_attn shared_experts"
+         "--recompute-granularity selective --recompute-modules layernorm"
+         "--recompute-granularity selective --recompute-modules layernorm moe core_attn"
+         "--recompute-granularity selective --recompute-modules layernorm mlp shared_experts"
          "--moe-layer-recompute"
          "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
          "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2"

@@ -209,10 +209,23 @@ CachingAllocator& cuda_allocator(int device_index) {
 #endif
 }
 
+namespace {
+// Without a CUDA device "pinned" host memory is plain host memory of its own allocator, so that
+// host-resident state (--optimizer-cpu-offload) stays apart from the CPU device's memory report.
+CachingAllocator& unpinned_host_allocator() {
+  static CachingAllocator* a = new CachingAllocator(CachingAllocator::Backend{
+      "host memory (no CUDA device: not pinned)",
+      [](size_t n) -> void* { return std::aligned_alloc(64, (n + 63) / 64 * 64); },
+      [](void* p) { std::free(p); },
+      /*cache=*/false});
+  return *a;
+}
+}  // namespace
+
 CachingAllocator& pinned_allocator() {
 #if MOECORE_WITH_CUDA
+  if (cuda_device_count() == 0) return unpinned_host_allocator();
   static CachingAllocator* a = [] {
-    MC_CHECK(cuda_device_count() > 0, "pinned host memory requested but ", cuda_unavailable_reason());
     return new CachingAllocator(CachingAllocator::Backend{
         "pinned host memory",
         [](size_t n) -> void* {
@@ -231,7 +244,7 @@ CachingAllocator& pinned_allocator() {
   }();
   return *a;
 #else
-  MC_FAIL("pinned host memory requested but ", cuda_unavailable_reason());
+  return unpinned_host_allocator();
 #endif
 }
 

@@ -95,6 +95,8 @@ class CachingAllocator {
 // present; asking for one otherwise raises an Error that says why.
 CachingAllocator& cpu_allocator();
 CachingAllocator& cuda_allocator(int device_index);
+// Pinned host memory; without a CUDA device (CPU builds, machines without one) plain host memory
+// from an allocator of its own (Tensor::empty_pinned then still works, unpinned).
 CachingAllocator& pinned_allocator();
 CachingAllocator& allocator_for(Device device, bool pinned = false);
 

@@ -42,7 +42,21 @@ Storage::Storage(size_t n, Device d, bool pin) : nbytes(n), device(d), pinned(pi
   data = allocator->allocate(n, stream);
 }
 
-Storage::~Storage() { allocator->deallocate(data); }
+Storage::~Storage() {
+  if (data) allocator->deallocate(data);
+}
+
+void Tensor::release_storage() {
+  MC_CHECK(storage_ && storage_->data, "release_storage of ", storage_ ? "a released" : "an undefined", " tensor");
+  storage_->allocator->deallocate(storage_->data);
+  storage_->data = nullptr;
+}
+
+void Tensor::reacquire_storage() {
+  MC_CHECK(storage_released(), "reacquire_storage of a tensor whose bytes were not released: ", describe());
+  Storage& st = *storage_;
+  st.data = st.allocator->allocate(st.nbytes, st.device.is_cuda() ? current_stream(st.device).handle() : nullptr);
+}
 
 static void check_shape(const Shape& shape) {
   for (int64_t d : shape) MC_CHECK(d >= 0, "negative dimension in shape ", shape_str(shape));
@@ -107,6 +121,7 @@ bool Tensor::is_contiguous() const {
 
 void* Tensor::data_ptr() const {
   MC_CHECK(storage_, "use of an undefined tensor");
+  MC_CHECK(storage_->data || storage_->nbytes == 0, "use of a tensor whose bytes were released (release_storage)");
   return static_cast<char*>(storage_->data) + offset_ * static_cast<int64_t>(dtype_size(dtype_));
 }
 

@@ -42,7 +42,8 @@ class Tensor {
   Tensor() = default;
 
   static Tensor empty(const Shape& shape, DType dtype, Device device = Device::cpu());
-  // Host memory that the GPU can copy from/to asynchronously (CUDA backend only).
+  // Host memory that the GPU can copy from/to asynchronously (without a CUDA device: plain host
+  // memory of a separate allocator, core/allocator.h).
   static Tensor empty_pinned(const Shape& shape, DType dtype);
   static Tensor zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
   template <typename T>
@@ -89,6 +90,14 @@ class Tensor {
   std::vector<T> to_vector() const;  // host copy of the elements in row-major order
 
   std::string describe() const;  // "Tensor(f32, cuda:0, (4, 8))"
+
+  // ---- released bytes (selective recomputation of a tensor other modules also saved) ----
+  // release_storage frees the bytes of this tensor's storage: every tensor sharing it keeps its
+  // shape but has no data until reacquire_storage gets new bytes (charged to the current memory
+  // category) for all of them; the caller then rewrites the values.
+  void release_storage();
+  void reacquire_storage();
+  bool storage_released() const { return storage_ && !storage_->data; }
 
  private:
   std::shared_ptr<Storage> storage_;

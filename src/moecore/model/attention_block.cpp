@@ -21,8 +21,6 @@ AttentionBlock::AttentionBlock(ParamStore& store, const std::string& prefix, con
       rotary_base_(cfg.rotary_base) {
   const int64_t tp = par.tp_size(), h = cfg.hidden_size;
   recompute_core_ = cfg.recompute.core_attn;
-  MC_CHECK(!recompute_core_ || !par.cp, "--recompute-modules core_attn with --context-parallel-size ", par.cp_size(),
-           " is not available in this version");
   MC_CHECK(cfg.num_attention_heads % tp == 0 && cfg.kv_heads() % tp == 0, "--num-attention-heads ",
            cfg.num_attention_heads, " and the ", cfg.kv_heads(),
            " query groups (--num-query-groups) must divide by --tensor-model-parallel-size ", tp);
@@ -76,15 +74,22 @@ Tensor AttentionBlock::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) c
   }
   const MemoryCategoryScope module(ActivationModule::kAttnProj);
   Tensor y = o_proj_.forward(out.view({tokens, heads_ * head_dim_}), ctx.o);
-  if (recompute_core_ && !par_.cp) ctx.core_out = ctx.core_lse = ctx.o.x = Tensor();  // rebuilt in the backward
+  if (recompute_core_) {  // rebuilt in the backward (CP: from the kept query chunks and gathered K / V)
+    ctx.core_out = ctx.core_lse = ctx.o.x = Tensor();
+    ctx.chunk_out[0] = ctx.chunk_out[1] = ctx.chunk_lse[0] = ctx.chunk_lse[1] = Tensor();
+  }
   return par_.exit_forward(y, batch);
 }
 
 Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx) const {
   const Tensor dy = par_.exit_backward(dy_local, batch);
   const int64_t tokens = dy.size(0), seq = tokens / batch;
-  if (!par_.cp && !ctx.core_out.defined()) {  // --recompute-modules core_attn: the same forward again
+  if (recompute_core_ && par_.cp) {  // --recompute-modules core_attn: the same chunk forwards again
+    const MemoryCategoryScope module(ActivationModule::kCoreAttn);
+    ctx.o.x = context_parallel_rerun(ctx).view({tokens, heads_ * head_dim_});
+  } else if (recompute_core_) {  // --recompute-modules core_attn: the same forward again
     MC_CHECK(ctx.core_q.defined(), "AttentionBlock::backward without a forward");
+    const MemoryCategoryScope module(ActivationModule::kCoreAttn);
     ctx.core_out = Tensor::empty(ctx.core_q.shape(), ctx.core_q.dtype(), ctx.core_q.device());
     ctx.core_lse = Tensor::empty({batch, heads_, seq}, ctx.core_q.dtype() == DType::F64 ? DType::F64 : DType::F32,
                                  ctx.core_q.device());
@@ -227,6 +232,25 @@ Tensor AttentionBlock::context_parallel_forward(const Tensor& q, const Tensor& k
                            ctx.chunk_out[i], ctx.chunk_lse[i]);
     seq_assign(out, i * c, ctx.chunk_out[i]);
     ctx.chunk_q[i] = qc[i];
+  }
+  return out;
+}
+
+Tensor AttentionBlock::context_parallel_rerun(Ctx& ctx) const {
+  // The forward's attention of each query chunk over its keys, on the same (kept) inputs.
+  comm::Communicator& cp = *par_.cp;
+  MC_CHECK(ctx.chunk_q[0].defined() && ctx.full_k.defined(), "AttentionBlock::backward without a forward");
+  const int64_t batch = ctx.chunk_q[0].size(0), c = ctx.chunk_q[0].size(1), n = cp.size(), r = cp.rank();
+  const Device dev = ctx.chunk_q[0].device();
+  const DType dt = ctx.chunk_q[0].dtype();
+  Tensor out = Tensor::empty({batch, 2 * c, heads_, head_dim_}, dt, dev);
+  for (int i = 0; i < 2; ++i) {
+    const int64_t keys = cp_chunk_start(c, n, r, i) + c;
+    ctx.chunk_out[i] = Tensor::empty(ctx.chunk_q[i].shape(), dt, dev);
+    ctx.chunk_lse[i] = Tensor::empty({batch, heads_, c}, dt == DType::F64 ? DType::F64 : DType::F32, dev);
+    ops::attention_forward(ctx.chunk_q[i], seq_range(ctx.full_k, 0, keys), seq_range(ctx.full_v, 0, keys), scale(),
+                           ctx.chunk_out[i], ctx.chunk_lse[i]);
+    seq_assign(out, i * c, ctx.chunk_out[i]);
   }
   return out;
 }

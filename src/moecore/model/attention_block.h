@@ -3,7 +3,8 @@
 // four projections with bias-linear, on q/k/v only with --add-qkv-bias (Qwen2).
 // x [B*S, H] -> [B*S, H]. Saved: the projections' inputs, q/k/v after RoPE, the attention
 // output and its logsumexp ("core_attn"; with --recompute-modules core_attn not: the attention
-// forward reruns on the kept q, k, v at the start of the backward).
+// forward reruns on the kept q, k, v at the start of the backward; with CP on the kept query
+// chunks and gathered K / V, no communication).
 // Tensor parallelism: q/k/v column-parallel (this rank's Hq/TP query heads and Hkv/TP kv heads,
 // whole GQA groups), the output projection row-parallel; with sequence parallelism x and the
 // result are this rank's [B, S/TP] slice (DenseParallel::enter/exit). q/k norm weights are
@@ -53,6 +54,8 @@ class AttentionBlock {
   // Context parallelism: causal attention of this rank's two query chunks over the gathered keys.
   Tensor context_parallel_forward(const Tensor& q, const Tensor& k, const Tensor& v, Ctx& ctx) const;
   void context_parallel_backward(const Tensor& dout, Ctx& ctx, Tensor& dq, Tensor& dk, Tensor& dv) const;
+  // --recompute-modules core_attn with CP: the chunks' outputs and logsumexps again; returns the output.
+  Tensor context_parallel_rerun(Ctx& ctx) const;
   double scale() const;
 
   Linear q_proj_, k_proj_, v_proj_, o_proj_;

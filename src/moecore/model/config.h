@@ -61,11 +61,14 @@ struct RecomputeConfig {
   bool moe = false;  // --recompute-modules moe / --moe-layer-recompute: each MoE layer from its input
   bool mlp = false;  // --recompute-modules mlp: each dense MLP from its input
   // --recompute-modules core_attn: the attention output and logsumexp (the output projection's
-  // input) rebuilt from the kept q, k, v (model/attention_block.h; not MLA, not CP)
+  // input) rebuilt from the kept q, k, v (model/attention_block.h, model/core_attention.h)
   bool core_attn = false;
   // --recompute-modules shared_experts: the shared experts' saved tensors rebuilt from the MoE
   // layer's input at the start of its backward
   bool shared_experts = false;
+  // --recompute-modules layernorm: the decoder layers' input norms' outputs are not kept (their
+  // bytes released after the layer's forward, model/gpt.h) and recomputed before their backward
+  bool layernorm = false;
 };
 
 // FP8 training (model/fp8_linear.h): the transformer layers' linears compute with FP8 operands.

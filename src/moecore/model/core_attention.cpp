@@ -60,6 +60,38 @@ Tensor core_attention_forward(comm::Communicator* cp, const Tensor& q, const Ten
   return out;
 }
 
+void core_attention_drop_output(CoreAttentionCtx& ctx) {
+  ctx.out = ctx.lse = Tensor();
+  ctx.chunk_out[0] = ctx.chunk_out[1] = ctx.chunk_lse[0] = ctx.chunk_lse[1] = Tensor();
+}
+
+Tensor core_attention_rerun(comm::Communicator* cp, double scale, CoreAttentionCtx& ctx) {
+  if (!cp) {
+    MC_CHECK(ctx.q.defined() && ctx.v.defined(), "core attention rerun without the forward's q, k, v");
+    const Tensor& q = ctx.q;
+    ctx.out = Tensor::empty({q.size(0), q.size(1), q.size(2), ctx.v.size(3)}, q.dtype(), q.device());
+    ctx.lse = Tensor::empty({q.size(0), q.size(2), q.size(1)}, lse_dtype(q.dtype()), q.device());
+    ops::attention_forward(q, ctx.k, ctx.v, scale, ctx.out, ctx.lse);
+    return ctx.out;
+  }
+  MC_CHECK(ctx.chunk_q[0].defined() && ctx.full_k.defined(), "core attention rerun without the forward's chunks");
+  const Tensor& q0 = ctx.chunk_q[0];
+  const int64_t batch = q0.size(0), c = q0.size(1), heads = q0.size(2), dv = ctx.full_v.size(3);
+  const int64_t n = cp->size(), r = cp->rank();
+  const Device dev = q0.device();
+  const DType dt = q0.dtype();
+  Tensor out = Tensor::empty({batch, 2 * c, heads, dv}, dt, dev);
+  for (int i = 0; i < 2; ++i) {
+    const int64_t keys = cp_chunk_start(c, n, r, i) + c;
+    ctx.chunk_out[i] = Tensor::empty({batch, c, heads, dv}, dt, dev);
+    ctx.chunk_lse[i] = Tensor::empty({batch, heads, c}, lse_dtype(dt), dev);
+    ops::attention_forward(ctx.chunk_q[i], seq_range(ctx.full_k, 0, keys), seq_range(ctx.full_v, 0, keys), scale,
+                           ctx.chunk_out[i], ctx.chunk_lse[i]);
+    seq_assign(out, i * c, ctx.chunk_out[i]);
+  }
+  return out;
+}
+
 void core_attention_backward(comm::Communicator* cp, const Tensor& dout, double scale, CoreAttentionCtx& ctx,
                              Tensor& dq, Tensor& dk, Tensor& dv) {
   const Device dev = dout.device();

@@ -25,4 +25,10 @@ Tensor core_attention_forward(comm::Communicator* cp, const Tensor& q, const Ten
 void core_attention_backward(comm::Communicator* cp, const Tensor& dout, double scale, CoreAttentionCtx& ctx,
                              Tensor& dq, Tensor& dk, Tensor& dv);
 
+// --recompute-modules core_attn: drop the output and logsumexp after the forward (q, k, v and, with
+// CP, the query chunks and gathered K / V stay) and rebuild them in the backward with the same
+// attention ops on the same inputs (the same bits); the rerun returns the output.
+void core_attention_drop_output(CoreAttentionCtx& ctx);
+Tensor core_attention_rerun(comm::Communicator* cp, double scale, CoreAttentionCtx& ctx);
+
 }  // namespace moecore

@@ -176,6 +176,7 @@ Tensor GPTModel::layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_
     const Tensor attn = attention_forward(li, normed, batch, lc);
     module.emplace(ActivationModule::kResidual);
     h = add_tensors(h, attn);
+    if (releases_norm_outputs(training, recomputing, lc)) release_norm_output(normed, lc.attn_normed);
   }
   std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMlpNorm);
   if (cfg_.is_moe(i)) {
@@ -187,6 +188,7 @@ Tensor GPTModel::layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_
                                                       rng_seed + 0x9E3779B97F4A7C15ull * (li + 1), lc.moe);
     module.emplace(ActivationModule::kResidual);
     h = add_tensors(h, moe);
+    if (releases_norm_outputs(training, recomputing, lc)) release_norm_output(normed, lc.mlp_normed);
     if (recomputing) return h;
     if (training && cfg_.recompute.moe) {
       moe_[li].drop_for_recompute(lc.moe, true);
@@ -203,6 +205,7 @@ Tensor GPTModel::layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_
       lc.mlp = Mlp::Ctx{};
       lc.mlp_input = normed;
     }
+    if (releases_norm_outputs(training, recomputing, lc)) release_norm_output(normed, lc.mlp_normed);
   }
   return h;
 }
@@ -249,9 +252,31 @@ void GPTModel::recompute_layers(int64_t first, int64_t last, Ctx& ctx) {
   }
 }
 
+bool GPTModel::releases_norm_outputs(bool training, bool recomputing, const LayerCtx& lc) const {
+  // Not for a layer that full recomputation reruns whole (its saved tensors are dropped anyway).
+  return training && !recomputing && cfg_.recompute.layernorm && lc.recompute_first < 0;
+}
+
+void GPTModel::release_norm_output(const Tensor& normed, Tensor& kept) {
+  kept = normed;
+  kept.release_storage();
+}
+
+void GPTModel::recompute_norm_output(const Norm& norm, const Norm::Ctx& norm_ctx, Tensor& kept, ActivationModule module) {
+  if (!kept.defined()) return;
+  const TimedRegion timed("recompute-forward", 2, kept.device());
+  const MemoryCategoryScope scope(module);  // saved again, under the norm's name
+  kept.reacquire_storage();
+  Norm::Ctx again;  // the same input and weights: the forward's bits
+  kept.copy_from(norm.forward(norm_ctx.x, again));
+  kept = Tensor();
+}
+
 void GPTModel::recompute_before_backward(int64_t i, Ctx& ctx) {
   LayerCtx& lc = ctx.layers[static_cast<size_t>(i)];
   if (lc.recompute_first >= 0) recompute_layers(lc.recompute_first, i, ctx);
+  // Before the MoE / MLP reruns below, which read it (the attention norm's comes before attention's backward).
+  recompute_norm_output(mlp_norm_[static_cast<size_t>(i)], lc.mlp_norm, lc.mlp_normed, ActivationModule::kMlpNorm);
   if (lc.moe_dropped) {
     const TimedRegion timed("recompute-forward", 2, lc.moe.x.device());
     moe_[static_cast<size_t>(i)].recompute(Tensor(), lc.moe);
@@ -608,6 +633,7 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
       add_into(dh, mlp_norm_[li].backward(d_normed, lc.mlp_norm));
     }
     {
+      recompute_norm_output(attn_norm_[li], lc.attn_norm, lc.attn_normed, ActivationModule::kAttnNorm);
       const TimedRegion timed("attention-backward", 2, dh.device());
       add_into(dh, attn_norm_[li].backward(attention_backward(li, dh, ctx.batch, lc), lc.attn_norm));
     }

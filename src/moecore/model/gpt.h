@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moecore/model/activation_offload.h"
+#include "moecore/core/memory_categories.h"
 #include "moecore/model/attention_block.h"
 #include "moecore/model/layers.h"
 #include "moecore/model/mla_attention.h"
@@ -61,6 +62,10 @@ class GPTModel {
     // saved tensors after the routing dropped (its Ctx keeps the input).
     Tensor mlp_input;
     bool moe_dropped = false;
+    // --recompute-modules layernorm: the two input norms' outputs, whose bytes (shared with what
+    // attention and the MLP / MoE layer saved of them) are released after the forward and
+    // recomputed into the same tensors before the backward reads them (undefined: kept).
+    Tensor attn_normed, mlp_normed;
   };
   struct Ctx {
     Tensor token_ids, position_ids, labels;  // [T] i32 (position ids: this rank's tokens after SP)
@@ -195,6 +200,10 @@ class GPTModel {
   std::vector<OffloadSlot> offload_slots(int64_t i, LayerCtx& lc);
   void offload_layer(int64_t i, Ctx& ctx, Device device);
   void reload_layer(int64_t i, Ctx& ctx);
+  // --recompute-modules layernorm (LayerCtx::attn_normed, mlp_normed).
+  bool releases_norm_outputs(bool training, bool recomputing, const LayerCtx& lc) const;
+  static void release_norm_output(const Tensor& normed, Tensor& kept);
+  static void recompute_norm_output(const Norm& norm, const Norm::Ctx& norm_ctx, Tensor& kept, ActivationModule module);
   // Output layer and loss: returns the sum of the labelled tokens' losses of this rank's
   // (CP-local) tokens on the device; ctx.num_labels is the whole sequences' label count.
   Tensor head_forward(const Tensor& h, Ctx& ctx);

@@ -16,6 +16,7 @@ MlaAttention::MlaAttention(ParamStore& store, const std::string& prefix, const M
       heads_(cfg.num_attention_heads / par.tp_size()),
       latent_norms_(cfg.qk_layernorm),
       recompute_(cfg.mla.recompute_up_proj),
+      recompute_core_(cfg.recompute.core_attn),
       rotary_base_(cfg.rotary_base),
       rope_scaling_(cfg.rope_scaling) {
   const int64_t tp = par.tp_size(), h = cfg.hidden_size, n = cfg.num_attention_heads;
@@ -158,19 +159,28 @@ Tensor MlaAttention::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) con
     ctx.core.q = ctx.core.k = ctx.core.v = Tensor();
   }
   const MemoryCategoryScope module(ActivationModule::kAttnProj);
-  return par_.exit_forward(o_proj_.forward(out.view({tokens, heads_ * mla_.v_head_dim}), ctx.o), batch);
+  const Tensor y = o_proj_.forward(out.view({tokens, heads_ * mla_.v_head_dim}), ctx.o);
+  if (recompute_core_) {  // --recompute-modules core_attn: rebuilt in the backward
+    core_attention_drop_output(ctx.core);
+    ctx.o.x = Tensor();
+  }
+  return par_.exit_forward(y, batch);
 }
 
 Tensor MlaAttention::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx) const {
   const Tensor dy = par_.exit_backward(dy_local, batch);
   const int64_t tokens = dy.size(0), seq = tokens / batch, qk = mla_.qk_head_dim, r = mla_.qk_pos_emb_head_dim;
   const int64_t d = qk + r, dv_dim = mla_.v_head_dim, kl = mla_.kv_lora_rank;
-  const Tensor dout = o_proj_.backward(dy, ctx.o).view({batch, seq, heads_, dv_dim});
-  if (recompute_) {
+  if (recompute_) {  // q, k, v first: the core_attn rerun below reads them
     Linear::Ctx q_ctx, kv_ctx;
     up_project(ctx.q_up.x, ctx.kv_up.x, ctx.k_pe, batch, q_ctx, kv_ctx, ctx.core.q, ctx.core.k, ctx.core.v);
     ctx.k_pe = Tensor();
   }
+  if (recompute_core_) {
+    const MemoryCategoryScope module(ActivationModule::kCoreAttn);
+    ctx.o.x = core_attention_rerun(par_.cp, scale(), ctx.core).view({tokens, heads_ * dv_dim});
+  }
+  const Tensor dout = o_proj_.backward(dy, ctx.o).view({batch, seq, heads_, dv_dim});
   Tensor dq, dk, dv;
   core_attention_backward(par_.cp, dout, scale(), ctx.core, dq, dk, dv);
   const Device dev = dy.device();

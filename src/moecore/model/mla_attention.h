@@ -25,6 +25,8 @@
 // broadcast over the heads before it.
 // --recompute-modules mla_up_proj: q, k and v (the up projections' outputs after RoPE, the
 // largest saved tensors) are not kept but rebuilt in the backward from the saved latents.
+// --recompute-modules core_attn: the attention output and logsumexp are rebuilt in the backward
+// (model/core_attention.h; with mla_up_proj after q, k and v).
 // Generation (forward_cached) caches every head's K and V after the up projections (one rank).
 #pragma once
 
@@ -69,7 +71,7 @@ class MlaAttention {
   DenseParallel par_;
   MlaConfig mla_;
   int64_t heads_ = 0;
-  bool latent_norms_ = false, recompute_ = false;
+  bool latent_norms_ = false, recompute_ = false, recompute_core_ = false;
   double rotary_base_ = 10000.0, mscale_ = 1.0;
   ops::RopeScaling rope_scaling_;
 };

@@ -29,7 +29,7 @@ void check_config(const char* op, const AdamWConfig& c) {
 }  // namespace
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWConfig& config,
-                float grad_scale, Tensor* compute_weight) {
+                float grad_scale, Tensor* compute_weight, bool parallel) {
   constexpr const char* op = "adamw_step";
   check_contiguous(op, "param", param);
   check_dtype(op, "param", param, {DType::F32, DType::F64});
@@ -49,7 +49,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   const AdamWCoefficients<float> k32 = adamw_coefficients<float>(config, grad_scale);
   if (param.device().is_cpu()) {
     cpu::adamw_step(param, grad, exp_avg, exp_avg_sq, adamw_coefficients<double>(config, grad_scale), k32,
-                    compute_weight);
+                    compute_weight, parallel);
   } else {
     MC_CUDA_BACKEND(op, cuda::adamw_step(param, grad, exp_avg, exp_avg_sq, k32, compute_weight));
   }

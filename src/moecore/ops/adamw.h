@@ -34,8 +34,9 @@ struct AdamWConfig {
 // compute_weight (optional, f32 param only): a bf16 tensor of param's shape that receives the
 // updated param rounded to bf16 in the same pass (bit-identical to ops::cast afterwards; saves
 // re-reading the fp32 masters to refresh the compute weights).
+// parallel false (CPU tensors): the update runs on the calling thread only (ops/adamw_host.h).
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWConfig& config,
-                float grad_scale = 1.0f, Tensor* compute_weight = nullptr);
+                float grad_scale = 1.0f, Tensor* compute_weight = nullptr, bool parallel = true);
 
 // AdamW on a master kept as a bf16 high half and an int16 remainder (master_split.h): each
 // element is joined into its f32 master, updated as adamw_step updates an f32 param
@@ -64,25 +65,68 @@ AdamWCoefficients<C> adamw_coefficients(const AdamWConfig& c, float grad_scale) 
           static_cast<C>(std::sqrt(bc2)), static_cast<C>(c.eps), static_cast<C>(grad_scale)};
 }
 
-// One element's update, shared by the CPU and CUDA backends.
+// Each product, sum and quotient of the update rounded on its own on both backends: nvcc would
+// otherwise fuse a * b + c into one FMA on the GPU, which the CPU build (no FMA target) never
+// does, so a host AdamW (--optimizer-cpu-offload) gives the device's bits exactly.
+namespace adamw_detail {
+template <typename C>
+MC_HD C mul(C a, C b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<C, float>) return __fmul_rn(a, b); else return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+template <typename C>
+MC_HD C add(C a, C b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<C, float>) return __fadd_rn(a, b); else return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+template <typename C>
+MC_HD C sub(C a, C b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<C, float>) return __fsub_rn(a, b); else return __dsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+template <typename C>
+MC_HD C div(C a, C b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<C, float>) return __fdiv_rn(a, b); else return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+}  // namespace adamw_detail
+
+// One element's update, shared by the CPU and CUDA backends:
+//   g = grad * grad_scale;  p = p * decay;  m = beta1 * m + (1 - beta1) * g;
+//   v = beta2 * v + (1 - beta2) * (g * g);  p = p - step_size * m / (sqrt(v) / bc2_sqrt + eps).
 template <typename C>
 MC_HD void adamw_update(C& p, C grad, C& m, C& v, const AdamWCoefficients<C>& k) {
-  const C g = grad * k.grad_scale;
-  p = p * k.decay;
-  m = k.beta1 * m + k.one_minus_beta1 * g;
-  v = k.beta2 * v + k.one_minus_beta2 * (g * g);
+  using namespace adamw_detail;
+  const C g = mul(grad, k.grad_scale);
+  p = mul(p, k.decay);
+  m = add(mul(k.beta1, m), mul(k.one_minus_beta1, g));
+  v = add(mul(k.beta2, v), mul(k.one_minus_beta2, mul(g, g)));
   C root;  // sqrtf for float: the same correctly rounded square root on the CPU and the GPU
   if constexpr (std::is_same_v<C, float>) {
     root = sqrtf(v);
   } else {
     root = sqrt(v);
   }
-  p = p - k.step_size * m / (root / k.bc2_sqrt + k.eps);
+  p = sub(p, div(mul(k.step_size, m), add(div(root, k.bc2_sqrt), k.eps)));
 }
 
 namespace cpu {
+// parallel false: on the calling thread only (the host optimizer's threads each run a chunk).
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
-                const AdamWCoefficients<double>& k64, const AdamWCoefficients<float>& k32, Tensor* compute_weight);
+                const AdamWCoefficients<double>& k64, const AdamWCoefficients<float>& k32, Tensor* compute_weight,
+                bool parallel = true);
 void adamw_step_split(Tensor& high, Tensor& remainder, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                       const AdamWCoefficients<float>& k);
 }  // namespace cpu

@@ -91,6 +91,9 @@ struct TrainArgs {
   std::vector<std::string> cuda_graph_scope, offload_modules;
   bool external_cuda_graph = false, te_rng_track = false, overlap_p2p_comm = false,
        fine_grained_activation_offloading = false, optimizer_cpu_offload = false, fake_init_process_group = false;
+  // --optimizer-offload-fraction (with --optimizer-cpu-offload): the share of the optimizer state
+  // on the host; negative: not given (1.0).
+  double optimizer_offload_fraction = -1.0;
   int64_t distributed_optimizer_instances = 1, manual_gc_interval = 0;
   std::string recompute_granularity;
   std::vector<std::string> recompute_modules;

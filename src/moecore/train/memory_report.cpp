@@ -11,8 +11,9 @@ namespace {
 constexpr double kGB = 1e9;
 // The gathered layout of one rank: rank, each tag's bytes, rounding, allocated, reserved, the
 // allocator's peak reserved and peak allocated, the offloaded activations' host peak and its
-// modules.
-constexpr size_t kFields = 1 + kNumMemoryTags + 5 + 1 + kNumOffloadModules;
+// modules, then the optimizer offload's three host parts (from kHostParts).
+constexpr size_t kFields = 1 + kNumMemoryTags + 5 + 1 + kNumOffloadModules + 3;
+constexpr size_t kHostParts = 6 + kNumOffloadModules;
 
 // The report's rows in order: the categories, activations followed by their modules.
 const MemoryCategory kCategoryOrder[] = {MemoryCategory::kWeights,       MemoryCategory::kGradients,
@@ -50,6 +51,11 @@ RankMemoryReport local_memory_report(const CachingAllocator& allocator, int64_t 
   r.peak_reserved = s.peak_reserved_bytes;
   r.peak_allocated = s.peak_allocated_bytes;
   r.host_offloaded = offload_host_usage();
+  const MemoryBreakdown host = pinned_allocator().breakdown_now();
+  auto host_bytes = [&](MemoryCategory c) { return host.by_tag[memory_tag(c)]; };
+  r.host_weights = host_bytes(MemoryCategory::kWeights);
+  r.host_gradients = host_bytes(MemoryCategory::kGradients);
+  r.host_optimizer_state = host_bytes(MemoryCategory::kOptimizerState);
   return r;
 }
 
@@ -68,6 +74,9 @@ std::vector<RankMemoryReport> gather_memory_reports(comm::Communicator* world, c
   tail[4] = static_cast<double>(mine.peak_allocated);
   tail[5] = static_cast<double>(mine.host_offloaded.peak);
   for (int m = 0; m < kNumOffloadModules; ++m) tail[6 + m] = static_cast<double>(mine.host_offloaded.at_peak[static_cast<size_t>(m)]);
+  tail[kHostParts] = static_cast<double>(mine.host_weights);
+  tail[kHostParts + 1] = static_cast<double>(mine.host_gradients);
+  tail[kHostParts + 2] = static_cast<double>(mine.host_optimizer_state);
   comm::all_reduce_host(*world, all);
   std::vector<RankMemoryReport> out(static_cast<size_t>(world_size));
   for (size_t r = 0; r < out.size(); ++r) {
@@ -84,6 +93,9 @@ std::vector<RankMemoryReport> gather_memory_reports(comm::Communicator* world, c
     o.peak_allocated = i64(gt[4]);
     o.host_offloaded.peak = i64(gt[5]);
     for (int m = 0; m < kNumOffloadModules; ++m) o.host_offloaded.at_peak[static_cast<size_t>(m)] = i64(gt[6 + m]);
+    o.host_weights = i64(gt[kHostParts]);
+    o.host_gradients = i64(gt[kHostParts + 1]);
+    o.host_optimizer_state = i64(gt[kHostParts + 2]);
   }
   return out;
 }
@@ -135,6 +147,13 @@ std::string format_memory_report(const std::vector<RankMemoryReport>& ranks, int
                     static_cast<double>(r.host_offloaded.peak) / unit, unit_name, modules.c_str());
       s += line;
     }
+    if (r.host_weights + r.host_gradients + r.host_optimizer_state > 0) {
+      std::snprintf(line, sizeof line, "     host memory (not in the peak): weights %.4f %s, gradients %.4f %s, "
+                    "optimizer_state %.4f %s\n", static_cast<double>(r.host_weights) / unit, unit_name,
+                    static_cast<double>(r.host_gradients) / unit, unit_name,
+                    static_cast<double>(r.host_optimizer_state) / unit, unit_name);
+      s += line;
+    }
   }
   return s;
 }
@@ -159,6 +178,9 @@ nlohmann::json memory_report_json(const std::vector<RankMemoryReport>& ranks, in
       j["host_offloaded_bytes"] = r.host_offloaded.peak;
       j["host_offloaded_modules"] = offloaded;
     }
+    if (r.host_weights + r.host_gradients + r.host_optimizer_state > 0)
+      j["host"] = {{"weights", r.host_weights}, {"gradients", r.host_gradients},
+                   {"optimizer_state", r.host_optimizer_state}};
     per_rank.push_back(j);
   }
   return {{"iteration", iteration}, {"memory_report", per_rank}};

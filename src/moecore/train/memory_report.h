@@ -31,6 +31,10 @@ struct RankMemoryReport {
   // --offload-modules: the most host memory the offloaded activations held (not in the device
   // peak) and each offload module's share then.
   OffloadHostUsage host_offloaded;
+  // Host memory outside the device's peak (the pinned allocator's live bytes now: the optimizer
+  // state --optimizer-cpu-offload keeps there): weights (fp32 masters), gradients (their copies),
+  // optimizer_state (moments). Printed and recorded ("host") when not all zero.
+  int64_t host_weights = 0, host_gradients = 0, host_optimizer_state = 0;
   int64_t overhead() const { return at_peak.rounding + (at_peak.reserved - at_peak.allocated); }
   int64_t parts_sum() const { return at_peak.tagged_sum() + overhead(); }
   int64_t category_bytes(MemoryCategory c) const;  // activations: every module summed

@@ -1,6 +1,8 @@
 #include "moecore/train/optimizer.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <optional>
 
 #include "moecore/core/memory_categories.h"
@@ -47,8 +49,16 @@ std::pair<int64_t, int64_t> Optimizer::shard_multiples(const OptimizerGroups& g,
   return {g.dp ? g.dp->size() : 1, g.edp ? g.edp->size() : 1};
 }
 
-Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed, bool overlap)
+Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed, bool overlap,
+                     double offload_fraction)
     : store_(store), groups_(groups), distributed_(distributed), overlap_(overlap) {
+  MC_CHECK(offload_fraction >= 0 && offload_fraction <= 1, "optimizer offload fraction ", offload_fraction,
+           "; expected 0 (none) or 0 < F <= 1");
+  offload_fraction_ = offload_fraction;
+  MC_CHECK(!offloaded() || !store_.param_remainders(), "--optimizer-cpu-offload with split masters (bf16 "
+           "compute keeps each fp32 master as its bf16 weight and a 16-bit remainder) is not available: "
+           "the host keeps whole fp32 masters; add --no-store-param-remainders");
+  sharded_ = distributed_ || offloaded();
   if (groups_.embedding) {
     const std::string name = "embedding.word_embeddings.weight";
     const Param* tied = nullptr;
@@ -65,10 +75,10 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
       has_comm_stream_ = true;
     }
   }
-  if (!distributed_) return;
+  if (!sharded_) return;
   for (bool expert : {false, true}) {
     Shard& s = expert ? expert_ : dense_;
-    s.group = expert ? groups_.edp : groups_.dp;
+    s.group = !distributed_ ? nullptr : expert ? groups_.edp : groups_.dp;
     const Tensor& buffer = expert ? store_.expert_grad_buffer() : store_.grad_buffer();
     const int64_t n = s.group ? s.group->size() : 1, r = s.group ? s.group->rank() : 0;
     MC_CHECK(buffer.numel() % n == 0, "distributed optimizer: a gradient buffer of ", buffer.numel(),
@@ -79,14 +89,128 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerGroups& groups, bool dist
     // The shard's gradients are this rank's slice of the gradient buffer: the reduce-scatter runs
     // in place (no second copy of the shard; a group of one needs no communication at all).
     s.grad = buffer.slice(0, s.begin, s.end);
+    s.split = offloaded() ? offload_split(s, expert) : s.begin;
+    setup_offload(s, expert);
     const MemoryCategoryScope scope(MemoryCategory::kOptimizerState);
-    s.exp_avg = Tensor::zeros({size}, store_.exp_avg_dtype(), store_.device());
-    s.exp_avg_sq = Tensor::zeros({size}, store_.exp_avg_sq_dtype(), store_.device());
+    s.exp_avg = Tensor::zeros({s.end - s.split}, store_.exp_avg_dtype(), store_.device());
+    s.exp_avg_sq = Tensor::zeros({s.end - s.split}, store_.exp_avg_sq_dtype(), store_.device());
   }
+  if (offloaded() && store_.device().is_cuda()) {
+    offload_stream_ = Stream::create(store_.device());
+    has_offload_stream_ = true;
+  }
+  if (offloaded()) downloaded_ = std::make_unique<Event>(store_.device());
   // The shards replace the per-parameter Adam state.
   for (const auto& p : store_.all())
     if (p->trainable) p->exp_avg = p->exp_avg_sq = Tensor();
   if (store_.compute_dtype() != store_.master_dtype()) shard_masters();
+}
+
+Tensor Optimizer::Shard::state(const Tensor& device_part, const Tensor& host_part, int64_t lo, int64_t hi) const {
+  if (hi <= split) return host_part.slice(0, lo - begin, hi - begin);
+  MC_CHECK(lo >= split, "optimizer offload: elements [", lo, ", ", hi, ") straddle the host part's end ", split);
+  return device_part.slice(0, lo - split, hi - split);
+}
+
+int64_t Optimizer::offload_split(const Shard& s, bool expert) const {
+  if (offload_fraction_ >= 1.0) return s.end;
+  // The piece boundary (a parameter's end within the shard, or its start) nearest to the fraction.
+  const double target = static_cast<double>(s.begin) + offload_fraction_ * static_cast<double>(s.end - s.begin);
+  int64_t best = s.begin;
+  auto consider = [&](int64_t b) {
+    const double d = std::abs(static_cast<double>(b) - target), db = std::abs(static_cast<double>(best) - target);
+    if (d < db || (d == db && b > best)) best = b;
+  };
+  for (const auto& p : store_.all()) {
+    if (!p->trainable || p->expert != expert) continue;
+    const Overlap o = overlap(store_.grad_offset(*p), numel(*p), s.begin, s.end);
+    if (!o.empty()) consider(o.hi);
+  }
+  return best;
+}
+
+namespace {
+Tensor host_zeros(int64_t n, DType dtype) {  // pinned with CUDA (core/allocator.h)
+  Tensor t = Tensor::empty_pinned({n}, dtype);
+  if (n > 0) std::memset(t.data_ptr(), 0, t.nbytes());
+  return t;
+}
+
+// assign_cast between a host and a device tensor (or within one device).
+void assign_cast_across(const Tensor& src, Tensor& dst) {
+  if (src.device() == dst.device()) {
+    ops::assign_cast(src, dst);
+    return;
+  }
+  Tensor tmp = Tensor::empty(dst.shape(), dst.dtype(), src.device());
+  ops::assign_cast(src, tmp);
+  dst.copy_from(tmp);
+}
+}  // namespace
+
+void Optimizer::setup_offload(Shard& s, bool expert) {
+  const int64_t n = s.split - s.begin;
+  if (n == 0) return;
+  {
+    const MemoryCategoryScope scope(MemoryCategory::kOptimizerState);
+    s.host_exp_avg = host_zeros(n, store_.exp_avg_dtype());
+    s.host_exp_avg_sq = host_zeros(n, store_.exp_avg_sq_dtype());
+  }
+  {
+    const MemoryCategoryScope scope(MemoryCategory::kGradients);
+    s.host_grad = host_zeros(n, store_.master_dtype());
+  }
+  const MemoryCategoryScope scope(MemoryCategory::kWeights);
+  s.host_master = host_zeros(n, store_.master_dtype());
+  s.host_master.copy_from(master_buffer_of_kind(expert).slice(0, s.begin, s.split));
+  if (store_.compute_dtype() != store_.master_dtype()) s.host_weights = host_zeros(n, store_.compute_dtype());
+  synchronize(store_.device());  // the pinned copy has landed before the host reads it
+}
+
+void Optimizer::start_grad_download() {
+  const Device dev = store_.device();
+  std::optional<StreamGuard> on_side;
+  if (has_offload_stream_) {  // after the reduction on the compute stream
+    Event reduced(dev);
+    reduced.record(current_stream(dev));
+    reduced.wait(offload_stream_);
+    on_side.emplace(offload_stream_);
+  }
+  for (Shard* s : {&dense_, &expert_})
+    if (s->split > s->begin) s->host_grad.copy_from(s->grad.slice(0, 0, s->split - s->begin));
+  downloaded_->record(current_stream(dev));
+}
+
+void Optimizer::step_host(std::vector<ops::HostAdamWPiece>& pieces, float clip_scale) {
+  downloaded_->synchronize();
+  ops::adamw_step_host(pieces, clip_scale);
+  if (sharded_masters_) return;  // the bf16 weights go up with the shard's (shard_weights)
+  for (bool expert : {false, true}) {  // fp32 compute: the masters are the weights
+    Shard& s = expert ? expert_ : dense_;
+    if (s.split == s.begin) continue;
+    Tensor dst = master_buffer_of_kind(expert).slice(0, s.begin, s.split);
+    dst.copy_from(s.host_master);
+  }
+}
+
+void Optimizer::shard_weights(Shard& s, Tensor& dst) {
+  const int64_t host = s.split - s.begin, n = s.end - s.begin;
+  if (host < n) {
+    Tensor device_part = dst.slice(0, host, n);
+    ops::cast(s.master, device_part);
+  }
+  if (host > 0) {
+    Tensor host_part = dst.slice(0, 0, host);
+    if (host_part.data_ptr() != s.host_weights.data_ptr()) host_part.copy_from(s.host_weights);
+  }
+}
+
+Tensor Optimizer::shard_master_values(Shard& s) {
+  if (s.split == s.begin) return s.master;
+  Tensor all = Tensor::empty({s.end - s.begin}, store_.master_dtype(), store_.device());
+  all.slice(0, 0, s.split - s.begin).copy_from(s.host_master);
+  if (s.split < s.end) all.slice(0, s.split - s.begin, s.end - s.begin).copy_from(s.master);
+  return all;
 }
 
 void Optimizer::compute_layer_ranges() {
@@ -219,7 +343,7 @@ void Optimizer::shard_masters() {
   for (bool expert : {false, true}) {
     Shard& s = expert ? expert_ : dense_;
     const Tensor& masters = expert ? store_.expert_master_buffer() : store_.master_buffer();
-    s.master = masters.slice(0, s.begin, s.end).clone();
+    s.master = masters.slice(0, s.split, s.end).clone();  // [begin, split): host_master (CPU offload)
     s.weights = Tensor::zeros({masters.numel()}, store_.compute_dtype(), store_.device());
   }
   for (const auto& p : store_.all()) {
@@ -245,6 +369,10 @@ void Optimizer::shard_masters() {
 Optimizer::~Optimizer() {
   if (gathers_pending_) comm_stream_.synchronize();  // no communicator goes away under a running gather
   if (has_comm_stream_) comm_stream_.destroy();
+  if (has_offload_stream_) {
+    offload_stream_.synchronize();
+    offload_stream_.destroy();
+  }
 }
 
 void Optimizer::reduce_range(bool expert, Range r) {
@@ -485,9 +613,10 @@ double Optimizer::params_norm_sq() {
     return sum_over(groups_.pp, dense + expert);
   }
   if (sharded_masters_) {
-    const double dense = sum_over(groups_.tp, sum_over(dense_.group, dense_squares(dense_.master, dense_.begin)));
-    return sum_over(groups_.pp,
-                    dense + sum_over(groups_.ep, sum_over(groups_.etp, sum_over(expert_.group, squares(expert_.master)))));
+    const double dense =
+        sum_over(groups_.tp, sum_over(dense_.group, dense_squares(shard_master_values(dense_), dense_.begin)));
+    return sum_over(groups_.pp, dense + sum_over(groups_.ep, sum_over(groups_.etp, sum_over(expert_.group,
+                                                                       squares(shard_master_values(expert_))))));
   }
   return sum_over(groups_.pp, sum_over(groups_.tp, dense_squares(store_.master_buffer(), 0)) +
                                   sum_over(groups_.ep, sum_over(groups_.etp, squares(store_.expert_master_buffer()))));
@@ -497,15 +626,17 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
   // Replicated state: the AdamW kernel also writes the bf16 compute weight of an f32 master in
   // the same pass (no second read of the masters to refresh them).
   auto writes_weight = [&](const Param& p) {
-    return !distributed_ && p.trainable && p.master.defined() && p.master.dtype() == DType::F32 &&
+    return !sharded_ && p.trainable && p.master.defined() && p.master.dtype() == DType::F32 &&
            p.weight.dtype() == DType::BF16 && p.weight.data_ptr() != p.master.data_ptr();
   };
   const bool split = store_.param_remainders();
   wait_all_params();  // the last step's gathers read the shards this step writes
+  std::vector<ops::HostAdamWPiece> host_pieces;  // CPU offload: updated on the host after the device's
+  if (offloaded()) start_grad_download();
   for (const auto& p : store_.all()) {
     if (!p->trainable) continue;
     const ops::AdamWConfig c{lr, h.beta1, h.beta2, h.eps, p->weight_decay ? h.weight_decay : 0.0, step};
-    if (!distributed_) {
+    if (!sharded_) {
       if (split) {  // the halves in place: the high half is the fresh bf16 weight
         ops::adamw_step_split(p->high, p->remainder, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale);
       } else {
@@ -518,25 +649,32 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
     const int64_t offset = store_.grad_offset(*p);
     const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
     if (o.empty()) continue;
-    Tensor m = s.exp_avg.slice(0, o.lo - s.begin, o.hi - s.begin);
-    Tensor v = s.exp_avg_sq.slice(0, o.lo - s.begin, o.hi - s.begin);
+    if (o.hi <= s.split) {  // offloaded
+      auto part = [&](const Tensor& t) { return t.slice(0, o.lo - s.begin, o.hi - s.begin); };
+      host_pieces.push_back({part(s.host_master), part(s.host_grad), part(s.host_exp_avg), part(s.host_exp_avg_sq),
+                             s.host_weights.defined() ? part(s.host_weights) : Tensor(), c});
+      continue;
+    }
+    Tensor m = s.state(s.exp_avg, s.host_exp_avg, o.lo, o.hi);
+    Tensor v = s.state(s.exp_avg_sq, s.host_exp_avg_sq, o.lo, o.hi);
     const Tensor grad = s.grad.slice(0, o.lo - s.begin, o.hi - s.begin);
     if (split) {
       Tensor high = s.weights.slice(0, o.lo, o.hi), remainder = s.remainder.slice(0, o.lo - s.begin, o.hi - s.begin);
       ops::adamw_step_split(high, remainder, grad, m, v, c, clip_scale);
       continue;
     }
-    Tensor master = sharded_masters_ ? s.master.slice(0, o.lo - s.begin, o.hi - s.begin)
+    Tensor master = sharded_masters_ ? s.state(s.master, s.host_master, o.lo, o.hi)
                                      : master_buffer_of(*p).slice(0, o.lo, o.hi);
     ops::adamw_step(master, grad, m, v, c, clip_scale);
   }
+  if (offloaded()) step_host(host_pieces, clip_scale);
   if (overlap_param_gather_) {
     if (sharded_masters_ && !split)  // this shard's bf16 weights in place, where its owner broadcasts them
       for (bool expert : {false, true}) {
         Shard& s = expert ? expert_ : dense_;
         if (s.weights.numel() == 0) continue;
         Tensor mine = s.weights.slice(0, s.begin, s.end);
-        ops::cast(s.master, mine);
+        shard_weights(s, mine);
       }
     start_param_gather();
   } else if (sharded_masters_) {
@@ -546,7 +684,7 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
       if (!s.group) {  // one rank, one shard: the weights in place (split: the high halves already are)
         if (!split) {
           Tensor own = s.weights.slice(0, s.begin, s.end);
-          ops::cast(s.master, own);
+          shard_weights(s, own);
         }
         continue;
       }
@@ -555,7 +693,7 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
       if (split) {  // the updated high halves (a copy: MPI forbids overlapping buffers)
         mine.copy_from(s.weights.slice(0, s.begin, s.end));
       } else {
-        ops::cast(s.master, mine);
+        shard_weights(s, mine);
       }
       s.group->all_gather(mine, s.weights);
     }
@@ -612,16 +750,14 @@ Tensor Optimizer::assemble(const Param& p, Shard& s, const std::function<void(Ra
   return t;
 }
 
-Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& shard_state) {
+Tensor Optimizer::param_state(const Param& p, Shard& s, const Tensor& device_part, const Tensor& host_part) {
   // In the master dtype (bf16 moments are widened exactly: checkpoints hold f32 moments).
-  return assemble(p, s, [&](Range r, Tensor& dst) {
-    ops::assign_cast(shard_state.slice(0, r.begin - s.begin, r.end - s.begin), dst);
-  });
+  return assemble(p, s, [&](Range r, Tensor& dst) { assign_cast_across(s.state(device_part, host_part, r.begin, r.end), dst); });
 }
 
 Tensor Optimizer::shard_master(const Param& p) {
   Shard& s = shard_of(p);
-  if (!store_.param_remainders()) return param_state(p, s, s.master);
+  if (!store_.param_remainders()) return param_state(p, s, s.master, s.host_master);
   return assemble(p, s, [&](Range r, Tensor& dst) {  // the joined halves
     ops::join_master(s.weights.slice(0, r.begin, r.end), s.remainder.slice(0, r.begin - s.begin, r.end - s.begin), dst);
   });
@@ -634,9 +770,10 @@ void Optimizer::full_state(const std::function<void(const std::string& name, con
     sink(p->name, full_rows(*p, from_shards ? shard_master(*p) : store_.master_value(*p)));
     if (!p->trainable) continue;
     Tensor m = p->exp_avg, v = p->exp_avg_sq;
-    if (distributed_) {
-      m = param_state(*p, shard_of(*p), shard_of(*p).exp_avg);
-      v = param_state(*p, shard_of(*p), shard_of(*p).exp_avg_sq);
+    if (sharded_) {
+      Shard& s = shard_of(*p);
+      m = param_state(*p, s, s.exp_avg, s.host_exp_avg);
+      v = param_state(*p, s, s.exp_avg_sq, s.host_exp_avg_sq);
     }
     m = ops::cast_to(m, store_.master_dtype());  // bf16 moments are saved widened (exactly) to f32
     v = ops::cast_to(v, store_.master_dtype());
@@ -696,14 +833,20 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
       const int64_t offset = store_.grad_offset(*p);
       const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
       if (!o.empty())
-        s.master.slice(0, o.lo - s.begin, o.hi - s.begin).copy_from(master.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
+        s.state(s.master, s.host_master, o.lo, o.hi).copy_from(master.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
       if (!p->master.defined()) ops::cast(master, p->weight);
+    } else if (offloaded() && p->trainable) {  // fp32 compute: the host copy of the offloaded masters
+      Shard& s = shard_of(*p);
+      const int64_t offset = store_.grad_offset(*p);
+      const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
+      if (!o.empty() && o.hi <= s.split)
+        s.state(Tensor(), s.host_master, o.lo, o.hi).copy_from(master.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset));
     }
     if (!p->trainable) continue;
     for (int which = 0; which < 2; ++which) {
       const std::string name = p->name + (which == 0 ? ".exp_avg" : ".exp_avg_sq");
       Tensor state = model_only ? Tensor::zeros(p->shape, dt, store_.device()) : local_rows(*p, fetch(name, p->full_shape(), dt));
-      if (!distributed_) {  // (rounded to bf16 here with the precision-aware optimizer)
+      if (!sharded_) {  // (rounded to bf16 here with the precision-aware optimizer)
         ops::assign_cast(state, which == 0 ? p->exp_avg : p->exp_avg_sq);
         continue;
       }
@@ -711,12 +854,13 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
       const int64_t offset = store_.grad_offset(*p);
       const Overlap o = overlap(offset, numel(*p), s.begin, s.end);
       if (o.empty()) continue;
-      Tensor dst = (which == 0 ? s.exp_avg : s.exp_avg_sq).slice(0, o.lo - s.begin, o.hi - s.begin);
-      ops::assign_cast(state.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset), dst);
+      Tensor dst = which == 0 ? s.state(s.exp_avg, s.host_exp_avg, o.lo, o.hi) : s.state(s.exp_avg_sq, s.host_exp_avg_sq, o.lo, o.hi);
+      assign_cast_across(state.view({numel(*p)}).slice(0, o.lo - offset, o.hi - offset), dst);
     }
   }
   store_.refresh_compute_weights();
   store_.zero_grad();
+  if (offloaded()) synchronize(store_.device());  // the host parts' copies have landed
 }
 
 }  // namespace moecore

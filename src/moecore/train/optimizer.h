@@ -46,6 +46,17 @@
 // the norms count the first stage's copy only.
 // full_state() and load() speak the single-rank checkpoint names and full shapes, so a
 // checkpoint written by any layout loads into any other.
+//
+// CPU offload (--optimizer-cpu-offload, offload_fraction F > 0): the optimizer keeps its state in
+// shards as the distributed optimizer does (without it: one shard per buffer, the whole buffer,
+// no communication; the reductions stay all-reduces). The first F of each shard's elements, cut at
+// the boundary of a parameter piece nearest to F (as Megatron's hybrid optimizer assigns whole
+// parameters), are updated on the host: their fp32 masters and moments live in host memory (pinned
+// with CUDA), their gradients are copied there on a side stream while the device updates the rest,
+// a multi-threaded host AdamW (ops/adamw_host.h: the same element function) updates them, and the
+// fresh bf16 weights (fp32 compute: the masters) are copied back. The checkpoints read and write
+// the host part in place: a run with offload resumes from any checkpoint and the reverse. Split
+// masters (ParamStore::param_remainders) are refused with it.
 #pragma once
 
 #include <cstdint>
@@ -56,6 +67,7 @@
 #include "moecore/comm/communicator.h"
 #include "moecore/model/params.h"
 #include "moecore/ops/adamw.h"
+#include "moecore/ops/adamw_host.h"
 #include "moecore/train/checkpoint.h"
 
 namespace moecore {
@@ -85,7 +97,10 @@ struct AdamHyper {
 class Optimizer {
  public:
   // Call after store.initialize(dp shards, edp shards) when distributed (see shard_multiples).
-  Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed, bool overlap = false);
+  // offload_fraction: 0 (no offload) or in (0, 1]: the share of this rank's optimizer state kept
+  // and updated on the host (CPU offload above).
+  Optimizer(ParamStore& store, const OptimizerGroups& groups, bool distributed, bool overlap = false,
+            double offload_fraction = 0.0);
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
@@ -93,6 +108,11 @@ class Optimizer {
   static std::pair<int64_t, int64_t> shard_multiples(const OptimizerGroups& groups, bool distributed);
 
   bool overlapping() const { return overlap_; }
+  // CPU offload: {elements updated on the host, elements this rank updates} over both buffers.
+  std::pair<int64_t, int64_t> offloaded_elements() const {
+    return {dense_.split - dense_.begin + expert_.split - expert_.begin,
+            dense_.end - dense_.begin + expert_.end - expert_.begin};
+  }
   void layer_ready(int64_t layer);  // overlap: layer's gradients are final
   // --overlap-param-gather (distributed only; call before the first step): step() all-gathers the
   // updated parameters in units, each owner broadcasting its piece of a unit: everything before
@@ -134,14 +154,24 @@ class Optimizer {
     // Sharded split masters (ParamStore::param_remainders): the int16 remainders of [begin, end);
     // `weights` is the store's high-half buffer, `master` undefined.
     Tensor remainder;
+    // CPU offload: [begin, split) lives on the host and exp_avg, exp_avg_sq, master hold
+    // [split, end) only (split == begin: nothing offloaded). The host tensors hold [begin, split):
+    // master (fp32 compute: a copy of the device masters), moments, a copy of the gradients, and
+    // with sharded masters the updated bf16 weights on their way to the device.
+    int64_t split = 0;
+    Tensor host_master, host_grad, host_exp_avg, host_exp_avg_sq, host_weights;
+    // The elements [lo, hi) of a state kept as a device part and a host part (within one part).
+    Tensor state(const Tensor& device_part, const Tensor& host_part, int64_t lo, int64_t hi) const;
   };
   void shard_masters();  // sets up the sharded-masters mode (constructor)
   int64_t numel(const Param& p) const { return p.grad.numel(); }
   bool is_expert_group_split(const Param& p) const { return p.expert && groups_.ep != nullptr; }
   Shard& shard_of(const Param& p) { return p.expert ? expert_ : dense_; }
-  Tensor& master_buffer_of(const Param& p) { return p.expert ? store_.expert_master_buffer() : store_.master_buffer(); }
+  Tensor& master_buffer_of(const Param& p) { return master_buffer_of_kind(p.expert); }
+  Tensor& master_buffer_of_kind(bool expert) { return expert ? store_.expert_master_buffer() : store_.master_buffer(); }
   Tensor full_rows(const Param& p, const Tensor& local);  // gathers an expert tensor over ETP, then EP
-  Tensor param_state(const Param& p, Shard& s, const Tensor& shard_state);  // one parameter's whole Adam state
+  // One parameter's whole state from a shard state kept as a device and a host part.
+  Tensor param_state(const Param& p, Shard& s, const Tensor& device_part, const Tensor& host_part);
   Tensor shard_master(const Param& p);  // sharded masters: one parameter's whole fp32 master
   // Squares of the fp32 masters joined from flat halves starting at element `begin` of a buffer.
   double joined_squares(bool expert, const Tensor& high, const Tensor& remainder, int64_t begin);
@@ -166,9 +196,26 @@ class Optimizer {
   // Reduces [begin, end) of the dense (expert = false) or expert buffer; records it as done.
   void reduce_range(bool expert, Range r);
 
+  // CPU offload (see above).
+  int64_t offload_split(const Shard& s, bool expert) const;  // where the host part ends
+  void setup_offload(Shard& s, bool expert);                  // the host tensors (constructor)
+  void start_grad_download();                                 // device gradients -> host_grad
+  // The host AdamW of every offloaded piece, then the fp32-compute masters back to the device.
+  void step_host(std::vector<ops::HostAdamWPiece>& pieces, float clip_scale);
+  // Sharded masters: the shard's bf16 weights [begin, end) into dst (the device part cast, the
+  // host part copied from host_weights).
+  void shard_weights(Shard& s, Tensor& dst);
+  Tensor shard_master_values(Shard& s);  // sharded masters: the shard's fp32 masters, whole
+  bool offloaded() const { return offload_fraction_ > 0; }
+  double offload_fraction_ = 0;
+  Stream offload_stream_;  // CUDA: the gradients' copies to the host
+  bool has_offload_stream_ = false;
+  std::unique_ptr<Event> downloaded_;
+
   ParamStore& store_;
   OptimizerGroups groups_;
   bool distributed_ = false;
+  bool sharded_ = false;  // state in Shards: distributed, or offloaded
   bool sharded_masters_ = false;  // distributed with bf16 compute
   Shard dense_, expert_;
   bool overlap_ = false;

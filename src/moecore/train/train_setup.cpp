@@ -136,7 +136,8 @@ void TrainingRun::build_model() {
   store->initialize(dense_multiple, expert_multiple);
   // Overlap needs a data-parallel reduction to overlap (over DP x CP, or experts over EDP).
   optimizer = std::make_unique<Optimizer>(*store, opt_groups, args.use_distributed_optimizer,
-                                          args.overlap_grad_reduce && (opt_groups.dp != nullptr || opt_groups.edp != nullptr));
+                                          args.overlap_grad_reduce && (opt_groups.dp != nullptr || opt_groups.edp != nullptr),
+                                          args.optimizer_cpu_offload ? args.optimizer_offload_fraction : 0.0);
   if (args.overlap_param_gather) {
     optimizer->set_overlap_param_gather(true);
     Optimizer* opt = optimizer.get();
@@ -229,6 +230,12 @@ void print_run_summary(const TrainingRun& run) {
   if (logger && args.precision_aware_optimizer)
     std::printf("moecore train: precision-aware optimizer: AdamW exp_avg in %s, exp_avg_sq in %s (checkpoints: f32)\n",
                 dtype_name(run.store->exp_avg_dtype()), dtype_name(run.store->exp_avg_sq_dtype()));
+  if (logger && args.optimizer_cpu_offload) {
+    const auto [host, all] = run.optimizer->offloaded_elements();
+    std::printf("moecore train: optimizer CPU offload: %lld of this rank's %lld optimizer-state elements on the host "
+                "(fraction %g asked)\n", static_cast<long long>(host), static_cast<long long>(all),
+                args.optimizer_offload_fraction);
+  }
 }
 
 }  // namespace moecore
