@@ -67,7 +67,7 @@ Step gpu_step(const std::vector<std::string>& offload, bool recompute, int micro
   s.host_waits = host_synchronizations() - waits;
   synchronize(Device::cuda(0));
   s.peak = cuda_allocator(0).stats().peak_allocated_bytes;
-  for (const Tensor& t : sums) s.losses.push_back(ops::cast_to(t, DType::F64).to(Device::cpu()).to_vector<double>()[0]);
+  for (const Tensor& t : sums) s.losses.push_back(ops::cast_to(t.to(Device::cpu()), DType::F64).to_vector<double>()[0]);  // f64 is CPU-only
   for (const auto& p : store.all())
     if (p->trainable) s.grads.push_back(ops::cast_to(p->grad, DType::F32).to(Device::cpu()).to_vector<float>());
   return s;

@@ -98,7 +98,11 @@ TEST_P(GpuFp8Gemm, MatchesTheCpuEmulation) {
       double abs_sum = 0;
       for (int64_t q = 0; q < k; ++q) abs_sum += std::fabs(ad[i * k + q] * bd[j * k + q]);
       const double w = want[i * n + j];
-      ASSERT_LE(std::fabs(got[i * n + j] - w), 1e-5 * abs_sum + rounding * std::fabs(w)) << p.name << " " << i << "," << j;
+      // Hopper's FP8 tensor cores add the products with fewer mantissa bits than fp32 before the
+      // partial sums reach fp32 (about 14 bits are kept), so cuBLASLt differs from the emulation's
+      // fp32 sums by up to ~2^-14 of the sum of |products| (measured: 1.4e-5); a wrong scale or
+      // tile is off by O(1).
+      ASSERT_LE(std::fabs(got[i * n + j] - w), 1e-4 * abs_sum + rounding * std::fabs(w)) << p.name << " " << i << "," << j;
     }
 }
 
