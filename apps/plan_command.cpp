@@ -55,14 +55,24 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
     if (pf.gpus <= 0)
       throw cli::UsageError("moecore plan needs --gpus N (the GPUs of the layout), or --nodes and --gpus-per-node",
                             __FILE__, __LINE__);
-    // FP8: a prediction only (training refuses it); blockwise is the recipe modelled.
-    if (!a.fp8_recipe.empty() || !a.fp8_format.empty()) {
-      MC_CHECK(a.fp8_recipe == "blockwise", "--fp8-recipe '", a.fp8_recipe,
-               "': the planner models FP8 as --fp8-recipe blockwise only (a prediction; training has no FP8 yet)");
+    // FP8: a prediction of the blockwise recipe (training runs FP8 on the CPU backend only).
+    if (!a.fp8_recipe.empty() || !a.fp8_format.empty() || a.fp8) {
+      MC_CHECK(a.fp8_recipe == "blockwise", a.fp8_recipe.empty() ? std::string("--fp8 / --fp8-format without --fp8-recipe (training's default: delayed)")
+                                                                  : "--fp8-recipe '" + a.fp8_recipe + "'",
+               ": the planner models FP8 as --fp8-recipe blockwise only (a prediction)");
       o->fp8 = true;
       a.fp8_recipe.clear();
       a.fp8_format.clear();
+      a.fp8 = false;
     }
+    MC_CHECK(!a.fine_grained_activation_offloading && a.offload_modules.empty(),
+             "moecore plan: activation offloading (--fine-grained-activation-offloading, --offload-modules) is not in "
+             "the planner's memory model; plan without it and measure the run with --memory-report");
+    MC_CHECK(!a.optimizer_cpu_offload, "moecore plan: --optimizer-cpu-offload is not in the planner's memory model; "
+             "plan without it and measure the run with --memory-report");
+    MC_CHECK(a.emulate_world_size == 0 && a.emulate_rank == -1,
+             "moecore plan: --emulate-world-size / --emulate-rank belong to `moecore train` (they run one rank of a "
+             "job); the planner takes the job's size as --gpus");
     // The dispatch / combine overlapped with another micro-batch's computation (Megatron's
     // --overlap-moe-expert-parallel-comm, with or without --delay-wgrad-compute): a prediction.
     if (a.overlap_moe_ep_comm) {

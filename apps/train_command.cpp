@@ -337,10 +337,11 @@ void check_fp8_flags(TrainArgs& a) {
   MC_CHECK(a.fp8_amax_compute_algo.empty() || a.fp8_amax_compute_algo == "max" ||
                a.fp8_amax_compute_algo == "most_recent",
            "--fp8-amax-compute-algo '", a.fp8_amax_compute_algo, "': expected max or most_recent");
-  MC_CHECK(a.fp8_amax_history_len >= 0, "--fp8-amax-history-len ", a.fp8_amax_history_len, ": expected at least 1");
+  MC_CHECK(a.fp8_amax_history_len == TrainArgs::kFp8HistoryNotGiven || a.fp8_amax_history_len >= 1, "--fp8-amax-history-len ", a.fp8_amax_history_len,
+           ": expected at least 1");
   MC_CHECK(a.fp8_margin >= 0 && a.fp8_margin <= 64, "--fp8-margin ", a.fp8_margin, ": expected 0 to 64");
   for (const auto& [given, flag] : {std::pair{!a.fp8_recipe.empty(), "--fp8-recipe"},
-                                    std::pair{a.fp8_amax_history_len != 0, "--fp8-amax-history-len"},
+                                    std::pair{a.fp8_amax_history_len != TrainArgs::kFp8HistoryNotGiven, "--fp8-amax-history-len"},
                                     std::pair{!a.fp8_amax_compute_algo.empty(), "--fp8-amax-compute-algo"},
                                     std::pair{a.fp8_margin != 0, "--fp8-margin"}})
     MC_CHECK(!given || c.enabled, flag, " needs FP8 training: add --fp8-format e4m3|hybrid (or --fp8)");
@@ -348,12 +349,12 @@ void check_fp8_flags(TrainArgs& a) {
              : a.fp8_recipe == "blockwise" ? Fp8Config::Recipe::Blockwise
                                            : Fp8Config::Recipe::Delayed;
   const bool delayed = c.recipe == Fp8Config::Recipe::Delayed;
-  for (const auto& [given, flag] : {std::pair{a.fp8_amax_history_len != 0, "--fp8-amax-history-len"},
+  for (const auto& [given, flag] : {std::pair{a.fp8_amax_history_len != TrainArgs::kFp8HistoryNotGiven, "--fp8-amax-history-len"},
                                     std::pair{!a.fp8_amax_compute_algo.empty(), "--fp8-amax-compute-algo"},
                                     std::pair{a.fp8_margin != 0, "--fp8-margin"}})
     MC_CHECK(!given || delayed, flag, " applies to --fp8-recipe delayed only; this run uses --fp8-recipe ",
              a.fp8_recipe);
-  c.amax_history_len = a.fp8_amax_history_len == 0 ? 1 : a.fp8_amax_history_len;
+  c.amax_history_len = a.fp8_amax_history_len == TrainArgs::kFp8HistoryNotGiven ? 1 : a.fp8_amax_history_len;
   c.amax_compute_max = a.fp8_amax_compute_algo == "max";
   c.margin = a.fp8_margin;
   MC_CHECK(!a.fp8_param_gather, "--fp8-param-gather is not available yet: FP8 training keeps bf16/fp32 weights and "

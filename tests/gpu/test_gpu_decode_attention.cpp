@@ -82,8 +82,9 @@ TEST(GpuDecodeAttention, MatchesCpuBf16) {
     for (bool rope : {true, false}) check_case(DType::BF16, d, rope);
 }
 
-// Long caches: the keys split into many chunks per (row, head), chunks of several keys, the
-// last chunk shorter, and caches beyond one block's shared memory for the scores (4096 f32 keys).
+// Long caches: the keys split into 64 chunks per (row, head), chunks of many keys (up to 204),
+// the last chunk shorter. (Caches long enough for more than 64 chunks, over 262144 keys at this
+// batch, are not covered here.)
 TEST(GpuDecodeAttention, LongCachesMatchCpu) {
   MC_REQUIRE_CUDA();
   for (int32_t last : {700, 5000, 12999}) {

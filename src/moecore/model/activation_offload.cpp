@@ -229,6 +229,9 @@ void ActivationOffloader::offload(std::shared_ptr<ActivationStash>& stash, int64
     releasing_ = sources;  // handed back once the compute stream has waited for the copies
   }
   for (const LayerGroup::Entry& e : g.entries) *slots[static_cast<size_t>(e.slot)].tensor = Tensor();
+  // A second offload of a layer before its reload would drop the first group's copies unwaited.
+  MC_CHECK(stash->layers.find(layer) == stash->layers.end(), "activation offloading: layer ", layer,
+           " is offloaded twice before its backward");
   stash->layers[layer] = std::move(g);
 }
 

@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const bf16* x, c
 }  // namespace
 
 bool grouped_gemv_takes(const Tensor& x, const Tensor& w, const Tensor& out) {
-  return x.device().is_cuda() && w.device() == x.device() && out.device() == x.device() && x.dtype() == DType::BF16 &&
+  return x.device().is_cuda() && w.device() == x.device() && out.device() == x.device() && x.is_contiguous() &&
+         w.is_contiguous() && out.is_contiguous() && x.dtype() == DType::BF16 &&
          w.dtype() == DType::BF16 && out.dtype() == DType::BF16 && x.size(0) <= kGroupedGemvMaxRows &&
          w.size(2) % 8 == 0 && aligned16(x.data<bf16>()) && aligned16(w.data<bf16>()) && w.size(0) <= 65535;
 }

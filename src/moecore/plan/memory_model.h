@@ -22,7 +22,7 @@
 namespace moecore::plan {
 
 struct PlanOptions {
-  bool fp8 = false;          // --fp8-recipe blockwise (a prediction: FP8 is not in training yet)
+  bool fp8 = false;          // --fp8-recipe blockwise (a prediction: training runs FP8 on the CPU only)
   bool ep_overlap = false;   // --overlap-moe-expert-parallel-comm (a prediction: not in training yet)
   bool whole_run_peak = false;  // the CPU allocator's peak counts the set-up too (a GPU's is per step)
 };

@@ -157,7 +157,7 @@ StepTime predict_step_time(const TrainArgs& a, const PlanOptions& o, const Hardw
   t.tokens_per_s = t.step_s > 0 ? tokens / t.step_s : 0;
   t.tflops_per_gpu = t.step_s > 0 ? t.model_flops / t.step_s / static_cast<double>(cl.gpus) / 1e12 : 0;
   t.mfu = hw.peak_bf16_tflops > 0 ? t.tflops_per_gpu * 1e12 / (hw.peak_bf16_tflops * 1e12) : 0;
-  if (o.fp8) t.notes.push_back("FP8 (blockwise): a prediction; moecore does not train in FP8 yet");
+  if (o.fp8) t.notes.push_back("FP8 (blockwise): a prediction; moecore trains in FP8 on the CPU backend only so far");
   return t;
 }
 

@@ -5,6 +5,8 @@
 // apps/train_command.cpp; the library sees this struct, filled and checked.
 #pragma once
 
+#include <cstdint>
+
 #include <functional>
 #include <string>
 #include <utility>
@@ -77,7 +79,8 @@ struct TrainArgs {
   // --fp8-amax-history-len, --fp8-amax-compute-algo, --fp8-margin.
   std::string fp8_format, fp8_recipe, fp8_amax_compute_algo;
   bool fp8 = false;
-  int64_t fp8_amax_history_len = 0, fp8_margin = 0;  // 0 history: not given (1)
+  static constexpr int64_t kFp8HistoryNotGiven = -1;  // --fp8-amax-history-len not given: 1
+  int64_t fp8_amax_history_len = kFp8HistoryNotGiven, fp8_margin = 0;
   // Flags of Megatron's example scripts: dropout (0 only: the model has none), the masked-softmax
   // kernel switch (moecore's attention has no such kernel), --no-position-embedding (turns
   // learned_absolute into none) and the checkpoint format flags (refused: one format).
