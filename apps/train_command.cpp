@@ -285,7 +285,8 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
              "(bf16 needs --no-store-param-remainders)");
   f.add_double("optimizer-offload-fraction", &a.optimizer_offload_fraction,
                "with --optimizer-cpu-offload: the share 0 < F <= 1 of each rank's optimizer state on the host "
-               "(whole parameters, nearest to F; default 1)");
+               "(whole parameters, nearest to F)");
+  f.set_default_text("optimizer-offload-fraction", "1");
   f.add_bool("fake-init-process-group", &a.fake_init_process_group,
              "Megatron's fake process group (refused: use --emulate-world-size N --emulate-rank R)");
   f.add_int("manual-gc-interval", &a.manual_gc_interval, "Python's garbage collector: moecore has none (refused)");
@@ -316,7 +317,8 @@ void register_fp8_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_string("fp8-recipe", &a.fp8_recipe,
                "FP8 scaling: delayed (default; amax history), tensorwise (current amax), blockwise (1x128 tiles, "
                "128x128 weight blocks); mxfp8 needs Blackwell (refused)");
-  f.add_int("fp8-amax-history-len", &a.fp8_amax_history_len, "delayed scaling: amaxes kept per tensor (default 1)");
+  f.add_int("fp8-amax-history-len", &a.fp8_amax_history_len, "delayed scaling: amaxes kept per tensor");
+  f.set_default_text("fp8-amax-history-len", "1");
   f.add_string("fp8-amax-compute-algo", &a.fp8_amax_compute_algo,
                "delayed scaling: most_recent (default) or max over the history");
   f.add_int("fp8-margin", &a.fp8_margin, "delayed scaling: scales divided by 2^margin (default 0)");

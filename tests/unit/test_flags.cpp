@@ -125,3 +125,15 @@ TEST(Flags, EnumsMapWordsOnceWithOneErrorForm) {
   f.set("impl", "", "checkpoint");  // the recorded "not given" of a flag with an empty default
   EXPECT_EQ(impl, "");
 }
+
+// A flag whose stored default means "not given" shows the value used instead in --help.
+TEST(Flags, DefaultTextOverridesTheNotGivenMark) {
+  int64_t history = -1;
+  FlagSet f("t", "");
+  f.add_int("history", &history, "kept values");
+  EXPECT_NE(f.help().find("(default: -1)"), std::string::npos);
+  f.set_default_text("history", "1");
+  EXPECT_NE(f.help().find("kept values (default: 1)"), std::string::npos) << f.help();
+  EXPECT_EQ(f.help().find("(default: -1)"), std::string::npos);
+  EXPECT_THROW(f.set_default_text("missing", "1"), moecore::Error);
+}

@@ -252,6 +252,15 @@ void FlagSet::add_choice(const std::string& name, std::string* target, const std
   add_enum(name, target, pairs, help, std::move(hint));
 }
 
+void FlagSet::set_default_text(const std::string& name, const std::string& text) {
+  for (Flag& f : flags_)
+    if (f.name == name) {
+      f.default_text = text;
+      return;
+    }
+  MC_CHECK(false, "FlagSet::set_default_text: no flag --", name);
+}
+
 const FlagSet::Flag* FlagSet::find(const std::string& name) const {
   for (const Flag& f : flags_)
     if (f.name == name) return &f;

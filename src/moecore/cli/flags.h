@@ -45,6 +45,10 @@ class FlagSet {
   void add_choice(const std::string& name, std::string* target, const std::vector<std::string>& choices,
                   const std::string& help, std::function<std::string(const std::string&)> hint = {});
 
+  // The default --help shows for a flag whose stored default is a "not given" mark (e.g. -1 for a
+  // value that must be positive): the value the program then uses.
+  void set_default_text(const std::string& name, const std::string& text);
+
   // Parses args (without the program and subcommand names). Positional arguments are refused
   // unless allow_positional. Returns the positional arguments.
   std::vector<std::string> parse(const std::vector<std::string>& args, bool allow_positional = false);
