@@ -70,6 +70,9 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
       MC_CHECK(name == "mlp_norm" || name == "expert_fc1" || name == "moe_act", "moecore plan: --offload-modules ",
                name, " is not in the planner's memory model (it models mlp_norm, expert_fc1 and moe_act); plan "
                "without it and measure the run with --memory-report");
+    MC_CHECK(a.offload_modules.empty() || a.virtual_stages() == 1, "moecore plan: --offload-modules with an "
+             "interleaved pipeline (--num-virtual-stages-per-pipeline-rank ", a.virtual_stages(), ") is not in the "
+             "planner's memory model; plan without it and measure the run with --memory-report");
     MC_CHECK(a.emulate_world_size == 0 && a.emulate_rank == -1,
              "moecore plan: --emulate-world-size / --emulate-rank belong to `moecore train` (they run one rank of a "
              "job); the planner takes the job's size as --gpus");

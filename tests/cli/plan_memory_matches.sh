@@ -131,6 +131,9 @@ case_ "offload moe 1 rank expert_fc1 moe_act" 1 tiny $offload expert_fc1 moe_act
 case_ "offload moe 1 rank mlp_norm" 1 tiny $offload mlp_norm
 case_ "mbs16 offload moe 1 rank expert_fc1 moe_act" 1 tiny $big $offload expert_fc1 moe_act
 case_ "mbs16 offload moe 1 rank mlp_norm expert_fc1" 1 recompute $big $offload mlp_norm expert_fc1
+case_ "mbs16 offload dense 1 rank mlp_norm" 1 dense $big $offload mlp_norm
+case_ "mbs16 offload pipe PP4 expert_fc1 moe_act mlp_norm" 4 pipe $big --pipeline-model-parallel-size 4 \
+  $offload expert_fc1 moe_act mlp_norm
 case_ "offload pipe PP2 expert_fc1 moe_act" 2 pipe --pipeline-model-parallel-size 2 $offload expert_fc1 moe_act
 case_ "mbs16 offload pipe PP2 expert_fc1 moe_act" 2 pipe $big --pipeline-model-parallel-size 2 $offload expert_fc1 moe_act
 case_ "offload EP2 balanced expert_fc1 moe_act" 2 tiny $ep2 --moe-router-force-load-balancing $offload expert_fc1 moe_act
