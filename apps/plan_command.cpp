@@ -65,11 +65,14 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
       a.fp8_format.clear();
       a.fp8 = false;
     }
-    MC_CHECK(!a.fine_grained_activation_offloading && a.offload_modules.empty(),
-             "moecore plan: activation offloading (--fine-grained-activation-offloading, --offload-modules) is not in "
-             "the planner's memory model; plan without it and measure the run with --memory-report");
-    MC_CHECK(!a.optimizer_cpu_offload, "moecore plan: --optimizer-cpu-offload is not in the planner's memory model; "
-             "plan without it and measure the run with --memory-report");
+    // Activation offloading: the modules whose tensors the memory model follows (memory_model.cpp).
+    for (const std::string& name : a.offload_modules)
+      MC_CHECK(name == "mlp_norm" || name == "expert_fc1" || name == "moe_act", "moecore plan: --offload-modules ",
+               name, " is not in the planner's memory model (it models mlp_norm, expert_fc1 and moe_act); plan "
+               "without it and measure the run with --memory-report");
+    MC_CHECK(a.offload_modules.empty() || a.virtual_stages() == 1, "moecore plan: --offload-modules with an "
+             "interleaved pipeline (--num-virtual-stages-per-pipeline-rank ", a.virtual_stages(), ") is not in the "
+             "planner's memory model; plan without it and measure the run with --memory-report");
     MC_CHECK(a.emulate_world_size == 0 && a.emulate_rank == -1,
              "moecore plan: --emulate-world-size / --emulate-rank belong to `moecore train` (they run one rank of a "
              "job); the planner takes the job's size as --gpus");
@@ -148,6 +151,17 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
   row("workspace", [](const plan::StageMemory& s) { return s.parts.category(MemoryCategory::kWorkspace); });
   row("allocator_overhead", [](const plan::StageMemory& s) { return s.parts.rounding; });
   row("peak", [](const plan::StageMemory& s) { return s.parts.total(); });
+  if (!a.offload_modules.empty())
+    row("host_offloaded", [](const plan::StageMemory& s) { return s.host_offloaded; });  // not in the peak
+  if (a.optimizer_cpu_offload) {  // as --memory-report prints it (train/memory_report.cpp)
+    auto host_row = [&](const char* name, MemoryCategory c) {
+      row(name, [c](const plan::StageMemory& s) { return s.host.by_tag[memory_tag(c)]; });
+    };
+    std::printf("   host memory (not in the peak; --optimizer-cpu-offload):\n");
+    host_row("  host weights", MemoryCategory::kWeights);
+    host_row("  host gradients", MemoryCategory::kGradients);
+    host_row("  host optim_state", MemoryCategory::kOptimizerState);
+  }
   std::printf("   %-20s", "in flight / peak at");
   for (const auto& s : mem) std::printf(" %6lld/%-3s", static_cast<long long>(s.in_flight), s.peak_at == "step" ? "stp" : "set");
   std::printf("\n");
@@ -161,6 +175,9 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
   std::printf(" %.0f tokens/s, %.1f TFLOP/s/GPU, MFU %.1f%% of %.0f TFLOP/s bf16\n", t.tokens_per_s, t.tflops_per_gpu,
               100 * t.mfu, hw.peak_bf16_tflops);
   for (const std::string& n : t.notes) std::printf(" note: %s\n", n.c_str());
+  if (a.optimizer_cpu_offload || !a.offload_modules.empty())
+    std::printf(" note: offloading is in the memory model only; the step time leaves out its copies and the host's "
+                "optimizer step\n");
   nlohmann::json stages = nlohmann::json::array();
   for (const auto& s : mem) {
     nlohmann::json j = {{"stage", s.stage}, {"peak_bytes", s.parts.total()}, {"peak_at", s.peak_at},
@@ -174,6 +191,11 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
         modules[memory_tag_name(tag)] = s.parts.by_tag[tag];
     }
     j["activation_modules"] = modules;
+    if (!a.offload_modules.empty()) j["host_offloaded_bytes"] = s.host_offloaded;
+    if (a.optimizer_cpu_offload)
+      j["host"] = {{"weights", s.host.by_tag[memory_tag(MemoryCategory::kWeights)]},
+                   {"gradients", s.host.by_tag[memory_tag(MemoryCategory::kGradients)]},
+                   {"optimizer_state", s.host.by_tag[memory_tag(MemoryCategory::kOptimizerState)]}};
     stages.push_back(j);
   }
   const nlohmann::json out = {{"gpus", cl.gpus},       {"gpu", hw.name},          {"fits", limit <= 0 || worst <= limit},
@@ -204,6 +226,7 @@ int run_plan(const std::vector<std::string>& argv) {
   if (!pf.profile.empty()) plan::apply_profile_file(hw, pf.profile);
   const plan::Cluster cl = cluster_of(pf, hw);
   o.whole_run_peak = hw.cpu;
+  o.offload_copies_synchronous = hw.cpu;  // the CPU copies offloaded activations at once
   if (pf.search) {
     plan::SearchSpace space;
     space.base_argv = argv;

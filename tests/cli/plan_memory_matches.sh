@@ -56,6 +56,16 @@ for s, st in enumerate(stages):
     lines.append(f"stage {s}: predicted {st['peak_bytes']:.0f} ({st['peak_at']}), measured "
                  + " ".join(str(r["peak_reserved_bytes"]) for r in group)
                  + " | " + " ".join(f"{100*e:+.1f}%" for e in errs) + (f" mean {100*mean:+.1f}%" if ep else ""))
+    # The host parts (not in the peak): the optimizer's CPU offload and the offloaded activations.
+    for key, get in (("host", lambda d: sum(d["host"].values()) if "host" in d else None),
+                     ("host_offloaded_bytes", lambda d: d.get("host_offloaded_bytes"))):
+        if get(st) is None:
+            continue
+        measured = [get(r) or 0 for r in group]
+        herr = [get(st) / m - 1 if m else float("inf") for m in measured]
+        lines.append(f"{key} predicted {get(st):.0f} measured " + " ".join(str(m) for m in measured)
+                     + " | " + " ".join(f"{100*e:+.1f}%" for e in herr))
+        ok = ok and max(abs(e) for e in herr) <= 0.05
     if label.startswith("mbs16") and st["peak_at"] != "step":
         ok = False
         lines.append("expected the step to hold the peak")
@@ -115,5 +125,32 @@ case_ "mbs16 recompute full uniform 1" 1 recompute $big --recompute-granularity 
   --recompute-num-layers 1
 case_ "mbs16 recompute TP2 SP moe" 2 recompute $big $tp --recompute-granularity selective --recompute-modules moe
 case_ "mbs16 mla TP2 SP" 2 mla $big $tp
+# Activation offloading (the modules the planner models) and the optimizer's CPU offload.
+offload="--fine-grained-activation-offloading --offload-modules"
+case_ "offload moe 1 rank expert_fc1 moe_act" 1 tiny $offload expert_fc1 moe_act
+case_ "offload moe 1 rank mlp_norm" 1 tiny $offload mlp_norm
+case_ "mbs16 offload moe 1 rank expert_fc1 moe_act" 1 tiny $big $offload expert_fc1 moe_act
+case_ "mbs16 offload moe 1 rank mlp_norm expert_fc1" 1 recompute $big $offload mlp_norm expert_fc1
+case_ "mbs16 offload dense 1 rank mlp_norm" 1 dense $big $offload mlp_norm
+case_ "mbs16 offload pipe PP4 expert_fc1 moe_act mlp_norm" 4 pipe $big --pipeline-model-parallel-size 4 \
+  $offload expert_fc1 moe_act mlp_norm
+case_ "offload pipe PP2 expert_fc1 moe_act" 2 pipe --pipeline-model-parallel-size 2 $offload expert_fc1 moe_act
+case_ "mbs16 offload pipe PP2 expert_fc1 moe_act" 2 pipe $big --pipeline-model-parallel-size 2 $offload expert_fc1 moe_act
+case_ "offload EP2 balanced expert_fc1 moe_act" 2 tiny $ep2 --moe-router-force-load-balancing $offload expert_fc1 moe_act
+case_ "mbs16 offload EP2 balanced expert_fc1 moe_act" 2 tiny $big $ep2 --moe-router-force-load-balancing \
+  $offload expert_fc1 moe_act
+case_ "optimizer offload 0.5" 1 tiny --optimizer-cpu-offload --optimizer-offload-fraction 0.5
+case_ "optimizer offload 1.0" 1 tiny --optimizer-cpu-offload
+case_ "optimizer offload bf16 0.5" 1 tiny --bf16 --no-store-param-remainders --optimizer-cpu-offload \
+  --optimizer-offload-fraction 0.5
+case_ "optimizer offload DP2 distributed optimizer 0.5" 2 tiny --use-distributed-optimizer --optimizer-cpu-offload \
+  --optimizer-offload-fraction 0.5
+case_ "optimizer offload bf16 DP2 distributed optimizer 0.5" 2 tiny --bf16 --no-store-param-remainders \
+  --use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5
+case_ "optimizer offload EP2 balanced 0.5" 2 tiny $ep2 --moe-router-force-load-balancing --optimizer-cpu-offload \
+  --optimizer-offload-fraction 0.5
+case_ "mbs16 optimizer offload 0.5" 1 tiny $big --optimizer-cpu-offload --optimizer-offload-fraction 0.5
+case_ "mbs16 optimizer offload bf16 DP2 distributed optimizer 0.5" 2 tiny $big --bf16 --no-store-param-remainders \
+  --use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5
 [ "$failed" = 0 ] || { echo "FAIL: a prediction is off (above)"; exit 1; }
 echo PASS

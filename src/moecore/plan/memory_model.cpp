@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "moecore/core/allocator.h"
+#include "moecore/model/activation_offload.h"
 #include "moecore/model/gpt.h"
 #include "moecore/model/params.h"
 #include "moecore/train/pipeline.h"
@@ -212,6 +214,27 @@ Items mtp_items(const TrainArgs& a, const Shapes& s) {
   return it;
 }
 
+// --offload-modules (model/gpt_offload.cpp): the saved tensors of decoder layer `layer` that leave
+// the device after its forward, under the tags they were charged to (a reloaded copy is charged to
+// the same module again). The planner models mlp_norm (the norm's input, the residual h +
+// attention, and its statistics), expert_fc1 (the dispatched rows) and moe_act (fc1's output and
+// the rows' probabilities); plan_command refuses the other modules.
+Items offloaded_items(const TrainArgs& a, const Shapes& s, const OffloadModules& mods, int64_t layer) {
+  const ModelConfig& m = a.model;
+  Items it;
+  if (mods.has(OffloadModule::kMlpNorm)) {
+    it.add(ActivationModule::kResidual, s.Tl * s.H * s.b);
+    it.add(ActivationModule::kMlpNorm, s.Tl * (s.rms ? 4 : 8));
+  }
+  if (!m.is_moe(layer)) return it;
+  if (mods.has(OffloadModule::kExpertFc1)) it.add(ActivationModule::kMoeDispatch, s.rows * s.H * s.saved_in);
+  if (mods.has(OffloadModule::kMoeAct)) {
+    it.add(ActivationModule::kExpertFc1, s.rows * s.F * (s.swiglu ? 2 : 1) * s.b);
+    it.add(ActivationModule::kMoeDispatch, s.rows * 4);
+  }
+  return it;
+}
+
 // The chunk forwards alive at the first backward of pipeline rank `stage`, as chunk indices.
 std::vector<int64_t> in_flight_chunks(const TrainArgs& a, int64_t stage) {
   const int64_t p = a.pp, v = a.virtual_stages();
@@ -326,6 +349,7 @@ RankParams rank_params(const TrainArgs& a, int64_t stage) {
     const double n = p.numel / (p.expert ? static_cast<double>(a.ep * a.etp) : p.whole ? 1.0 : static_cast<double>(a.tp));
     (p.expert ? r.expert : r.dense) += n;
     r.tensors.push_back(n);
+    (p.expert ? r.expert_tensors : r.dense_tensors).push_back(n);
   }
   return r;
 }
@@ -339,20 +363,68 @@ struct StateBytes {
   Items setup;  // at the set-up's peak
 };
 
-StateBytes state_bytes(const TrainArgs& a, const RankParams& p) {
+// --optimizer-cpu-offload (train/optimizer.cpp): the elements of rank 0's shard of one kind's
+// gradient buffer (ParamStore::initialize: each parameter padded to 64 elements, the buffer to 64 x
+// the shard count) that stay on the host: the first F of the shard, cut at the parameter end
+// nearest to F (a tie: the later one).
+struct OffloadSplit {
+  double shard = 0, host = 0;
+};
+OffloadSplit offload_split(const std::vector<double>& tensors, double shards, double fraction) {
+  constexpr double kAlign = 64;
+  auto padded = [](double n, double unit) { return std::ceil(n / unit) * unit; };
+  double total = 0;
+  std::vector<std::pair<double, double>> pieces;  // each parameter's [offset, end)
+  for (double n : tensors) {
+    pieces.emplace_back(total, total + n);
+    total += padded(n, kAlign);
+  }
+  OffloadSplit o;
+  o.shard = padded(total, kAlign * shards) / shards;
+  if (fraction >= 1.0) {
+    o.host = o.shard;
+    return o;
+  }
+  const double target = fraction * o.shard;
+  double best = 0;
+  for (const auto& [offset, end] : pieces) {
+    if (offset >= o.shard) break;  // not in the shard
+    const double b = std::min(end, o.shard);
+    const double d = std::abs(b - target), db = std::abs(best - target);
+    if (d < db || (d == db && b > best)) best = b;
+  }
+  o.host = best;
+  return o;
+}
+
+StateBytes state_bytes(const TrainArgs& a, const RankParams& p, MemoryParts* host) {
   const bool rem = a.bf16 && !a.no_store_param_remainders;
   const double wc = a.bf16 ? 2 : 0;  // a bf16 compute copy beside the fp32 master
   const double ea = a.exp_avg_dtype == "bf16" ? 2 : 4, eas = a.exp_avg_sq_dtype == "bf16" ? 2 : 4, moments = ea + eas;
   const double dense_shard = a.use_distributed_optimizer ? static_cast<double>(a.data_parallel_size() * a.cp) : 1;
   const double expert_shard =
       a.use_distributed_optimizer ? static_cast<double>(a.world / (a.pp * a.ep * a.etp)) : 1;
+  const bool offload = a.optimizer_cpu_offload;
+  const bool sharded = a.use_distributed_optimizer || offload;  // flat moment shards
+  const double fraction = a.optimizer_offload_fraction < 0 ? 1.0 : a.optimizer_offload_fraction;
   StateBytes s;
-  for (const auto& [n, shard] : {std::pair{p.dense, dense_shard}, std::pair{p.expert, expert_shard}}) {
+  for (const auto& [n, shard, tensors] : {std::tuple{p.dense, dense_shard, &p.dense_tensors},
+                                          std::tuple{p.expert, expert_shard, &p.expert_tensors}}) {
     if (n <= 0) continue;
+    // The device part of the shard: all of it, or with the CPU offload what the host does not keep.
+    double on_device = n / shard, on_host = 0;
+    if (offload) {
+      const OffloadSplit split = offload_split(*tensors, shard, fraction);
+      on_host = split.host;
+      on_device = split.shard - split.host;
+      host->by_tag[memory_tag(MemoryCategory::kOptimizerState)] += on_host * moments;
+      host->by_tag[memory_tag(MemoryCategory::kGradients)] += on_host * 4;  // the downloaded gradients
+      host->by_tag[memory_tag(MemoryCategory::kWeights)] += on_host * (4 + wc);  // masters (+ bf16 weights)
+    }
     s.steady.add(MemoryCategory::kGradients, n * 4);  // the flat fp32 gradient buffer
-    if (a.use_distributed_optimizer) {  // two flat shards
-      s.steady.add(MemoryCategory::kOptimizerState, n * ea / shard);
-      s.steady.add(MemoryCategory::kOptimizerState, n * eas / shard);
+    if (sharded) {  // two flat shards (the device part)
+      s.steady.add(MemoryCategory::kOptimizerState, on_device * ea);
+      s.steady.add(MemoryCategory::kOptimizerState, on_device * eas);
     } else {
       s.steady.add_unrounded(MemoryCategory::kOptimizerState, n * moments);  // per parameter
     }
@@ -361,8 +433,8 @@ StateBytes state_bytes(const TrainArgs& a, const RankParams& p) {
     } else if (rem) {  // bf16 high halves (the weights) + int16 remainders (sharded: this rank's)
       s.steady.add(MemoryCategory::kWeights, n * 2);
       s.steady.add(MemoryCategory::kWeights, n * 2 / shard);
-    } else {  // fp32 masters (sharded: this rank's) + bf16 weights
-      s.steady.add(MemoryCategory::kWeights, n * 4 / shard);
+    } else {  // fp32 masters (sharded: this rank's device part) + bf16 weights
+      s.steady.add(MemoryCategory::kWeights, sharded ? on_device * 4 : n * 4);
       s.steady.add(MemoryCategory::kWeights, n * 2);
     }
   }
@@ -370,7 +442,7 @@ StateBytes state_bytes(const TrainArgs& a, const RankParams& p) {
   for (double n : p.tensors)
     for (double bytes : {n * ea, n * eas})
       moment_rounding += static_cast<double>(CachingAllocator::round_size(static_cast<size_t>(std::ceil(bytes)))) - bytes;
-  if (!a.use_distributed_optimizer) s.steady.parts.rounding += moment_rounding;
+  if (!sharded) s.steady.parts.rounding += moment_rounding;
   // ParamStore::add gives every parameter its own master, compute copy, gradient and moments;
   // initialize() then moves the dense, then the expert parameters into flat buffers (a gradient
   // buffer and the masters: fp32, or bf16 high halves + int16 remainders), freeing the
@@ -402,7 +474,7 @@ StateBytes state_bytes(const TrainArgs& a, const RankParams& p) {
   per_param(second, p.expert);
   flat(second, p.expert);
   s.setup = first.parts.total() > second.parts.total() ? first : second;
-  if (a.use_distributed_optimizer) {
+  if (sharded) {  // the shards are allocated before the per-parameter moments go
     Items shards = s.steady;
     shards.add_unrounded(MemoryCategory::kOptimizerState, p.total() * moments);
     if (shards.parts.total() > s.setup.parts.total()) s.setup = shards;
@@ -416,12 +488,14 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
   const ModelConfig& m = a.model;
   const Shapes s = shapes_of(a, o);
   const bool full = a.recompute_granularity == "full";
+  const OffloadModules mods = parse_offload_modules(a.model.offload_modules);
   std::vector<StageMemory> out;
   for (int64_t stage = 0; stage < a.pp; ++stage) {
     const std::vector<PipelineStage> chunks =
         stage_layers(m.num_layers, a.pp, a.virtual_stages(), a.first_stage_layers, a.last_stage_layers, stage);
     const RankParams params = rank_params(a, stage);
-    const StateBytes state = state_bytes(a, params);
+    MemoryParts host;
+    const StateBytes state = state_bytes(a, params, &host);
     // One micro-batch's saved tensors per chunk; with full recomputation only the routers' and
     // each recomputed group's input, plus, at the peak, the last group's rebuilt layers.
     std::vector<Items> per_chunk(chunks.size());
@@ -457,6 +531,25 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
     Items act;
     for (int64_t c : flight) act.merge(per_chunk[static_cast<size_t>(c)]);
     act.merge(rebuilt);
+    // Activation offloading (model/activation_offload.h): every offloaded layer of the in-flight
+    // forwards is on the host; at the first backward its last layer is back, and the next layer in
+    // backward order is prefetched: the layer below, or with a one-layer chunk the same layer of
+    // the oldest other micro-batch of that chunk. With asynchronous copies (a GPU) the last
+    // offloaded layer's device tensors stay until the end of the forward.
+    Items offload_host, offload_back, offload_last;
+    if (mods.any()) {
+      for (int64_t c : flight)
+        for (int64_t i = chunks[static_cast<size_t>(c)].first_layer; i < chunks[static_cast<size_t>(c)].end_layer; ++i)
+          offload_host.merge(offloaded_items(a, s, mods, i));
+      const PipelineStage& lastc = chunks.back();
+      offload_last = offloaded_items(a, s, mods, lastc.end_layer - 1);
+      offload_back.merge(offload_last);
+      const int64_t same_chunk = std::count(flight.begin(), flight.end(), static_cast<int64_t>(chunks.size()) - 1);
+      if (lastc.end_layer - lastc.first_layer >= 2) offload_back.merge(offloaded_items(a, s, mods, lastc.end_layer - 2));
+      else if (same_chunk >= 2) offload_back.merge(offload_last);
+      act.merge(offload_host, -1);
+    }
+    act.merge(offload_back);
     const bool head = chunks.back().has_head;
     // The final norm's input is freed by the first backward (with MTP the first depth keeps it);
     // the MTP depths' tensors (model/mtp.h) on the head stage.
@@ -511,6 +604,8 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
     sm.stage = stage;
     sm.in_flight = static_cast<int64_t>(flight.size());
     sm.state_params = params.total();
+    sm.host = host;
+    sm.host_offloaded = offload_host.parts.tagged();
     Items step = state.steady;
     step.merge(act);
     step.merge(ws);
@@ -523,6 +618,8 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
       Items fwd = state.steady;
       fwd.merge(act);
       fwd.merge(rebuilt, -1);
+      fwd.merge(offload_back, -1);  // before the first backward reloads any
+      if (!o.offload_copies_synchronous) fwd.merge(offload_last);
       if (m.mtp_num_layers == 0) fwd.add(ActivationModule::kResidual, s.Tl * s.H * s.b);
       fwd.add(ActivationModule::kFinalNorm, s.Tl * s.H * s.b);
       fwd.add(ActivationModule::kFinalNorm, s.Tl * (s.rms ? 4 : 8));

@@ -25,6 +25,7 @@ struct PlanOptions {
   bool fp8 = false;          // --fp8-recipe blockwise (a prediction: training runs FP8 on the CPU only)
   bool ep_overlap = false;   // --overlap-moe-expert-parallel-comm (a prediction: not in training yet)
   bool whole_run_peak = false;  // the CPU allocator's peak counts the set-up too (a GPU's is per step)
+  bool offload_copies_synchronous = false;  // --offload-modules on the CPU: a layer's device tensors go at once
 };
 
 // Bytes by tag (core/memory_categories.h) and the allocator's rounding of them.
@@ -41,6 +42,8 @@ struct StageMemory {
   int64_t in_flight = 0;       // chunk forwards whose activations are alive at the peak
   std::string peak_at;         // "step" or "setup"
   MemoryParts parts;           // at the peak
+  double host_offloaded = 0;   // --offload-modules: the in-flight layers' offloaded bytes on the host
+  MemoryParts host;            // --optimizer-cpu-offload: the host part of the optimizer (not in the peak)
   double state_params = 0;     // parameters on the rank
 };
 
@@ -52,6 +55,7 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
 struct RankParams {
   double dense = 0, expert = 0;
   std::vector<double> tensors;  // each parameter's elements on the rank
+  std::vector<double> dense_tensors, expert_tensors;  // the same by kind, in the gradient buffers' order
   double total() const { return dense + expert; }
 };
 RankParams rank_params(const TrainArgs& a, int64_t stage);
