@@ -5,53 +5,54 @@
 
 #include "moecore/core/memory_categories.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/grouped_gemm.h"
 #include "moecore/ops/swiglu.h"
 
 namespace moecore {
 
 namespace {
-// Expert e's matrix of an expert weight [L, N, K].
-Tensor expert_matrix(const Tensor& w, int64_t e) { return w.slice(0, e, e + 1).view({w.size(1), w.size(2)}); }
+using ops::expert_matrix;
 
-// The grouped GEMMs in FP8: one Fp8Linear GEMM per expert with rows (set: the global expert).
-void fp8_forward(const Fp8Linear& f, const Tensor& x, const Tensor& w, const ops::ExpertRows& groups, Tensor& out,
-                 int64_t first) {
+// fn(e, rows) for each local expert e in order, rows: its slice [begin, end) of the permuted rows
+// (empty for an expert without rows).
+template <class Fn>
+void for_each_expert(const ops::ExpertRows& groups, Fn&& fn) {
   int64_t r0 = 0;
   const std::vector<int64_t>& counts = groups.counts();
-  for (size_t e = 0; e < counts.size(); r0 += counts[e], ++e) {
-    if (counts[e] == 0) continue;
-    Tensor y = out.slice(0, r0, r0 + counts[e]);
-    f.forward(x.slice(0, r0, r0 + counts[e]), expert_matrix(w, static_cast<int64_t>(e)), y,
-              first + static_cast<int64_t>(e));
-  }
+  for (size_t e = 0; e < counts.size(); r0 += counts[e], ++e) fn(static_cast<int64_t>(e), r0, r0 + counts[e]);
+}
+
+// The grouped GEMMs in FP8: one Fp8Linear GEMM per expert with rows (first: the global index of
+// local expert 0, which names its delayed-scaling state).
+void fp8_forward(const Fp8Linear& f, const Tensor& x, const Tensor& w, const ops::ExpertRows& groups, Tensor& out,
+                 int64_t first) {
+  for_each_expert(groups, [&](int64_t e, int64_t b, int64_t end) {
+    if (end == b) return;
+    Tensor y = out.slice(0, b, end);
+    f.forward(x.slice(0, b, end), expert_matrix(w, e), y, first + e);
+  });
 }
 
 void fp8_dgrad(const Fp8Linear& f, const Tensor& dy, const Tensor& w, const ops::ExpertRows& groups, Tensor& dx,
                int64_t first) {
-  int64_t r0 = 0;
-  const std::vector<int64_t>& counts = groups.counts();
-  for (size_t e = 0; e < counts.size(); r0 += counts[e], ++e) {
-    if (counts[e] == 0) continue;
-    Tensor d = dx.slice(0, r0, r0 + counts[e]);
-    f.dgrad(dy.slice(0, r0, r0 + counts[e]), expert_matrix(w, static_cast<int64_t>(e)), d, 0.0f,
-            first + static_cast<int64_t>(e));
-  }
+  for_each_expert(groups, [&](int64_t e, int64_t b, int64_t end) {
+    if (end == b) return;
+    Tensor d = dx.slice(0, b, end);
+    f.dgrad(dy.slice(0, b, end), expert_matrix(w, e), d, 0.0f, first + e);
+  });
 }
 
 // dw_e (+)= dy_e^T x_e; an expert without rows keeps its gradient (accumulate) or gets zeros.
 void fp8_wgrad(const Fp8Linear& f, const Tensor& dy, const Tensor& x, const ops::ExpertRows& groups, Tensor& dw,
                bool accumulate, int64_t first) {
-  int64_t r0 = 0;
-  const std::vector<int64_t>& counts = groups.counts();
-  for (size_t e = 0; e < counts.size(); r0 += counts[e], ++e) {
-    Tensor g = expert_matrix(dw, static_cast<int64_t>(e));
-    if (counts[e] == 0) {
+  for_each_expert(groups, [&](int64_t e, int64_t b, int64_t end) {
+    Tensor g = expert_matrix(dw, e);
+    if (end == b) {
       if (!accumulate) ops::fill(g, 0.0);
-      continue;
+      return;
     }
-    f.wgrad(dy.slice(0, r0, r0 + counts[e]), x.slice(0, r0, r0 + counts[e]), g, accumulate ? 1.0f : 0.0f,
-            first + static_cast<int64_t>(e));
-  }
+    f.wgrad(dy.slice(0, b, end), x.slice(0, b, end), g, accumulate ? 1.0f : 0.0f, first + e);
+  });
 }
 }  // namespace
 

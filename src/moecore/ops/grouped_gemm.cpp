@@ -80,10 +80,9 @@ bool use_hopper(const Tensor& w, bool wgrad) {
 }
 #endif
 
-// Expert e's [N, K] matrix of a [E, N, K] tensor.
-Tensor expert_matrix(const Tensor& w, int64_t e) { return w.slice(0, e, e + 1).view({w.size(1), w.size(2)}); }
-
 }  // namespace
+
+Tensor expert_matrix(const Tensor& w, int64_t e) { return w.slice(0, e, e + 1).view({w.size(1), w.size(2)}); }
 
 const char* grouped_gemm_impl_name(GroupedGemmImpl impl) {
   switch (impl) {

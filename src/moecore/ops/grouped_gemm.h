@@ -55,6 +55,9 @@
 
 namespace moecore::ops {
 
+// Expert e's [N, K] matrix of an [E, N, K] tensor (a view).
+Tensor expert_matrix(const Tensor& w, int64_t e);
+
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& out);
 void grouped_gemm_dgrad(const Tensor& dout, const Tensor& w, const std::vector<int64_t>& rows_per_group, Tensor& dx);
 void grouped_gemm_wgrad(const Tensor& dout, const Tensor& x, const std::vector<int64_t>& rows_per_group, Tensor& dw,
