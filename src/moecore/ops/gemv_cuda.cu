@@ -1,7 +1,7 @@
 // The grouped GEMM's forward with a handful of rows (decoding a token's top-k experts) as
 // matrix-vector products: out_e [M_e, N] = x_e [M_e, K] @ w_e^T, w [E, N, K], the experts' row
 // offsets read on the device, M <= kGroupedGemvMaxRows; bf16, fp32 accumulation, each output
-// rounded once. (For one dense weight cuBLASLt's own small-M kernels are as fast, so ops::gemm
+// rounded once. (For one dense weight cuBLASLt's own small-M kernels are faster, so ops::gemm
 // keeps them.) At so few rows the GEMM reads each weight once and does
 // almost no arithmetic, so it is bound by the weights' bytes: block (c, e) computes columns
 // [c * kColsPerBlock, ...) of expert e (an empty expert's blocks return at once); each warp takes
