@@ -17,7 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "moecore/core/device.h"
 #include "moecore/ops/grouped_gemm.h"
+#include "moecore/ops/grouped_gemm_hopper.h"
 #include "op_harness.h"
 
 using namespace moecore;
@@ -186,6 +188,44 @@ TEST(HopperGroupedGemm, WgradIgnoresTheNextExpertsRowsEvenWhenTheyAreNaN) {
 
 // The kernel declines what it cannot do (the caller then loops): f32 inputs, a last dimension
 // that is not a multiple of 8 (TMA row strides), a non-contiguous weight.
+// Every forward tile (the 64-row ones split the columns between the warpgroups) on the cases
+// above and on decoding's shapes: a handful of rows per expert, some experts empty.
+TEST(HopperGroupedGemm, EveryForwardTileMatchesCpu) {
+  MC_REQUIRE_CUDA();
+  std::vector<Case> all = cases();
+  all.push_back({"decode_16_prompts_top2", {5, 3, 0, 8, 4, 2, 6, 4}, 1152, 2048});
+  all.push_back({"decode_one_row_per_expert", {1, 0, 1, 0}, 520, 264});
+  using ops::cuda::hopper::ForwardTile;
+  for (ForwardTile tile : {ForwardTile::Wide128, ForwardTile::Narrow128, ForwardTile::Rows64Wide, ForwardTile::Rows64Narrow}) {
+    for (const Case& c : all) {
+      SCOPED_TRACE(c.name + " on the " + ops::cuda::hopper::forward_tile_name(tile) + " tile");
+      const int64_t m = total(c.rows), e = static_cast<int64_t>(c.rows.size());
+      Tensor x = random_tensor({m, c.k}, DType::BF16), w = random_tensor({e, c.n, c.k}, DType::BF16);
+      Tensor out_ref = Tensor::zeros({m, c.n}, DType::BF16);
+      ops::grouped_gemm_forward(x, w, c.rows, out_ref);
+      std::vector<int32_t> off(1, 0);
+      for (int64_t r : c.rows) off.push_back(off.back() + static_cast<int32_t>(r));
+      Tensor offsets = Tensor::from_vector(off, {e + 1}, Device::cuda(0));
+      Tensor out = poisoned({m, c.n}, DType::BF16, Device::cuda(0)), xg = cuda(x), wg = cuda(w);
+      ASSERT_TRUE(ops::cuda::hopper::available(xg, wg, out, e));
+      auto stream = static_cast<cudaStream_t>(current_stream(Device::cuda(0)).handle());
+      ops::cuda::hopper::grouped_gemm(ops::cuda::hopper::GroupedMode::Forward, xg, wg, out, offsets.data<int32_t>(),
+                                      static_cast<int>(e), stream, true, tile);
+      EXPECT_TRUE(all_written(host(out)));
+      EXPECT_TRUE(allclose(host(out), out_ref, tolerance(DType::BF16, c.k)));
+    }
+  }
+}
+
+// Auto: the wide tile at training's rows per expert, 64-row tiles at decoding's.
+TEST(HopperGroupedGemm, AutoTileFollowsRowsPerExpert) {
+  using ops::cuda::hopper::ForwardTile;
+  using ops::cuda::hopper::auto_forward_tile;
+  EXPECT_EQ(auto_forward_tile(8192 * 2, 8, 11264, 132), ForwardTile::Wide128);  // mixtral-small training
+  EXPECT_EQ(auto_forward_tile(16384 * 8, 64, 1024, 132), ForwardTile::Wide128);  // finegrained-small training
+  EXPECT_NE(auto_forward_tile(32, 8, 2048, 132), ForwardTile::Wide128);          // 16 prompts, top-2
+}
+
 TEST(HopperGroupedGemm, DeclinesUnsupportedCases) {
   MC_REQUIRE_CUDA();
   const Device d = Device::cuda(0);

@@ -53,34 +53,43 @@ using namespace hopper_ptx;
 
 enum Mode { kForward, kDgrad, kWgrad };
 
-constexpr int kBM = 128, kBK = 64;
+constexpr int kBK = 64;
 constexpr int kChunkBytes = 64 * 64 * 2;  // one 64 x 64 bf16 swizzled block
-constexpr int kATileBytes = kBM * kBK * 2;  // the A tile of a stage (16 KB)
 constexpr int kConsumers = 256;             // warpgroups 0 and 1
 constexpr int kThreads = kConsumers + 32;   // + the producer warp
 constexpr int kMaxExperts = 1024;
 constexpr int kRasterGroup = 8;             // m-blocks per raster group (decode_tile)
 
-// Tile width, ring depth and CTAs per SM: 128 x 256 tiles (wgmma m64n256k16, 128 accumulators a
-// thread), 3 stages of 48 KB and a 64 KB staging buffer for the epilogue. (Measured: without the
-// staged forward/dgrad epilogue its plain stores took 20-55% of the kernel's time at the presets'
-// shapes; the wgrad on 128 x 128 tiles with 4 stages of 32 KB ran at 50-70% of the dense GEMM;
-// docs/performance-log.md.)
-template <int BN, int STAGES, int CTAS>
+// Tile shapes. kBM = 128: warpgroup w computes rows [64 w, 64 w + 64) of the 128 x kBN tile;
+// kBM = 64: both warpgroups take the tile's 64 rows and warpgroup w its columns
+// [w kBN / 2, (w + 1) kBN / 2) (a forward with few rows per expert: the A tile and the wgmmas on
+// rows past the expert's last are halved). kStages: the ring depth.
+//   Wide      128 x 256, 3 stages of 48 KB and a 64 KB staging buffer for the epilogue: every
+//             mode. (Measured: without the staged forward/dgrad epilogue its plain stores took
+//             20-55% of the kernel's time at the presets' shapes; the wgrad on 128 x 128 tiles
+//             with 4 stages of 32 KB ran at 50-70% of the dense GEMM; docs/performance-log.md.)
+//   the others  the forward only (ForwardTile in grouped_gemm_hopper.h): narrower tiles give a
+//             GEMM with few rows per expert more tiles than SMs and deeper rings keep more of
+//             the weights' bytes in flight, which is what bounds it.
+template <int BM, int BN, int STAGES>
 struct Config {
-  static constexpr int kBN = BN, kStages = STAGES, kCtasPerSm = CTAS;
+  static_assert(BM == 128 || BM == 64, "a tile has 128 rows (a warpgroup per 64) or 64 (a warpgroup per half)");
+  static constexpr int kBM = BM, kBN = BN, kStages = STAGES;
+  static constexpr int kATileBytes = BM * kBK * 2;
   static constexpr int kStageBytes = kATileBytes + BN * kBK * 2;
-  static constexpr int kAcc = BN / 2;  // fp32 accumulators per thread (m64nBN over 128 threads)
+  static constexpr int kWgCols = BM == 128 ? BN : BN / 2;  // columns of a warpgroup's 64-row block
+  static constexpr int kAcc = kWgCols / 2;                 // fp32 accumulators per thread
+  static constexpr int kStagingBytes = 2 * 64 * kWgCols * 2;  // bf16 epilogue: a 64-row block per warpgroup
 };
-using TileConfig = Config<256, 3, 1>;
-// Epilogue staging, 32 KB per consumer warpgroup. Forward and dgrad: its 64 x 256 bf16 result as
-// four 64 x 64 boxes with the 128-byte swizzle, four TMA stores. Wgrad into f32 dw: its 64 x 256
-// fp32 result in two column halves, each as four 64 x 32 fp32 boxes with the 128-byte swizzle,
-// added to dw in L2 by four TMA reduce-adds (cp.reduce.async.bulk.tensor .add).
-constexpr int kStagingBytes = 2 * 64 * 256 * 2;
-static_assert(kStagingBytes == 2 * 2 * 64 * 32 * 4 * 2, "one staging buffer serves both epilogues");
+using WideConfig = Config<128, 256, 3>;
+using Narrow128Config = Config<128, 128, 5>;
+using Rows64Wide = Config<64, 256, 4>;
+using Rows64Narrow = Config<64, 128, 8>;
+// The wide tile's staging also holds the f32 wgrad epilogue: per warpgroup its 64 x 256 fp32
+// result in two column halves, each as four 64 x 32 fp32 boxes with the 128-byte swizzle, added to
+// dw in L2 by four TMA reduce-adds (cp.reduce.async.bulk.tensor .add).
+static_assert(WideConfig::kStagingBytes == 2 * 2 * 64 * 32 * 4 * 2, "one staging buffer serves both epilogues");
 constexpr int kF32BoxCols = 32;  // a 128-byte row of fp32: the widest box the 128-byte swizzle takes
-
 // MN-major descriptor strides (bytes): LBO = between 64-element chunks, SBO = between 8-row groups.
 constexpr uint32_t kMnLbo = kChunkBytes, kMnSbo = 1024;
 
@@ -102,7 +111,7 @@ struct Tile {
   int e, m0, n0, k_begin, k_end;
 };
 
-template <int kMode>
+template <int kMode, class Cfg>
 __device__ __forceinline__ Tile decode_tile(int t, const int* tile_start, const int* row_off, int experts,
                                             int n_blocks, const Params& p) {
   int lo = 0, hi = experts - 1;  // the last expert whose first tile is <= t
@@ -120,26 +129,27 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* tile_start, const 
   const int group_m = min(m_blocks - first_m, kRasterGroup);
   const int in_group = local - first_m * n_blocks;
   const int mb = first_m + in_group % group_m, nb = in_group / group_m;
-  tile.n0 = nb * TileConfig::kBN;
+  tile.n0 = nb * Cfg::kBN;
   if (kMode == kWgrad) {
-    tile.m0 = mb * kBM;
+    tile.m0 = mb * Cfg::kBM;
     tile.k_begin = row_off[lo];
     tile.k_end = row_off[lo + 1];
   } else {
-    tile.m0 = row_off[lo] + mb * kBM;
+    tile.m0 = row_off[lo] + mb * Cfg::kBM;
     tile.k_begin = 0;
     tile.k_end = p.red_len;
   }
   return tile;
 }
 
-template <int kMode>
-__global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
+template <int kMode, class C>
+__global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
                         const __grid_constant__ CUtensorMap tma_c, const Params p) {  // tma_c: out, or dw
 #ifdef MOECORE_HOPPER_DEVICE
-  using C = TileConfig;
-  constexpr int kBN = C::kBN, kStages = C::kStages, kStageBytes = C::kStageBytes, kAcc = C::kAcc;
+  static_assert(kMode == kForward || std::is_same_v<C, WideConfig>, "dgrad and wgrad run on the wide tile");
+  constexpr int kBM = C::kBM, kBN = C::kBN, kStages = C::kStages, kStageBytes = C::kStageBytes, kAcc = C::kAcc;
+  constexpr int kATileBytes = C::kATileBytes, kStagingBytes = C::kStagingBytes, kWgCols = C::kWgCols;
   constexpr int kBChunks = kBN / 64;  // 64-column chunks of an MN-major B tile
   constexpr int kTransA = kMode == kWgrad ? 1 : 0;
   constexpr int kTransB = kMode == kForward ? 0 : 1;
@@ -180,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
     if (threadIdx.x != kConsumers) return;
     int it = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const Tile tile = decode_tile<kMode>(t, tile_start, row_off, experts, n_blocks, p);
+      const Tile tile = decode_tile<kMode, C>(t, tile_start, row_off, experts, n_blocks, p);
       for (int k0 = tile.k_begin; k0 < tile.k_end; k0 += kBK, ++it) {
         const int s = it % kStages, round = it / kStages;
         if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
@@ -212,15 +222,16 @@ __global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
   float acc[kAcc];
   int it = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const Tile tile = decode_tile<kMode>(t, tile_start, row_off, experts, n_blocks, p);
+    const Tile tile = decode_tile<kMode, C>(t, tile_start, row_off, experts, n_blocks, p);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
     int prev_s = -1;
     for (int k0 = tile.k_begin; k0 < tile.k_end; k0 += kBK, ++it) {
       const int s = it % kStages, round = it / kStages;
       mbar_wait(&full[s], round & 1);
-      uint8_t* sa = smem + s * kStageBytes + cw * kChunkBytes;  // this warpgroup's 64 rows of A
-      uint8_t* sb = smem + s * kStageBytes + kATileBytes;
+      // This warpgroup's 64 rows of A; at kBM = 64 its half of the (K-major, 128-byte rows) B tile.
+      uint8_t* sa = smem + s * kStageBytes + (kBM == 128 ? cw * kChunkBytes : 0);
+      uint8_t* sb = smem + s * kStageBytes + kATileBytes + (kBM == 64 ? cw * kWgCols * 128 : 0);
       if (kMode == kWgrad) {
         const int valid = tile.k_end - k0;  // reduction rows of this expert in the block
         if (valid < kBK) {
@@ -261,7 +272,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
 
     // Epilogue. Accumulator fragment of m64nNk16: thread (warp, lane) holds rows
     // 16 warp + lane/4 (+8) and columns 8 j + 2 (lane % 4) (+1), j = 0..N/8-1.
-    const int r_lo = cw * 64 + warp * 16 + lane / 4;
+    const int wg_row0 = kBM == 128 ? cw * 64 : 0, wg_col0 = kBM == 64 ? cw * kWgCols : 0;
+    const int r_lo = wg_row0 + warp * 16 + lane / 4;
     const int c_lo = 2 * (lane % 4);
     if (kMode == kWgrad && p.out_f32) {
       // The 64 x 256 fp32 block in two column halves of 32 KB. Each half is staged as four 64 x 32
@@ -318,7 +330,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
       }
     } else {
       const int row_end = row_off[tile.e + 1];
-      const int block_row = tile.m0 + cw * 64;  // this warpgroup's 64 rows
+      const int block_row = tile.m0 + wg_row0;  // this warpgroup's 64 rows
+      const int block_col = tile.n0 + wg_col0;  // and its first column
       if (block_row + 64 <= row_end) {
         // All 64 rows are this expert's: stage them as four 64 x 64 bf16 boxes with the 128-byte
         // swizzle (the 16-byte chunk c of row r sits at chunk c ^ (r % 8): the stores of a warp hit
@@ -331,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
         for (int half = 0; half < 2; ++half) {
           const int r = warp * 16 + lane / 4 + 8 * half;
 #pragma unroll
-          for (int j = 0; j < kBN / 8; ++j) {
+          for (int j = 0; j < kWgCols / 8; ++j) {
             uint8_t* dst = block + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r % 8)) * 16) + c_lo * 2;
             *reinterpret_cast<__nv_bfloat162*>(dst) =
                 __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
@@ -341,9 +354,9 @@ __global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
         named_barrier(2 + cw, 128);
         if (tid == 0) {
 #pragma unroll
-          for (int box = 0; box < kBN / 64; ++box)
-            if (tile.n0 + 64 * box < p.out_cols)
-              tma_store_2d(&tma_c, block + box * 8192, tile.n0 + 64 * box, block_row);
+          for (int box = 0; box < kWgCols / 64; ++box)
+            if (block_col + 64 * box < p.out_cols)
+              tma_store_2d(&tma_c, block + box * 8192, block_col + 64 * box, block_row);
         }
         continue;
       }
@@ -354,8 +367,8 @@ __global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
         if (row >= row_end) continue;
         __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(p.out) + static_cast<size_t>(row) * p.out_cols;
 #pragma unroll
-        for (int j = 0; j < kBN / 8; ++j) {
-          const int col = tile.n0 + 8 * j + c_lo;
+        for (int j = 0; j < kWgCols / 8; ++j) {
+          const int col = block_col + 8 * j + c_lo;
           if (col >= p.out_cols) continue;
           *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
               __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
@@ -369,32 +382,47 @@ __global__ void __launch_bounds__(kThreads, TileConfig::kCtasPerSm)
 #endif  // MOECORE_HOPPER_DEVICE
 }
 
-template <int kMode>
-size_t smem_bytes(int experts) {
-  using C = TileConfig;
-  return 1024 + static_cast<size_t>(C::kStages) * C::kStageBytes + kStagingBytes +
-         2 * C::kStages * sizeof(uint64_t) +
+template <class C>
+constexpr size_t smem_bytes(int experts) {
+  return 1024 + static_cast<size_t>(C::kStages) * C::kStageBytes + C::kStagingBytes + 2 * C::kStages * sizeof(uint64_t) +
          2 * (static_cast<size_t>(experts) + 1) * sizeof(int);
 }
+constexpr size_t kMaxSmem = 227 * 1024;  // per block on sm_90
+static_assert(smem_bytes<WideConfig>(kMaxExperts) <= kMaxSmem && smem_bytes<Narrow128Config>(kMaxExperts) <= kMaxSmem &&
+                  smem_bytes<Rows64Wide>(kMaxExperts) <= kMaxSmem && smem_bytes<Rows64Narrow>(kMaxExperts) <= kMaxSmem,
+              "a tile's ring and staging exceed the shared memory");
 
-template <int kMode>
+template <int kMode, class C>
 void launch(const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& c, const Params& p, int sms,
             cudaStream_t stream) {
-  const size_t smem = smem_bytes<kMode>(p.experts);
-  {  // the shared-memory limit is raised once per device (the caller has made it current)
+  const size_t smem = smem_bytes<C>(p.experts);
+  {  // the shared-memory limit is raised once per device and kernel (the caller has made it current)
     static std::mutex m;
     static bool raised[64] = {};
     int device = 0;
     MC_CUDA_CHECK(cudaGetDevice(&device));
     std::lock_guard<std::mutex> lock(m);
     if (device >= 0 && device < 64 && !raised[device]) {
-      MC_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem_bytes<kMode>(kMaxExperts))));
+      MC_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kMode, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem_bytes<C>(kMaxExperts))));
       raised[device] = true;
     }
   }
-  grouped_gemm_kernel<kMode><<<sms * TileConfig::kCtasPerSm, kThreads, smem, stream>>>(a, b, c, p);
+  grouped_gemm_kernel<kMode, C><<<sms, kThreads, smem, stream>>>(a, b, c, p);
   MC_CUDA_CHECK(cudaGetLastError());
+}
+
+// The forward on tile C: a = x [rows, K], b = w [E, N, K], c = out [rows, N].
+template <class C>
+void forward(const Tensor& a, const Tensor& b, const CUtensorMap& mc, Params& p, int sms, cudaStream_t stream) {
+  const uint64_t K = b.size(2), N = b.size(1), E = b.size(0), rows = a.size(0);
+  const uint64_t da[2] = {K, rows}, sa[1] = {K * 2};
+  const uint32_t ba[2] = {64, C::kBM};
+  const uint64_t db[3] = {K, N, E}, sb[2] = {K * 2, N * K * 2};
+  const uint32_t bb[3] = {64, C::kBN, 1};
+  const CUtensorMap ma = make_map(a.data_ptr(), 2, da, sa, ba), mb = make_map(b.data_ptr(), 3, db, sb, bb);
+  p.out_cols = static_cast<int>(N), p.red_len = static_cast<int>(K);
+  launch<kForward, C>(ma, mb, mc, p, sms, stream);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -408,6 +436,25 @@ CUtensorMap out_map(const Tensor& c, uint64_t cols) {
 }
 
 }  // namespace
+
+const char* forward_tile_name(ForwardTile t) {
+  switch (t) {
+    case ForwardTile::Auto: return "auto";
+    case ForwardTile::Wide128: return "128x256";
+    case ForwardTile::Narrow128: return "128x128";
+    case ForwardTile::Rows64Wide: return "64x256";
+    case ForwardTile::Rows64Narrow: return "64x128";
+  }
+  return "?";
+}
+
+ForwardTile auto_forward_tile(int64_t rows, int64_t experts, int64_t n, int sms) {
+  // At most 64 rows per expert on average (decoding, tiny batches): 64-row tiles, narrow ones
+  // while the wide ones would leave SMs idle.
+  if (rows > 64 * experts) return ForwardTile::Wide128;
+  const int64_t wide_tiles = experts * ((n + 255) / 256);
+  return wide_tiles < 2 * sms ? ForwardTile::Rows64Narrow : ForwardTile::Rows64Wide;
+}
 
 bool available(const Tensor& a, const Tensor& b, const Tensor& c, int64_t experts) {
 #ifndef MOECORE_HAVE_SM90A
@@ -427,7 +474,7 @@ bool available(const Tensor& a, const Tensor& b, const Tensor& c, int64_t expert
 }
 
 void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c, const int* offsets, int experts,
-                  cudaStream_t stream, bool accumulate) {
+                  cudaStream_t stream, bool accumulate, ForwardTile tile) {
   const DeviceInfo info = device_info(a.device().index);
   Params p{};
   p.overwrite = mode == GroupedMode::Wgrad && !accumulate;
@@ -438,27 +485,25 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
   CUtensorMap ma, mb;
   switch (mode) {
     case GroupedMode::Forward: {  // a = x [rows, K], b = w [E, N, K], c = out [rows, N]
-      const uint64_t K = b.size(2), N = b.size(1), E = b.size(0);
-      const uint64_t da[2] = {K, rows}, sa[1] = {K * 2};
-      const uint32_t ba[2] = {64, kBM};
-      const uint64_t db[3] = {K, N, E}, sb[2] = {K * 2, N * K * 2};
-      const uint32_t bb[3] = {64, TileConfig::kBN, 1};
-      ma = make_map(a.data_ptr(), 2, da, sa, ba);
-      mb = make_map(b.data_ptr(), 3, db, sb, bb);
-      p.out_cols = static_cast<int>(N), p.red_len = static_cast<int>(K);
-      launch<kForward>(ma, mb, out_map(c, N), p, info.sms, stream);
+      const CUtensorMap mc = out_map(c, b.size(1));
+      switch (tile == ForwardTile::Auto ? auto_forward_tile(a.size(0), b.size(0), b.size(1), info.sms) : tile) {
+        case ForwardTile::Narrow128: forward<Narrow128Config>(a, b, mc, p, info.sms, stream); break;
+        case ForwardTile::Rows64Wide: forward<Rows64Wide>(a, b, mc, p, info.sms, stream); break;
+        case ForwardTile::Rows64Narrow: forward<Rows64Narrow>(a, b, mc, p, info.sms, stream); break;
+        default: forward<WideConfig>(a, b, mc, p, info.sms, stream); break;
+      }
       break;
     }
     case GroupedMode::Dgrad: {  // a = dout [rows, N], b = w [E, N, K], c = dx [rows, K]
       const uint64_t K = b.size(2), N = b.size(1), E = b.size(0);
       const uint64_t da[2] = {N, rows}, sa[1] = {N * 2};
-      const uint32_t ba[2] = {64, kBM};
+      const uint32_t ba[2] = {64, WideConfig::kBM};
       const uint64_t db[3] = {K, N, E}, sb[2] = {K * 2, N * K * 2};
       const uint32_t bb[3] = {64, 64, 1};
       ma = make_map(a.data_ptr(), 2, da, sa, ba);
       mb = make_map(b.data_ptr(), 3, db, sb, bb);
       p.out_cols = static_cast<int>(K), p.red_len = static_cast<int>(N);
-      launch<kDgrad>(ma, mb, out_map(c, K), p, info.sms, stream);
+      launch<kDgrad, WideConfig>(ma, mb, out_map(c, K), p, info.sms, stream);
       break;
     }
     case GroupedMode::Wgrad: {  // a = dout [rows, N], b = x [rows, K], c = dw [E, N, K]
@@ -476,7 +521,7 @@ void grouped_gemm(GroupedMode mode, const Tensor& a, const Tensor& b, Tensor& c,
         const uint32_t bc[3] = {kF32BoxCols, 64, 1};  // the staging's 64 x 32 swizzled boxes
         mc = make_map(c.data_ptr(), 3, dc, sc, bc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
       }
-      launch<kWgrad>(ma, mb, mc, p, info.sms, stream);
+      launch<kWgrad, WideConfig>(ma, mb, mc, p, info.sms, stream);
       break;
     }
   }

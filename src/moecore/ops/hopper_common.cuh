@@ -241,7 +241,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
 
 template <int kTransA, int kTransB, int N>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[N], uint64_t desc_a, uint64_t desc_b) {
-  if constexpr (N == 64) wgmma_m64n128k16<kTransA, kTransB>(d, desc_a, desc_b, 1);
+  static_assert(N == 32 || N == 64 || N == 128, "m64nNk16 with N = 64, 128 or 256 (N / 2 accumulators)");
+  if constexpr (N == 32) wgmma_m64n64k16<kTransA, kTransB>(d, desc_a, desc_b, 1);
+  else if constexpr (N == 64) wgmma_m64n128k16<kTransA, kTransB>(d, desc_a, desc_b, 1);
   else wgmma_m64n256k16<kTransA, kTransB>(d, desc_a, desc_b, 1);
 }
 #endif  // MOECORE_HOPPER_DEVICE
