@@ -223,7 +223,9 @@ TEST(HopperGroupedGemm, AutoTileFollowsRowsPerExpert) {
   using ops::cuda::hopper::auto_forward_tile;
   EXPECT_EQ(auto_forward_tile(8192 * 2, 8, 11264, 132), ForwardTile::Wide128);  // mixtral-small training
   EXPECT_EQ(auto_forward_tile(16384 * 8, 64, 1024, 132), ForwardTile::Wide128);  // finegrained-small training
-  EXPECT_NE(auto_forward_tile(32, 8, 2048, 132), ForwardTile::Wide128);          // 16 prompts, top-2
+  EXPECT_EQ(auto_forward_tile(32, 8, 11264, 132), ForwardTile::Rows64Narrow);    // 16 prompts, top-2: fc1
+  EXPECT_EQ(auto_forward_tile(128, 8, 11264, 132), ForwardTile::Rows64Wide);     // 64 prompts: fc1
+  EXPECT_EQ(auto_forward_tile(128, 8, 2048, 132), ForwardTile::Rows64Narrow);    // fc2: 64 wide tiles
 }
 
 TEST(HopperGroupedGemm, DeclinesUnsupportedCases) {

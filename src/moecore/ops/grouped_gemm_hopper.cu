@@ -1,21 +1,23 @@
 // Hopper grouped GEMM over experts: one persistent kernel per GEMM (forward, dgrad, wgrad), bf16
-// in, fp32 accumulate, with TMA loads, wgmma on 128x256 tiles and a tile schedule over all
+// in, fp32 accumulate, with TMA loads, wgmma on 128x256 tiles (the forward also on narrower ones,
+// for few rows per expert: Config below) and a tile schedule over all
 // experts built in the kernel from the experts' row offsets in DEVICE memory (no host copy of
 // the counts is needed by the kernel; see grouped_gemm.h for the operations).
 //
 // Geometry: one CTA = 2 consumer warpgroups + 1 producer warp (288 threads), one CTA per SM:
-//   producer warp  one thread issues the TMA loads of a ring of stages (an A tile 128 x 64 and a
+//   producer warp  one thread issues the TMA loads of a ring of stages (an A tile BM x 64 and a
 //                  B tile BN x 64, bf16, 128-byte swizzle);
-//   warpgroups 0, 1  consumers: each runs wgmma m64nBNk16 on its 64 rows of the 128 x BN tile and
+//   warpgroups 0, 1  consumers: each runs wgmma m64nBNk16 on its 64 rows of the 128 x BN tile
+//                  (64-row tiles: m64n(BN/2)k16 on its half of the columns) and
 //                  writes them through a shared-memory staging buffer and TMA (asynchronous: the
 //                  next tile's wgmmas start while the stores run): bf16 outputs with TMA stores
 //                  (plain stores for a 64-row block that crosses the expert's last row); the
 //                  wgrad into f32 dw with a TMA reduce-add, or a TMA store when overwriting (the
 //                  step's first gradient: dw is not read); into bf16 dw with loads, adds and stores.
-//   All three on 128 x 256 tiles (BN = 256).
+//   Dgrad and wgrad on 128 x 256 tiles (BN = 256); the forward on the tile the caller picks.
 //   The tiles of all experts are numbered expert by expert (an expert's tiles: groups of 8
 //   m-blocks, each group m fastest then n); CTA b takes tiles b, b + grid, ... (grid = the SM
-//   count times the CTAs per SM).
+//   count).
 //
 // Operands (C[m, n] = sum_k A(m, k) B(n, k)), per expert e with rows [r_e, r_{e+1}):
 //   forward  A = x rows (K-major: [rows, K]),  B = w_e (K-major: w [E, N, K], a 3-D TMA map)
@@ -449,11 +451,12 @@ const char* forward_tile_name(ForwardTile t) {
 }
 
 ForwardTile auto_forward_tile(int64_t rows, int64_t experts, int64_t n, int sms) {
-  // At most 64 rows per expert on average (decoding, tiny batches): 64-row tiles, narrow ones
-  // while the wide ones would leave SMs idle.
+  // At most 64 rows per expert on average (decoding, tiny batches): 64-row tiles; narrow ones
+  // (twice the tiles, a deeper ring) at up to 8 rows per expert or while the wide ones would
+  // leave SMs idle (bench_decode_gemm measures each tile at decoding's shapes).
   if (rows > 64 * experts) return ForwardTile::Wide128;
   const int64_t wide_tiles = experts * ((n + 255) / 256);
-  return wide_tiles < 2 * sms ? ForwardTile::Rows64Narrow : ForwardTile::Rows64Wide;
+  return rows <= 8 * experts || wide_tiles < 2 * sms ? ForwardTile::Rows64Narrow : ForwardTile::Rows64Wide;
 }
 
 bool available(const Tensor& a, const Tensor& b, const Tensor& c, int64_t experts) {
