@@ -4,7 +4,8 @@
 // layer), random weights (Philox initialisation, no checkpoint), bf16 compute, on GPU 0.
 // Greedy decoding of --new-tokens tokens (default 512) after a --prompt-len token prompt
 // (default 128), for one prompt and for --batch prompts (default 16) decoded together; no eod.
-// Each decoding step replays a CUDA graph (train/decode_step.h) unless --no-cuda-graph.
+// Each decoding step replays a CUDA graph (train/decode_step.h) unless --no-cuda-graph. Each run
+// generates --repeats times (default 3) and reports the median generation.
 // Prints tokens/s of the decode (prefill separately) and, for one prompt, the memory bound:
 //   weight bytes one token reads = per layer (q, k, v, o projections + router + top-k experts'
 //   three matrices) + the output layer, bf16 (norms, the embedding row and the KV cache left out)
@@ -76,7 +77,9 @@ struct Run {
   double prefill_tps() const { return out.prefill_seconds > 0 ? out.prefill_tokens / out.prefill_seconds : 0; }
 };
 
-Run run(GPTModel& model, Device dev, int64_t prompts, int64_t prompt_len, int64_t new_tokens, bool cuda_graph) {
+// The median (by decode tokens/s) of `repeats` generations after a warm-up.
+Run run(GPTModel& model, Device dev, int64_t prompts, int64_t prompt_len, int64_t new_tokens, bool cuda_graph,
+        int64_t repeats) {
   std::vector<std::vector<int32_t>> p(static_cast<size_t>(prompts));
   for (int64_t r = 0; r < prompts; ++r)
     for (int64_t i = 0; i < prompt_len; ++i) p[static_cast<size_t>(r)].push_back(static_cast<int32_t>((r * 7919 + i * 104729) % 32768));
@@ -85,19 +88,23 @@ Run run(GPTModel& model, Device dev, int64_t prompts, int64_t prompt_len, int64_
   opt.max_new_tokens = new_tokens;
   opt.cuda_graph = cuda_graph;
   generate_tokens(model, dev, p, [&] { GenerationOptions w = opt; w.max_new_tokens = 8; return w; }());  // warm-up
-  return {prompts, generate_tokens(model, dev, p, opt)};
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < std::max<int64_t>(1, repeats); ++i) runs.push_back({prompts, generate_tokens(model, dev, p, opt)});
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.decode_tps() < b.decode_tps(); });
+  return runs[runs.size() / 2];
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    int64_t prompt_len = 128, new_tokens = 512, batch = 16;
+    int64_t prompt_len = 128, new_tokens = 512, batch = 16, repeats = 3;
     bool no_cuda_graph = false;
     cli::FlagSet flags("bench_generate", "Decoding tokens/s with the KV cache at mixtral-small's shapes.");
     flags.add_int("prompt-len", &prompt_len, "prompt tokens");
     flags.add_int("new-tokens", &new_tokens, "tokens decoded per prompt");
     flags.add_int("batch", &batch, "prompts decoded together in the batched run");
+    flags.add_int("repeats", &repeats, "generations per run; the median one (by decode tokens/s) is reported");
     flags.add_bool("no-cuda-graph", &no_cuda_graph, "launch each decoding step's kernels one by one (no CUDA graph)");
     flags.parse(std::vector<std::string>(argv + 1, argv + argc));
     if (flags.help_requested()) {
@@ -119,8 +126,8 @@ int main(int argc, char** argv) {
                                        {"weight_bytes_per_token", bytes}, {"bound_tokens_per_s", bound}}
                             .dump()
                             .c_str());
-    std::vector<Run> runs = {run(model, dev, 1, prompt_len, new_tokens, !no_cuda_graph),
-                             run(model, dev, batch, prompt_len, new_tokens, !no_cuda_graph)};
+    std::vector<Run> runs = {run(model, dev, 1, prompt_len, new_tokens, !no_cuda_graph, repeats),
+                             run(model, dev, batch, prompt_len, new_tokens, !no_cuda_graph, repeats)};
     for (const Run& r : runs)
       std::printf("%s\n", nlohmann::json{{"bench", "generate"}, {"prompts", r.prompts}, {"prompt_len", prompt_len},
                                          {"new_tokens", new_tokens}, {"prefill_tokens_per_s", r.prefill_tps()},
