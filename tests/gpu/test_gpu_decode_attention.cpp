@@ -2,7 +2,7 @@
 // write and ops::attention_forward row by row): the outputs, lse, the rotated q and both caches,
 // for rows at different positions (0, middle, last), GQA, head dims 64 and 128 (and 16, 96,
 // D = 192 with Dv = 128 as MLA, 33 (odd: the per-row path) and 320 (> 256: the per-row path)),
-// f32 and bf16, with and without RoPE.
+// f32 and bf16, with and without RoPE, and caches that start off a 16-byte boundary.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -42,8 +42,18 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
   return m;
 }
 
+// A device copy of t whose data starts one element past a 16-byte boundary (a view into a
+// larger buffer): the packed 16-byte loads must not take it.
+Tensor misaligned_copy(const Tensor& t, Device dev) {
+  Tensor buf = Tensor::empty({t.numel() + 1}, t.dtype(), dev);
+  Tensor view = buf.slice(0, 1, t.numel() + 1).view(t.shape());
+  view.copy_from(t.to(dev));
+  return view;
+}
+
 // Dv: the value head dim (0: D). last: the third row's position (the cache holds last + 1).
-void check_case(DType dtype, int64_t D, bool rope, int64_t Dv = 0, int32_t last = 39) {
+// misaligned: the device caches start 2 or 4 bytes past a 16-byte boundary.
+void check_case(DType dtype, int64_t D, bool rope, int64_t Dv = 0, int32_t last = 39, bool misaligned = false) {
   if (Dv == 0) Dv = D;
   std::mt19937 rng(static_cast<unsigned>(D + 1000 * Dv + (rope ? 1 : 0)));
   const int64_t R = 3, Hq = 4, Hkv = 2, max_len = last + 1;
@@ -52,7 +62,8 @@ void check_case(DType dtype, int64_t D, bool rope, int64_t Dv = 0, int32_t last 
   Tensor kc = random_tensor({R, max_len, Hkv, D}, dtype, rng), vc = random_tensor({R, max_len, Hkv, Dv}, dtype, rng);
   const Tensor pos = Tensor::from_vector(std::vector<int32_t>{0, 17, last}, {R});
   const Device dev = Device::cuda(0);
-  Tensor gq = q.to(dev), gk = k.to(dev), gv = v.to(dev), gkc = kc.to(dev), gvc = vc.to(dev), gpos = pos.to(dev);
+  Tensor gq = q.to(dev), gk = k.to(dev), gv = v.to(dev), gpos = pos.to(dev);
+  Tensor gkc = misaligned ? misaligned_copy(kc, dev) : kc.to(dev), gvc = misaligned ? misaligned_copy(vc, dev) : vc.to(dev);
   Tensor out = Tensor::empty({R, 1, Hq, Dv}, dtype), lse = Tensor::empty({R, Hq, 1}, DType::F32);
   Tensor gout = Tensor::empty(out.shape(), dtype, dev), glse = Tensor::empty({R, Hq, 1}, DType::F32, dev);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
@@ -60,7 +71,8 @@ void check_case(DType dtype, int64_t D, bool rope, int64_t Dv = 0, int32_t last 
   ops::decode_attention(gq, gk, gv, gkc, gvc, gpos, rope, 10000.0, scale, gout, glse);
   const double tol = dtype == DType::F32 ? 1e-5 : 2e-2;  // bf16: one rounding of O(1) values
   const std::string what =
-      std::string(dtype_name(dtype)) + " D" + std::to_string(D) + " Dv" + std::to_string(Dv) + (rope ? " rope" : "");
+      std::string(dtype_name(dtype)) + " D" + std::to_string(D) + " Dv" + std::to_string(Dv) + (rope ? " rope" : "") +
+      (misaligned ? " misaligned caches" : "");
   EXPECT_LT(max_abs_diff(gout, out), tol) << what << " out";
   EXPECT_LT(max_abs_diff(glse, lse), 1e-4) << what << " lse";
   EXPECT_LT(max_abs_diff(gq, q), tol) << what << " rotated q";
@@ -69,6 +81,11 @@ void check_case(DType dtype, int64_t D, bool rope, int64_t Dv = 0, int32_t last 
 }
 
 }  // namespace
+
+TEST(GpuDecodeAttention, MisalignedCachesMatchCpu) {
+  MC_REQUIRE_CUDA();
+  for (DType t : {DType::BF16, DType::F32}) check_case(t, 128, true, 0, 39, true);
+}
 
 TEST(GpuDecodeAttention, MatchesCpuF32) {
   MC_REQUIRE_CUDA();

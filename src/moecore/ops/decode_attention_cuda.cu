@@ -112,14 +112,15 @@ __device__ bool value_sum_bf16x8(const float* sc, const T* vrow, int64_t vstride
 // device, so the grid stays fixed inside a CUDA graph), and writes its chunk's max m_s, sum l_s
 // and unnormalised value sum o_s to the workspace; decode_combine_kernel merges them.
 // In a block: the query in shared memory; the scores with the warps taking turns over the keys
-// (packed: several keys per warp, 8 features per lane; else one key per warp, lane i features i,
+// (packed, when the caches are bf16 with 16-byte aligned rows: several keys per warp, 8 features
+// per lane; else one key per warp, lane i features i,
 // i + 32, ..., then a warp sum); the chunk's max and exp-sum over the block; the value sum split
 // the same way over the keys, and the warps' partial sums added in warp order.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) decode_attention_split_kernel(const T* q, const T* kc, const T* vc,
                                                                           const int32_t* pos, float* part, int64_t Hq,
                                                                           int64_t Hkv, int64_t D, int64_t Dv,
-                                                                          int64_t max_len, float scale) {
+                                                                          int64_t max_len, float scale, bool packed) {
   extern __shared__ float smem[];
   const int64_t splits = gridDim.y, split = blockIdx.y;
   float* qs = smem;      // D
@@ -135,7 +136,6 @@ __global__ void __launch_bounds__(kThreads) decode_attention_split_kernel(const 
   const int64_t stride = Hkv * D;
   const T* krow = kc + (r * max_len * Hkv + kv) * D + begin * stride;
   const T* vrow = vc + (r * max_len * Hkv + kv) * Dv + begin * Hkv * Dv;
-  const bool packed = std::is_same_v<T, bf16> && D % 8 == 0 && Dv % 8 == 0;
   if (packed) {
     key_scores_bf16x8(qs, krow, stride, n, D, scale, sc);
   } else {
@@ -256,10 +256,13 @@ void decode_attention(Tensor& q, const Tensor& k_new, const Tensor& v_new, Tenso
              " chunks per head, more than the ", kMaxCombineSplits, " the kernels take");
     Tensor part = Tensor::empty({R * Hq, splits, Dv + 2}, DType::F32, q.device());
     const size_t shared = static_cast<size_t>(D + std::max<int64_t>(chunk, kWarps * Dv)) * sizeof(float);
+    // The packed loads read 16 bytes at a time: every cache row must start 16-byte aligned.
+    const bool packed = std::is_same_v<T, bf16> && D % 8 == 0 && Dv % 8 == 0 && aligned16(k_cache.data<T>()) &&
+                        aligned16(v_cache.data<T>());
     decode_attention_split_kernel<T><<<dim3(static_cast<unsigned>(R * Hq), static_cast<unsigned>(splits)), kThreads,
                                        shared, s>>>(q.data<T>(), k_cache.data<T>(), v_cache.data<T>(),
                                                     positions.data<int32_t>(), part.data<float>(), Hq, Hkv, D, Dv,
-                                                    max_len, static_cast<float>(scale));
+                                                    max_len, static_cast<float>(scale), packed);
     MC_CUDA_CHECK_LAUNCH();
     decode_combine_kernel<T><<<static_cast<unsigned>(R * Hq), kThreads, 0, s>>>(part.data<float>(), splits, Dv,
                                                                                out.data<T>(), lse.data<float>());
