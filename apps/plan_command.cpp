@@ -227,6 +227,7 @@ int run_plan(const std::vector<std::string>& argv) {
   const plan::Cluster cl = cluster_of(pf, hw);
   o.whole_run_peak = hw.cpu;
   o.offload_copies_synchronous = hw.cpu;  // the CPU copies offloaded activations at once
+  o.gpu_head_chunks = !hw.cpu;
   if (pf.search) {
     plan::SearchSpace space;
     space.base_argv = argv;

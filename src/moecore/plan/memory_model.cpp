@@ -613,7 +613,8 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
     sm.parts = step.parts;
     sm.peak_at = "step";
     if (head) {  // the end of the head stage's forward: the final norm and the fused output layer
-      // (logits and their gradient in fp32 over this rank's vocabulary, the loss statistics)
+      // (CPU: logits and their fp32 copy over this rank's vocabulary, the loss statistics; GPU:
+      // one chunk of them)
       // beside every saved tensor, before the first backward frees any or allocates workspace.
       Items fwd = state.steady;
       fwd.merge(act);
@@ -625,8 +626,21 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
       fwd.add(ActivationModule::kFinalNorm, s.Tl * (s.rms ? 4 : 8));
       // The head reads every token of the TP group (SP gathers them); TP adds the gathered input
       // and the input gradient reduced over TP.
-      fwd.add(ActivationModule::kOutputLayer, s.T * static_cast<double>(m.vocab_size) / s.tp * 4, 2);
-      fwd.add(ActivationModule::kOutputLayer, s.T * 4, a.tp > 1 ? 2 : 3);
+      const double vocab = static_cast<double>(m.vocab_size) / s.tp;
+      if (o.gpu_head_chunks) {
+        // GPTModel::head_forward_chunked: chunks of kFusedHeadChunkElements / (V / TP) rows, each
+        // chunk's logits (their gradient written in place) and its input gradient; the whole
+        // input gradient, the rows' losses, and the chunk's lse and loss gradient.
+        const double c = std::min(s.T, std::max(1.0, std::floor(static_cast<double>(GPTModel::kFusedHeadChunkElements) / vocab)));
+        fwd.add(ActivationModule::kOutputLayer, c * vocab * s.b);
+        fwd.add(ActivationModule::kOutputLayer, c * s.H * s.b);
+        fwd.add(ActivationModule::kOutputLayer, s.T * s.H * s.b);
+        fwd.add(ActivationModule::kOutputLayer, s.T * 4);
+        fwd.add(ActivationModule::kOutputLayer, c * 4, 2);
+      } else {
+        fwd.add(ActivationModule::kOutputLayer, s.T * vocab * 4, 2);
+        fwd.add(ActivationModule::kOutputLayer, s.T * 4, a.tp > 1 ? 2 : 3);
+      }
       if (a.tp > 1) fwd.add(ActivationModule::kOutputLayer, s.T * s.H * s.b);
       if (s.sp) fwd.add(ActivationModule::kOutputLayer, s.T * s.H * s.b);
       fwd.merge(comm);

@@ -26,6 +26,9 @@ struct PlanOptions {
   bool ep_overlap = false;   // --overlap-moe-expert-parallel-comm (a prediction: not in training yet)
   bool whole_run_peak = false;  // the CPU allocator's peak counts the set-up too (a GPU's is per step)
   bool offload_copies_synchronous = false;  // --offload-modules on the CPU: a layer's device tensors go at once
+  // A GPU profile: the fused output layer's peak is one chunk of logits (cuBLASLt multiplies bf16
+  // operands into fp32 gradients directly; the CPU GEMM widens the whole chunk's logits to fp32).
+  bool gpu_head_chunks = false;
 };
 
 // Bytes by tag (core/memory_categories.h) and the allocator's rounding of them.
