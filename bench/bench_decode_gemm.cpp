@@ -49,13 +49,6 @@ std::vector<int32_t> route(int64_t prompts, int64_t topk, int64_t experts) {
   return counts;
 }
 
-double copy_bandwidth(Device dev) {
-  const int64_t n = int64_t{1} << 29;  // 1 GiB of bf16
-  Tensor a = Tensor::zeros({n}, DType::BF16, dev), b = Tensor::empty({n}, DType::BF16, dev);
-  const double ms = bench::time_ms(dev, 1, 5, [&] { b.copy_from(a); });
-  return 2.0 * static_cast<double>(a.nbytes()) / (ms * 1e-3);
-}
-
 struct Row {
   std::string gemm, kind;
   int64_t prompts, rows;
@@ -80,7 +73,7 @@ int main(int argc, char** argv) {
     }
     const Device dev = Device::cuda(0);
     const std::string card = system_info()["cuda_devices"][0]["name"].get<std::string>();
-    const double copy = copy_bandwidth(dev);
+    const double copy = bench::copy_bandwidth(dev);
     std::printf("%s\n", nlohmann::json{{"bench", "decode_gemm_copy"}, {"device", card}, {"copy_gb_s", copy / 1e9}}.dump().c_str());
     const std::vector<Gemm> gemms = {{"mixtral-small fc1", 8, 2, 11264, 2048},
                                      {"mixtral-small fc2", 8, 2, 2048, 5632},

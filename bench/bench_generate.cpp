@@ -63,13 +63,6 @@ double weight_bytes_per_token(const ModelConfig& c) {
   return 2 * (layers + h * static_cast<double>(c.vocab_size));
 }
 
-double copy_bandwidth(Device dev) {
-  const int64_t n = int64_t{1} << 29;  // 1 GiB of bf16
-  Tensor a = Tensor::zeros({n}, DType::BF16, dev), b = Tensor::empty({n}, DType::BF16, dev);
-  const double ms = bench::time_ms(dev, 1, 5, [&] { b.copy_from(a); });
-  return 2.0 * static_cast<double>(a.nbytes()) / (ms * 1e-3);
-}
-
 struct Run {
   int64_t prompts;
   GenerationOutput out;
@@ -121,7 +114,7 @@ int main(int argc, char** argv) {
     ParamStore store(dev, DType::F32, DType::BF16, 1234);
     GPTModel model(cfg, store);
     store.initialize();
-    const double bandwidth = copy_bandwidth(dev), bytes = weight_bytes_per_token(cfg), bound = bandwidth / bytes;
+    const double bandwidth = bench::copy_bandwidth(dev), bytes = weight_bytes_per_token(cfg), bound = bandwidth / bytes;
     std::printf("%s\n", nlohmann::json{{"bench", "generate_bound"}, {"copy_bandwidth_gb_s", bandwidth / 1e9},
                                        {"weight_bytes_per_token", bytes}, {"bound_tokens_per_s", bound}}
                             .dump()
