@@ -1,10 +1,10 @@
 // Attention benchmark: causal GQA attention forward and backward on CUDA, the tiled CUDA-core
 // kernels, the cuBLAS GEMM path and the fused tensor-core flash kernels
 // (MOECORE_ATTENTION=tiled|gemm|flash, set here per run; "flash" takes the Hopper wgmma kernels
-// where they run (D = 128 on compute capability 9.0), "flash-mma" the mma.sync kernels
-// (MOECORE_ATTENTION_FLASH_HOPPER=0); "-1ds" adds MOECORE_ATTENTION_FLASH_SPLIT=0, P and dS rounded
-// to one bf16 in the backward), with
-// a dense bf16 GEMM (ops::gemm, 8192^3) measured in the same run as the ceiling.
+// where they run (D = 128 and D = 192 / Dv = 128 on compute capability 9.0), "flash-mma" the
+// mma.sync kernels (MOECORE_ATTENTION_FLASH_HOPPER=0); "-1ds" adds MOECORE_ATTENTION_FLASH_SPLIT=0,
+// P and dS rounded to one bf16 in the backward), with a dense bf16 GEMM (ops::gemm, 8192^3)
+// measured in the same run as the ceiling.
 //
 // FLOP counting (causal: only the s >= t half of the score matrix is useful work), with D the
 // query/key head dim and Dv the value head dim (Dv = D but for the MLA case):
@@ -13,10 +13,9 @@
 //   backward 5 products (Q K^T recomputed, dS K, dS^T Q over D; dO V^T, P^T dO over Dv):
 //            2 B Hq S^2 / 2 (3 D + 2 Dv)   (= 2.5x the forward for Dv = D)
 // The head-dim comparison (always run; --head-dims runs only it) times D = 128 and MLA's
-// D = 192 / Dv = 128 at B4 S4096 Hq16 in the same run on the flash path (Hopper kernels where
-// they run: both directions at 128, the forward only at 192 / 128, whose backward is mma.sync)
-// and the mma.sync kernels, and prints the TFLOP/s ratio 192/128 : 128 per direction (issue 27
-// asks >= 0.8 against the fastest D = 128 kernel).
+// D = 192 / Dv = 128 at B4 S4096 Hq16 in the same run on the flash path (the Hopper kernels where
+// they run, both directions at both head dims) and the mma.sync kernels, and prints the TFLOP/s
+// ratio 192/128 : 128 per direction (issue 27 asks >= 0.8 against the fastest D = 128 kernel).
 // The GEMM path actually executes more than that (block-lower-triangular, 9/16 of the dense
 // square at 8 blocks); the numbers are useful-FLOP rates, comparable between paths.
 //

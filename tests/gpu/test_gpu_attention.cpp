@@ -487,27 +487,37 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionFlashHopper,
 
 // MOECORE_ATTENTION_FLASH_SPLIT=0 on the Hopper kernels: P and dS rounded once, so dV can miss by
 // a few bf16 steps where P is large and the sum cancels (attention_flash_cuda.cu); 4x the bf16
-// gradient tolerances still catches a wrong product (errors of order 1).
+// gradient tolerances still catches a wrong product (errors of order 1). D = 128 and MLA's
+// D = 192 / Dv = 128 (300 queries: 9 full 32-query tiles of its dK/dV kernel and a partial one).
 TEST(GpuAttentionFlashHopperPath, SingleRoundingBackwardIsClose) {
   MC_REQUIRE_CUDA();
   if (!is_hopper_gpu()) GTEST_SKIP() << "the Hopper flash kernels need a compute-capability 9.0 GPU";
   ScopedEnv env("MOECORE_ATTENTION", "flash"), split("MOECORE_ATTENTION_FLASH_SPLIT", "0");
-  const FlashCase c{2, 300, 300, 4, 2, 128};
-  ASSERT_TRUE(hopper_flash_runs(c));
-  const double scale = 1.0 / std::sqrt(128.0);
-  Tensor q = random_tensor({c.B, c.Sq, c.Hq, c.D}, DType::BF16, Device::cpu(), -2, 2);
-  Tensor k = random_tensor({c.B, c.Sk, c.Hkv, c.D}, DType::BF16, Device::cpu(), -2, 2);
-  Tensor v = random_tensor(k.shape(), DType::BF16), dout = random_tensor(q.shape(), DType::BF16);
-  Tensor out = Tensor::empty(q.shape(), DType::BF16), lse = Tensor::empty({c.B, c.Hq, c.Sq}, DType::F32);
-  ops::attention_forward(q, k, v, scale, out, lse);
-  std::vector<Tolerance> tol = tolerances(DType::BF16);
-  for (size_t i = 2; i < tol.size(); ++i) tol[i] = {4 * tol[i].atol, 4 * tol[i].rtol};
-  expect_cuda_matches_cpu({q, k, v, out, lse, dout},
-                          {{q.shape(), DType::BF16}, {k.shape(), DType::BF16}, {k.shape(), DType::BF16}},
-                          [&](const std::vector<Tensor>& in, std::vector<Tensor>& o) {
-                            ops::attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], scale, o[0], o[1], o[2]);
-                          },
-                          {tol[2], tol[3], tol[4]});
+  for (const int64_t D : {128, 192}) {
+    SCOPED_TRACE("D = " + std::to_string(D));
+    const FlashCase c{2, 300, 300, 4, 2, D};
+    const int64_t Dv = 128;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    Tensor q = random_tensor({c.B, c.Sq, c.Hq, D}, DType::BF16, Device::cpu(), -2, 2);
+    Tensor k = random_tensor({c.B, c.Sk, c.Hkv, D}, DType::BF16, Device::cpu(), -2, 2);
+    Tensor v = random_tensor({c.B, c.Sk, c.Hkv, Dv}, DType::BF16), dout = random_tensor({c.B, c.Sq, c.Hq, Dv}, DType::BF16);
+    {
+      Tensor qd = Tensor::empty(q.shape(), DType::BF16, kCuda), kd = Tensor::empty(k.shape(), DType::BF16, kCuda);
+      Tensor vd = Tensor::empty(v.shape(), DType::BF16, kCuda), od = Tensor::empty(dout.shape(), DType::BF16, kCuda);
+      ASSERT_TRUE(ops::cuda::flash_hopper::available({c.B, c.Sq, c.Hq, c.Hkv, D, c.Sk, Dv}, qd, kd, vd, &od));
+    }
+    Tensor out = Tensor::empty(dout.shape(), DType::BF16), lse = Tensor::empty({c.B, c.Hq, c.Sq}, DType::F32);
+    ops::attention_forward(q, k, v, scale, out, lse);
+    std::vector<Tolerance> tol = tolerances(DType::BF16);
+    for (size_t i = 2; i < tol.size(); ++i) tol[i] = {4 * tol[i].atol, 4 * tol[i].rtol};
+    expect_cuda_matches_cpu({q, k, v, out, lse, dout},
+                            {{q.shape(), DType::BF16}, {k.shape(), DType::BF16}, {v.shape(), DType::BF16}},
+                            [&](const std::vector<Tensor>& in, std::vector<Tensor>& o) {
+                              ops::attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], scale, o[0], o[1],
+                                                      o[2]);
+                            },
+                            {tol[2], tol[3], tol[4]});
+  }
 }
 
 // MOECORE_ATTENTION_FLASH_HOPPER=0 turns the Hopper kernels off; D = 64 and f32 never take them.
@@ -522,19 +532,26 @@ TEST(GpuAttentionFlashHopperPath, SwitchAndUnsupportedSizes) {
   }
   Tensor q = Tensor::empty({1, 64, 2, 128}, DType::F32, kCuda), k = Tensor::empty({1, 64, 1, 128}, DType::F32, kCuda);
   EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 128, 64}, q, k, k));
-  // MLA's D = 192 / Dv = 128: the Hopper forward (no dout), the mma.sync backward; other pairs
-  // (Dv != 128, or D = 192 with Dv = 192) never take the Hopper kernels.
+  // MLA's D = 192 / Dv = 128: the Hopper forward (no dout) and backward; other pairs (Dv != 128,
+  // or D = 192 with Dv = 192) never take the Hopper kernels.
   Tensor qb = Tensor::empty({1, 64, 2, 192}, DType::BF16, kCuda), kb = Tensor::empty({1, 64, 1, 192}, DType::BF16, kCuda);
   Tensor vb = Tensor::empty({1, 64, 1, 128}, DType::BF16, kCuda), ob = Tensor::empty({1, 64, 2, 128}, DType::BF16, kCuda);
   EXPECT_TRUE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 192, 64, 128}, qb, kb, vb));
-  EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 192, 64, 128}, qb, kb, vb, &ob));
+  EXPECT_TRUE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 192, 64, 128}, qb, kb, vb, &ob));
+  {
+    ScopedEnv off("MOECORE_ATTENTION_FLASH_HOPPER", "0");
+    EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 192, 64, 128}, qb, kb, vb, &ob));
+  }
   EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 192, 64, 192}, qb, kb, kb));
   EXPECT_FALSE(ops::cuda::flash_hopper::available({1, 64, 2, 1, 256, 64, 256}, qb, kb, kb));
 }
 
-// The Hopper forward at MLA's D = 192 / Dv = 128 against the CPU (its backward, the mma.sync
-// kernels, runs in the same comparison): many tiles, partial tiles, offsets that are not
-// multiples of the tiles, GQA, MQA and MHA, 5 queries against 77 keys.
+// The Hopper kernels at MLA's D = 192 / Dv = 128 against the CPU, forward and backward (dK/dV in
+// 32-query tiles, dQ in 64-key tiles of 192-wide K): many tiles, partial tiles (77, 257, 33, 31
+// rows: one past a 32-query tile and one short of it), offsets that are not multiples of the
+// tiles (130 x 300, 1000 x 1234, 31 x 95, 100 x 1100: every query sees at least 1000 keys, nearly
+// no causal mask), one that is (512 x 640), GQA 8:2, 6:3, MQA 4:1 and MHA, 5 queries against 77
+// keys, and more dK/dV CTAs than an H100 has SMs (B4 H8:8 S1024: 256).
 class GpuAttentionFlashHopperMla : public ::testing::TestWithParam<FlashCase> {};
 
 TEST_P(GpuAttentionFlashHopperMla, MatchesCpu) {
@@ -543,9 +560,10 @@ TEST_P(GpuAttentionFlashHopperMla, MatchesCpu) {
   const FlashCase c = GetParam();
   ScopedEnv env("MOECORE_ATTENTION", "flash");
   Tensor q = Tensor::empty({c.B, c.Sq, c.Hq, 192}, DType::BF16, kCuda);
+  Tensor o = Tensor::empty({c.B, c.Sq, c.Hq, 128}, DType::BF16, kCuda);
   Tensor k = Tensor::empty({c.B, c.Sk, c.Hkv, 192}, DType::BF16, kCuda), v = Tensor::empty({c.B, c.Sk, c.Hkv, 128}, DType::BF16, kCuda);
-  ASSERT_TRUE(ops::cuda::flash_hopper::available({c.B, c.Sq, c.Hq, c.Hkv, 192, c.Sk, 128}, q, k, v))
-      << "the Hopper forward declined these sizes";
+  ASSERT_TRUE(ops::cuda::flash_hopper::available({c.B, c.Sq, c.Hq, c.Hkv, 192, c.Sk, 128}, q, k, v, &o))
+      << "the Hopper kernels declined these sizes";
   check_against_cpu(DType::BF16, c.B, c.Sq, c.Hq, c.Hkv, 192, c.Sk, std::nullopt, 128);
 }
 
@@ -553,7 +571,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionFlashHopperMla,
                          ::testing::Values(FlashCase{1, 2048, 2048, 2, 2, 192}, FlashCase{2, 77, 77, 8, 2, 192},
                                            FlashCase{2, 130, 300, 8, 2, 192}, FlashCase{1, 1000, 1234, 8, 2, 192},
                                            FlashCase{2, 5, 77, 8, 2, 192}, FlashCase{2, 200, 200, 4, 4, 192},
-                                           FlashCase{1, 512, 640, 4, 1, 192}, FlashCase{2, 1024, 1088, 16, 2, 192}),
+                                           FlashCase{1, 512, 640, 4, 1, 192}, FlashCase{2, 1024, 1088, 16, 2, 192},
+                                           FlashCase{1, 257, 257, 6, 3, 192}, FlashCase{2, 33, 33, 4, 2, 192},
+                                           FlashCase{2, 31, 95, 4, 2, 192}, FlashCase{1, 100, 1100, 4, 4, 192},
+                                           FlashCase{4, 1024, 1024, 8, 8, 192}),
                          [](const ::testing::TestParamInfo<FlashCase>& i) {
                            const FlashCase& c = i.param;
                            return "B" + std::to_string(c.B) + "_Sq" + std::to_string(c.Sq) + "_Sk" +

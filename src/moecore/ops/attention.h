@@ -41,12 +41,13 @@
 //         (MOECORE_ATTENTION_FLASH_SPLIT=0: one bf16 each, faster, less accurate); scores,
 //         statistics and accumulation are fp32. At B4 Hq16 S2048 D128 about 3.2x (fwd) and
 //         2.4x (bwd) faster than gemm (measured: docs/performance.md). See
-//         attention_flash_cuda.cu. On compute capability 9.0 with D = Dv = 128 (and an sm_90a
-//         build) the same path runs Hopper kernels instead (TMA + wgmma, P and dS passed
-//         between products in registers; forward per query tile, dK/dV per key tile, dQ per
-//         query tile, larger tiles, the same rounding), about 2.3x (fwd) and 1.6x (bwd)
-//         faster than the mma.sync kernels at that shape (docs/performance.md). See
-//         attention_flash_hopper.cu; MOECORE_ATTENTION_FLASH_HOPPER=0 keeps the mma.sync ones.
+//         attention_flash_cuda.cu. On compute capability 9.0 with D = Dv = 128 or MLA's
+//         D = 192 / Dv = 128 (and an sm_90a build) the same path runs Hopper kernels instead
+//         (TMA + wgmma, P and dS passed between products in registers; forward per query tile,
+//         dK/dV per key tile, dQ per query tile, larger tiles, the same rounding), about 2.3x
+//         (fwd) and 1.6x (bwd) faster than the mma.sync kernels at D = 128
+//         (docs/performance.md). See attention_flash_hopper.cu; MOECORE_ATTENTION_FLASH_HOPPER=0
+//         keeps the mma.sync ones.
 //   gemm  (default where flash is not supported: f32 or bf16, D a multiple of 8, Dv = D, Sk <=
 //         kAttentionGemmMaxSeq) cuBLAS
 //         tensor-core GEMMs per (b, head) over block-lower-triangular causal blocks (shifted

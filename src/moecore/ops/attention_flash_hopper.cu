@@ -1,30 +1,34 @@
-// Hopper (sm_90a) flash attention for D = 128 (and, forward only, MLA's D = 192 with Dv = 128),
-// bf16 in, fp32 accumulate: the flash path's kernels on compute capability 9.0 (semantics in
-// attention.h, interface in attention_flash_hopper.h).
+// Hopper (sm_90a) flash attention for D = 128 and MLA's D = 192 with Dv = 128 (KD below: the
+// query/key head dim; the value head dim is 128), bf16 in, fp32 accumulate: the flash path's
+// kernels on compute capability 9.0 (semantics in attention.h, interface in
+// attention_flash_hopper.h).
 //
 // Every kernel: one CTA = 2 consumer warpgroups + 1 producer warpgroup (384 threads; setmaxnreg
 // moves registers to the consumers), one CTA per SM.
 // The producer issues TMA loads (128-byte swizzle; q/k/v/dout seen as 4-D tensors {D, H, S, B}, so
-// a box {64, 1, rows, 1} is a [rows][64] block of one head) of the CTA's fixed tiles once and of
-// the streamed tiles into a ring of stages (full/empty mbarriers). Each consumer warpgroup owns
+// a box {64, 1, rows, 1} is a [rows][64] block of one head; a KD-wide row tile is KD / 64 such
+// chunks) of the CTA's fixed tiles once and of the streamed tiles into a ring of stages
+// (full/empty mbarriers). Each consumer warpgroup owns
 // 64 rows of the CTA's tile and runs wgmma: products of two shared-memory tiles give score-like
 // blocks in fp32 registers; those blocks, rounded to bf16 pairs, are the register A operand of
 // the next wgmma (the m64n*k16 accumulator layout is the A fragment layout), so P and dS never
 // touch shared memory.
 //
-//   forward  grid (query tiles of 128, Hq, B), longest first. Q (128 x KD, KD = 128 or 192) once;
+//   forward  grid (query tiles of 128, Hq, B), longest first. Q (128 x KD) once;
 //            K (KD wide) and V (128 wide) tiles of 128 keys, from the last one the tile sees down
 //            to 0, 2 stages. S = Q K^T, masked only
 //            in tiles that cross the shifted diagonal or the key end; online softmax in fp32
 //            (exp2 with c log2 e folded in), O = O corr + P V with P rounded to bf16 (as the
 //            mma.sync kernels).
-//   dK, dV   grid (key tiles of 128, Hkv, B). K and V (128 keys) once; for every query head of the
-//            group and every 64-query tile that sees the key tile: Q, dO, lse and Dr of 64 rows,
-//            4 stages. S^T = K Q^T, dP^T = V dO^T (m64n64), P^T = exp(c S^T - lse),
-//            dS^T = P^T (dP^T - Dr); dV += P^T dO, dK += dS^T Q (register A, dO and Q MN-major).
-//   dQ       grid (query tiles of 128, Hq, B), longest first. Q, dO (128 rows) once; K and V tiles
-//            of 64 keys, 4 stages. S = Q K^T, dP = dO V^T (m64n64), dS as above, dQ += dS K (K
-//            read MN-major from the same tile).
+//   dK, dV   grid (key tiles of 128, Hkv, B). K (KD wide) and V (128 keys) once; for every query
+//            head of the group and every query tile (64 queries at KD = 128, 32 at KD = 192: the
+//            registers) that sees the key tile: Q, dO, lse and Dr of its rows, in 4 (KD = 128) or 7
+//            stages. S^T = K Q^T, dP^T = V dO^T (m64n64 / m64n32), P^T = exp(c S^T - lse),
+//            dS^T = P^T (dP^T - Dr); dV += P^T dO, dK += dS^T Q (register A, dO and Q MN-major;
+//            dK is m64n192 at KD = 192).
+//   dQ       grid (query tiles of 128, Hq, B), longest first. Q, dO (128 rows) once; K (KD wide)
+//            and V tiles of 64 keys, 4 stages (3 at KD = 192). S = Q K^T, dP = dO V^T (m64n64),
+//            dS as above, dQ += dS K (K read MN-major from the same tile).
 // Each CTA owns the rows it writes: no atomics, deterministic. split: P (for dV) and dS enter
 // their products as hi + lo bf16 pairs (two wgmmas into one accumulator), as in
 // attention_flash_cuda.cu.
@@ -66,6 +70,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Bytes of one [rows][64] bf16 block: the two halves of a row tile of D = 128 lie this far apart.
 constexpr int chunk_bytes(int rows) { return rows * 64 * 2; }
 
+// The most dynamic shared memory a CTA may have (227 KiB on compute capability 9.0).
+constexpr size_t kMaxSmem = 227 * 1024;
+
 struct Geometry {
   int Sq, Sk, off;       // off = Sk - Sq: query s sees keys t <= s + off
   int Hq, Hkv, group;
@@ -85,26 +92,52 @@ struct Sizes {
   static constexpr int kVBytes = kBc * kD * 2;    // V: [2 key blocks][2 d chunks][64][64] (MN-major B of P V)
   static constexpr int kStageBytes = kKBytes + kVBytes;
   static constexpr size_t kSmem = 1024 + kQBytes + kStages * kStageBytes + (1 + 3 * kStages) * sizeof(uint64_t);
+  static_assert(kSmem <= kMaxSmem, "forward: shared memory over 227 KiB");
 };
 }  // namespace fwd
 
-// dK, dV: 128 keys (64 per warpgroup) against 64-query tiles (faster than 32-query tiles with 6
-// stages at mixtral-small's shape).
+// dK, dV: 128 keys (64 per warpgroup) against kBm-query tiles; K is KD / 64 chunks [128 keys][64],
+// V 2 chunks. KD = 128: 64-query tiles, 4 stages (faster than 32-query tiles with 6 stages at
+// mixtral-small's shape). KD = 192: the dK accumulator is 64 x 192 (96 registers a thread), so
+// 64-query tiles (S^T and dP^T of 32 registers each) would not fit the consumers' 240 registers:
+// 32-query tiles (m64n32: 16 each), 7 stages of Q (3 chunks [32][64]) and dO (2 chunks).
 namespace dkv {
-constexpr int kBn = 128, kBm = 64, kStages = 4;
-constexpr int kKBytes = kBn * kD * 2;    // K and V: 2 chunks [128 keys][64 d] each
-constexpr int kRowBytes = kBm * kD * 2;  // Q and dO of a stage: 2 chunks [kBm][64] each
-constexpr int kStageBytes = 2 * kRowBytes;
-constexpr size_t kSmem = 1024 + 2 * kKBytes + kStages * kStageBytes + 2 * kStages * kBm * sizeof(float) +
-                         (1 + 2 * kStages) * sizeof(uint64_t);
+constexpr int kBn = 128;
+template <int KD>
+struct Sizes {
+  static_assert(KD == 128 || KD == 192, "the Hopper backward takes KD = 128 or 192");
+  static constexpr int kBm = KD == 128 ? 64 : 32, kStages = KD == 128 ? 4 : 7;
+  static constexpr int kKBytes = kBn * KD * 2;    // K: KD / 64 chunks [128 keys][64 d]
+  static constexpr int kVBytes = kBn * kD * 2;    // V: 2 chunks [128 keys][64 d]
+  static constexpr int kQBytes = kBm * KD * 2;    // Q of a stage: KD / 64 chunks [kBm][64]
+  static constexpr int kDoBytes = kBm * kD * 2;   // dO of a stage: 2 chunks [kBm][64]
+  static constexpr int kStageBytes = kQBytes + kDoBytes;  // what the TMA loads of a stage bring
+  static constexpr size_t kSmem = 1024 + kKBytes + kVBytes + kStages * kStageBytes +
+                                  2 * kStages * kBm * sizeof(float) + (1 + 2 * kStages) * sizeof(uint64_t);
+  static_assert(kSmem <= kMaxSmem, "dK/dV: shared memory over 227 KiB");
+  static_assert(kStageBytes % 1024 == 0 && chunk_bytes(kBm) % 1024 == 0, "128-byte swizzle: 1 KiB aligned tiles");
+};
 }  // namespace dkv
 
+// dQ: 128 queries (64 per warpgroup) against 64-key tiles; Q is KD / 64 chunks [128][64], dO 2
+// chunks; a stage holds K (KD / 64 chunks [64 keys][64]) and V (2 chunks). 4 stages at KD = 128,
+// 3 at KD = 192 (the dQ accumulator, 64 x KD, fits the registers either way).
 namespace dq {
-constexpr int kBm = 128, kBn = 64, kStages = 4;
-constexpr int kRowBytes = kBm * kD * 2;   // Q and dO: 2 chunks [128][64] each
-constexpr int kTileBytes = kBn * kD * 2;  // K and V of a stage: 2 chunks [64 keys][64 d] each
-constexpr int kStageBytes = 2 * kTileBytes;
-constexpr size_t kSmem = 1024 + 2 * kRowBytes + kStages * kStageBytes + (1 + 2 * kStages) * sizeof(uint64_t);
+constexpr int kBm = 128, kBn = 64;
+template <int KD>
+struct Sizes {
+  static_assert(KD == 128 || KD == 192, "the Hopper backward takes KD = 128 or 192");
+  static constexpr int kStages = KD == 128 ? 4 : 3;
+  static constexpr int kQBytes = kBm * KD * 2;   // Q: KD / 64 chunks [128][64]
+  static constexpr int kDoBytes = kBm * kD * 2;  // dO: 2 chunks [128][64]
+  static constexpr int kKBytes = kBn * KD * 2;   // K of a stage: KD / 64 chunks [64 keys][64 d]
+  static constexpr int kVBytes = kBn * kD * 2;   // V of a stage: 2 chunks [64 keys][64 d]
+  static constexpr int kStageBytes = kKBytes + kVBytes;  // what the TMA loads of a stage bring
+  static constexpr size_t kSmem =
+      1024 + kQBytes + kDoBytes + kStages * kStageBytes + (1 + 2 * kStages) * sizeof(uint64_t);
+  static_assert(kSmem <= kMaxSmem, "dQ: shared memory over 227 KiB");
+  static_assert(kStageBytes % 1024 == 0 && kKBytes % 1024 == 0, "128-byte swizzle: 1 KiB aligned tiles");
+};
 }  // namespace dq
 
 #ifdef MOECORE_HOPPER_DEVICE
@@ -140,6 +173,21 @@ __device__ __forceinline__ void set_max_registers() {
 __device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) { return smem_desc(addr, 16, 1024); }
 __device__ __forceinline__ uint64_t mnmajor_desc(uint32_t addr, uint32_t chunk_stride) {
   return smem_desc(addr, chunk_stride, 1024);
+}
+// D[64 x N] (+)= A[64 x 16] B[N x 16]^T, both K-major in shared memory, N = 32 or 64.
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  static_assert(N == 32 || N == 64);
+  if constexpr (N == 32) wgmma_m64n32k16<0, 0>(d, desc_a, desc_b, scale_d);
+  else wgmma_m64n64k16<0, 0>(d, desc_a, desc_b, scale_d);
+}
+// D[64 x N] += A[64 x 16] B[N x 16]^T, A in registers, B MN-major in shared memory (N / 64
+// chunks LBO apart), N = 128 or 192.
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(N == 128 || N == 192);
+  if constexpr (N == 128) wgmma_m64n128k16_rs<1>(d, a, desc_b);
+  else wgmma_m64n192k16_rs<1>(d, a, desc_b);
 }
 __device__ __forceinline__ void init_barriers(uint64_t* bars, int n, int count_first, int count_full, int stages) {
   // bars: [0] the fixed tiles, [1, 1 + n * stages) full barriers, then the empty ones.
@@ -294,18 +342,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// dK, dV per key tile.
-template <bool kSplit>
+// dK, dV per key tile (KD: the query/key head dim, 128 or 192; the value head dim is kD = 128).
+template <int KD, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_dkv_hopper(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
                      const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, const float* lse,
                      const float* dr, __nv_bfloat16* dk, __nv_bfloat16* dv, const Geometry g) {
 #ifdef MOECORE_HOPPER_DEVICE
   using namespace dkv;
+  using Z = Sizes<KD>;
+  constexpr int kBm = Z::kBm, kStages = Z::kStages, kKBytes = Z::kKBytes, kVBytes = Z::kVBytes;
+  constexpr int kQBytes = Z::kQBytes, kStageBytes = Z::kStageBytes;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sk = aligned_smem(smem_raw);
   uint8_t* sv = sk + kKBytes;
-  uint8_t* stages = sv + kKBytes;  // [stage]: Q [2][kBm][64], dO [2][kBm][64]
+  uint8_t* stages = sv + kVBytes;  // [stage]: Q [KD / 64][kBm][64], dO [2][kBm][64]
   float* s_lse = reinterpret_cast<float*>(stages + kStages * kStageBytes);  // [stage][kBm], lse log2(e)
   float* s_dr = s_lse + kStages * kBm;                                      // [stage][kBm]
   uint64_t* bars = reinterpret_cast<uint64_t*>(s_dr + kStages * kBm);
@@ -325,10 +376,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x >= kConsumers + 32) return;
     const int lane = threadIdx.x - kConsumers;
     if (lane == 0) {
-      mbar_expect_tx(kv_full, 2 * kKBytes);
-      for (int c = 0; c < 2; ++c) {
+      mbar_expect_tx(kv_full, kKBytes + kVBytes);  // KD / 64 + 2 boxes of [128][64]
+      for (int c = 0; c < KD / 64; ++c) {
         tma_load_4d(sk + c * chunk_bytes(kBn), &tk, kv_full, 64 * c, kvh, k0, b);
-        tma_load_4d(sv + c * chunk_bytes(kBn), &tv, kv_full, 64 * c, kvh, k0, b);
+        if (c < 2) tma_load_4d(sv + c * chunk_bytes(kBn), &tv, kv_full, 64 * c, kvh, k0, b);
       }
     }
     for (int it = 0; it < total; ++it) {
@@ -343,10 +394,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (lane == 0) {
         uint8_t* q_dst = stages + s * kStageBytes;
-        mbar_expect_tx(&full[s], kStageBytes);
-        for (int c = 0; c < 2; ++c) {
+        mbar_expect_tx(&full[s], kStageBytes);  // KD / 64 + 2 boxes of [kBm][64]
+        for (int c = 0; c < KD / 64; ++c) {
           tma_load_4d(q_dst + c * chunk_bytes(kBm), &tq, &full[s], 64 * c, hq, qs, b);
-          tma_load_4d(q_dst + kRowBytes + c * chunk_bytes(kBm), &tdo, &full[s], 64 * c, hq, qs, b);
+          if (c < 2) tma_load_4d(q_dst + kQBytes + c * chunk_bytes(kBm), &tdo, &full[s], 64 * c, hq, qs, b);
         }
       } else {
         mbar_arrive(&full[s]);
@@ -358,24 +409,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   set_max_registers<kConsumerRegs>();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, t = lane % 4;
   const int key0 = k0 + wg * 64 + warp * 16 + lane / 4;  // this thread's keys: key0, key0 + 8
-  float acc_k[64], acc_v[64];
+  float acc_k[KD / 2], acc_v[64];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc_k[i] = 0.f, acc_v[i] = 0.f;
+  for (int i = 0; i < KD / 2; ++i) acc_k[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc_v[i] = 0.f;
   const uint32_t k_base = smem_u32(sk) + wg * chunk_bytes(64), v_base = smem_u32(sv) + wg * chunk_bytes(64);
   mbar_wait(kv_full, 0);
   for (int it = 0; it < total; ++it) {
     const int s = it % kStages;
     const int qs = (qt_begin + it % per_head) * kBm;
-    const uint32_t q_base = smem_u32(stages + s * kStageBytes), do_base = q_base + kRowBytes;
+    const uint32_t q_base = smem_u32(stages + s * kStageBytes), do_base = q_base + kQBytes;
     float st[kBm / 2], dpt[kBm / 2];
     mbar_wait(&full[s], (it / kStages) & 1);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {  // S^T = K Q^T, dP^T = V dO^T over d
+    for (int kk = 0; kk < KD / 16; ++kk) {  // S^T = K Q^T over KD, dP^T = V dO^T over kD
       const uint32_t off_a = (kk >> 2) * chunk_bytes(kBn) + (kk & 3) * 32;
       const uint32_t off_b = (kk >> 2) * chunk_bytes(kBm) + (kk & 3) * 32;
-      wgmma_m64n64k16<0, 0>(st, kmajor_desc(k_base + off_a), kmajor_desc(q_base + off_b), kk > 0);
-      wgmma_m64n64k16<0, 0>(dpt, kmajor_desc(v_base + off_a), kmajor_desc(do_base + off_b), kk > 0);
+      wgmma_ss<kBm>(st, kmajor_desc(k_base + off_a), kmajor_desc(q_base + off_b), kk > 0);
+      if (kk < kD / 16) wgmma_ss<kBm>(dpt, kmajor_desc(v_base + off_a), kmajor_desc(do_base + off_b), kk > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -404,12 +457,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBm / 16; ++kk) {  // dV += P^T dO, dK += dS^T Q over the kBm queries
+      // MN-major B: query rows 16 kk.. (2 KiB per 16 rows), d chunks chunk_bytes(kBm) apart.
       const uint64_t ddo = mnmajor_desc(do_base + kk * 2048, chunk_bytes(kBm));
       const uint64_t dq_ = mnmajor_desc(q_base + kk * 2048, chunk_bytes(kBm));
-      wgmma_m64n128k16_rs<1>(acc_v, pa[kk], ddo);
-      if (kSplit) wgmma_m64n128k16_rs<1>(acc_v, pl[kk], ddo);
-      wgmma_m64n128k16_rs<1>(acc_k, sa[kk], dq_);
-      if (kSplit) wgmma_m64n128k16_rs<1>(acc_k, sl[kk], dq_);
+      wgmma_rs<kD>(acc_v, pa[kk], ddo);
+      if (kSplit) wgmma_rs<kD>(acc_v, pl[kk], ddo);
+      wgmma_rs<KD>(acc_k, sa[kk], dq_);
+      if (kSplit) wgmma_rs<KD>(acc_k, sl[kk], dq_);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -422,13 +476,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < 2; ++i) {
     const int key = key0 + 8 * i;
     if (key >= g.Sk) continue;
-    const int64_t at = ((static_cast<int64_t>(b) * g.Sk + key) * g.Hkv + kvh) * kD + 2 * t;
+    const int64_t row = (static_cast<int64_t>(b) * g.Sk + key) * g.Hkv + kvh;
+    __nv_bfloat16* dk_row = dk + row * KD + 2 * t;
+    __nv_bfloat16* dv_row = dv + row * kD + 2 * t;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      *reinterpret_cast<__nv_bfloat162*>(dk + at + 8 * j) =
+    for (int j = 0; j < KD / 8; ++j) {
+      *reinterpret_cast<__nv_bfloat162*>(dk_row + 8 * j) =
           __floats2bfloat162_rn(acc_k[4 * j + 2 * i] * g.scale, acc_k[4 * j + 2 * i + 1] * g.scale);
-      *reinterpret_cast<__nv_bfloat162*>(dv + at + 8 * j) =
-          __floats2bfloat162_rn(acc_v[4 * j + 2 * i], acc_v[4 * j + 2 * i + 1]);
+      if (j < kD / 8)
+        *reinterpret_cast<__nv_bfloat162*>(dv_row + 8 * j) =
+            __floats2bfloat162_rn(acc_v[4 * j + 2 * i], acc_v[4 * j + 2 * i + 1]);
     }
   }
 #elif defined(__CUDA_ARCH__)
@@ -437,18 +494,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// dQ per query tile.
-template <bool kSplit>
+// dQ per query tile (KD as above).
+template <int KD, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_dq_hopper(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv, const float* lse,
                     const float* dr, __nv_bfloat16* dq, const Geometry g) {
 #ifdef MOECORE_HOPPER_DEVICE
   using namespace dq;
+  using Z = Sizes<KD>;
+  constexpr int kStages = Z::kStages, kQBytes = Z::kQBytes, kDoBytes = Z::kDoBytes, kKBytes = Z::kKBytes;
+  constexpr int kStageBytes = Z::kStageBytes;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = aligned_smem(smem_raw);
-  uint8_t* sdo = sq + kRowBytes;
-  uint8_t* stages = sdo + kRowBytes;  // [stage]: K [2][64][64], V [2][64][64]
+  uint8_t* sdo = sq + kQBytes;
+  uint8_t* stages = sdo + kDoBytes;  // [stage]: K [KD / 64][64][64], V [2][64][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(stages + kStages * kStageBytes);
   uint64_t* qd_full = bars;
   uint64_t* full = bars + 1;
@@ -464,20 +524,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x >= kConsumers) {
     set_max_registers<kProducerRegs>();
     if (threadIdx.x != kConsumers) return;
-    mbar_expect_tx(qd_full, 2 * kRowBytes);
-    for (int c = 0; c < 2; ++c) {
+    mbar_expect_tx(qd_full, kQBytes + kDoBytes);  // KD / 64 + 2 boxes of [128][64]
+    for (int c = 0; c < KD / 64; ++c) {
       tma_load_4d(sq + c * chunk_bytes(kBm), &tq, qd_full, 64 * c, h, q0, b);
-      tma_load_4d(sdo + c * chunk_bytes(kBm), &tdo, qd_full, 64 * c, h, q0, b);
+      if (c < 2) tma_load_4d(sdo + c * chunk_bytes(kBm), &tdo, qd_full, 64 * c, h, q0, b);
     }
     for (int it = 0; it < n_tiles; ++it) {
       const int s = it % kStages, round = it / kStages;
       const int k0 = (n_tiles - 1 - it) * kBn;
       if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
       uint8_t* dst = stages + s * kStageBytes;
-      mbar_expect_tx(&full[s], kStageBytes);
-      for (int c = 0; c < 2; ++c) {
+      mbar_expect_tx(&full[s], kStageBytes);  // KD / 64 + 2 boxes of [64][64]
+      for (int c = 0; c < KD / 64; ++c) {
         tma_load_4d(dst + c * chunk_bytes(kBn), &tk, &full[s], 64 * c, kvh, k0, b);
-        tma_load_4d(dst + kTileBytes + c * chunk_bytes(kBn), &tv, &full[s], 64 * c, kvh, k0, b);
+        if (c < 2) tma_load_4d(dst + kKBytes + c * chunk_bytes(kBn), &tv, &full[s], 64 * c, kvh, k0, b);
       }
     }
     return;
@@ -494,24 +554,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     lse2[i] = row < g.Sq ? lse[at] * kLog2e : INFINITY;
     drr[i] = row < g.Sq ? dr[at] : 0.f;
   }
-  float acc[64];
+  float acc[KD / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < KD / 2; ++i) acc[i] = 0.f;
   const uint32_t q_base = smem_u32(sq) + wg * chunk_bytes(64), do_base = smem_u32(sdo) + wg * chunk_bytes(64);
   mbar_wait(qd_full, 0);
   for (int it = 0; it < n_tiles; ++it) {
     const int s = it % kStages;
     const int k0 = (n_tiles - 1 - it) * kBn;
-    const uint32_t k_base = smem_u32(stages + s * kStageBytes), v_base = k_base + kTileBytes;
+    const uint32_t k_base = smem_u32(stages + s * kStageBytes), v_base = k_base + kKBytes;
     float sc[32], dp[32];
     mbar_wait(&full[s], (it / kStages) & 1);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {  // S = Q K^T, dP = dO V^T over d
+    for (int kk = 0; kk < KD / 16; ++kk) {  // S = Q K^T over KD, dP = dO V^T over kD
       const uint32_t off_a = (kk >> 2) * chunk_bytes(kBm) + (kk & 3) * 32;
       const uint32_t off_b = (kk >> 2) * chunk_bytes(kBn) + (kk & 3) * 32;
-      wgmma_m64n64k16<0, 0>(sc, kmajor_desc(q_base + off_a), kmajor_desc(k_base + off_b), kk > 0);
-      wgmma_m64n64k16<0, 0>(dp, kmajor_desc(do_base + off_a), kmajor_desc(v_base + off_b), kk > 0);
+      wgmma_ss<kBn>(sc, kmajor_desc(q_base + off_a), kmajor_desc(k_base + off_b), kk > 0);
+      if (kk < kD / 16) wgmma_ss<kBn>(dp, kmajor_desc(do_base + off_a), kmajor_desc(v_base + off_b), kk > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -532,10 +592,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < 4; ++kk) a_fragment(sc, kk, sa[kk], sl[kk], kSplit);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBn / 16; ++kk) {  // dQ += dS K: K read MN-major (d chunks 8 KB apart)
+    for (int kk = 0; kk < kBn / 16; ++kk) {  // dQ += dS K: K read MN-major (KD / 64 d chunks 8 KiB apart)
       const uint64_t dk_ = mnmajor_desc(k_base + kk * 2048, chunk_bytes(kBn));
-      wgmma_m64n128k16_rs<1>(acc, sa[kk], dk_);
-      if (kSplit) wgmma_m64n128k16_rs<1>(acc, sl[kk], dk_);
+      wgmma_rs<KD>(acc, sa[kk], dk_);
+      if (kSplit) wgmma_rs<KD>(acc, sl[kk], dk_);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -547,9 +607,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < 2; ++i) {
     const int row = row0 + 8 * i;
     if (row >= g.Sq) continue;
-    __nv_bfloat16* dst = dq + ((static_cast<int64_t>(b) * g.Sq + row) * g.Hq + h) * kD + 2 * t;
+    __nv_bfloat16* dst = dq + ((static_cast<int64_t>(b) * g.Sq + row) * g.Hq + h) * KD + 2 * t;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int j = 0; j < KD / 8; ++j)
       *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
           __floats2bfloat162_rn(acc[4 * j + 2 * i] * g.scale, acc[4 * j + 2 * i + 1] * g.scale);
   }
@@ -567,8 +627,8 @@ Geometry geometry(const AttentionDims& d, float scale) {
           scale,                       scale * kLog2e};
 }
 
-// A [B, S, H, W] bf16 tensor (W: its head dim, t's last size: 128, or 192 for the forward's q
-// and k) as the 4-D TMA tensor {W, H, S, B}; box {64, 1, rows, 1}.
+// A [B, S, H, W] bf16 tensor (W: its head dim, t's last size: 128, or 192 for MLA's q and k) as
+// the 4-D TMA tensor {W, H, S, B}; box {64, 1, rows, 1}.
 CUtensorMap head_map(const Tensor& t, int64_t seq, int64_t heads, uint32_t rows) {
   const uint64_t batch = static_cast<uint64_t>(t.size(0)), w = static_cast<uint64_t>(t.size(3));
   const uint64_t dims[4] = {w, static_cast<uint64_t>(heads), static_cast<uint64_t>(seq), batch};
@@ -590,6 +650,37 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 __nv_bfloat16* bf16_ptr(Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr()); }
 
+// The two backward launches at query/key head dim KD (the maps' boxes: the tiles' rows by 64
+// columns; q, k are KD wide, v, dout 128).
+template <int KD>
+void backward_kd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse, const Tensor& dr,
+                 const Tensor& dout, float scale, bool split, Tensor& dq, Tensor& dk, Tensor& dv,
+                 const AttentionDims& d, cudaStream_t stream) {
+  const Geometry g = geometry(d, scale);
+  const float* l = lse.data<float>();
+  const float* r = dr.data<float>();
+  {
+    using Z = dkv::Sizes<KD>;
+    const CUtensorMap tq = head_map(q, d.seq, d.q_heads, Z::kBm), tdo = head_map(dout, d.seq, d.q_heads, Z::kBm);
+    const CUtensorMap tk = head_map(k, d.keys(), d.kv_heads, dkv::kBn), tv = head_map(v, d.keys(), d.kv_heads, dkv::kBn);
+    const dim3 grid(tiles(d.keys(), dkv::kBn), d.kv_heads, d.batch);
+    if (split)
+      launch(flash_dkv_hopper<KD, true>, grid, Z::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
+    else
+      launch(flash_dkv_hopper<KD, false>, grid, Z::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
+  }
+  {
+    using Z = dq::Sizes<KD>;
+    const CUtensorMap tq = head_map(q, d.seq, d.q_heads, dq::kBm), tdo = head_map(dout, d.seq, d.q_heads, dq::kBm);
+    const CUtensorMap tk = head_map(k, d.keys(), d.kv_heads, dq::kBn), tv = head_map(v, d.keys(), d.kv_heads, dq::kBn);
+    const dim3 grid(tiles(d.seq, dq::kBm), d.q_heads, d.batch);
+    if (split)
+      launch(flash_dq_hopper<KD, true>, grid, Z::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dq), g);
+    else
+      launch(flash_dq_hopper<KD, false>, grid, Z::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dq), g);
+  }
+}
+
 }  // namespace
 
 bool available(const AttentionDims& d, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* dout) {
@@ -598,8 +689,8 @@ bool available(const AttentionDims& d, const Tensor& q, const Tensor& k, const T
 #else
   const char* env = env_switch("MOECORE_ATTENTION_FLASH_HOPPER");
   if (env && std::string(env) == "0") return false;
-  // The backward (dout given) takes D = Dv = 128; the forward also MLA's D = 192 / Dv = 128.
-  const bool dims = d.value_dim() == kD && (d.head_dim == kD || (!dout && d.head_dim == 192));
+  // Both directions take D = Dv = 128 and MLA's D = 192 / Dv = 128.
+  const bool dims = d.value_dim() == kD && (d.head_dim == kD || d.head_dim == 192);
   if (!dims || q.dtype() != DType::BF16 || !q.device().is_cuda()) return false;
   if (!device_info(q.device().index).hopper) return false;
   for (const Tensor* x : {&q, &k, &v, dout})
@@ -627,27 +718,12 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, float scale, Ten
 void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse, const Tensor& dr,
               const Tensor& dout, float scale, bool split, Tensor& dq, Tensor& dk, Tensor& dv, const AttentionDims& d,
               cudaStream_t stream) {
-  const Geometry g = geometry(d, scale);
-  const float* l = lse.data<float>();
-  const float* r = dr.data<float>();
-  {
-    const CUtensorMap tq = head_map(q, d.seq, d.q_heads, dkv::kBm), tdo = head_map(dout, d.seq, d.q_heads, dkv::kBm);
-    const CUtensorMap tk = head_map(k, d.keys(), d.kv_heads, dkv::kBn), tv = head_map(v, d.keys(), d.kv_heads, dkv::kBn);
-    const dim3 grid(tiles(d.keys(), dkv::kBn), d.kv_heads, d.batch);
-    if (split)
-      launch(flash_dkv_hopper<true>, grid, dkv::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
-    else
-      launch(flash_dkv_hopper<false>, grid, dkv::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dk), bf16_ptr(dv), g);
-  }
-  {
-    const CUtensorMap tq = head_map(q, d.seq, d.q_heads, dq::kBm), tdo = head_map(dout, d.seq, d.q_heads, dq::kBm);
-    const CUtensorMap tk = head_map(k, d.keys(), d.kv_heads, dq::kBn), tv = head_map(v, d.keys(), d.kv_heads, dq::kBn);
-    const dim3 grid(tiles(d.seq, dq::kBm), d.q_heads, d.batch);
-    if (split)
-      launch(flash_dq_hopper<true>, grid, dq::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dq), g);
-    else
-      launch(flash_dq_hopper<false>, grid, dq::kSmem, stream, tq, tdo, tk, tv, l, r, bf16_ptr(dq), g);
-  }
+  MC_CHECK(d.value_dim() == kD && (d.head_dim == 128 || d.head_dim == 192), "flash_hopper::backward: head dims ",
+           d.head_dim, " / ", d.value_dim(), " (the Hopper backward takes 128 / 128 or 192 / 128)");
+  if (d.head_dim == 192)
+    backward_kd<192>(q, k, v, lse, dr, dout, scale, split, dq, dk, dv, d, stream);
+  else
+    backward_kd<128>(q, k, v, lse, dr, dout, scale, split, dq, dk, dv, d, stream);
 }
 
 }  // namespace moecore::ops::cuda::flash_hopper

@@ -1,5 +1,5 @@
-// The Hopper (sm_90a) flash-attention kernels behind the flash path (attention.h) for D = 128
-// (the forward also for MLA's D = 192 with Dv = 128; that backward runs the mma.sync kernels):
+// The Hopper (sm_90a) flash-attention kernels behind the flash path (attention.h) for D = Dv = 128
+// and MLA's D = 192 with Dv = 128, forward and backward:
 // TMA loads, wgmma with fp32 accumulators, P and dS fed to the next product from registers.
 // CUDA builds only; the kernels are in attention_flash_hopper.cu.
 #pragma once
@@ -12,8 +12,8 @@
 namespace moecore::ops::cuda::flash_hopper {
 
 // True when these kernels run this case: the library was built for sm_90a, q is on a
-// compute-capability 9.0 GPU, bf16, Dv = 128 with D = 128 (or, without dout: the forward, D = 192),
-// q, k, v (and dout, for the backward) contiguous
+// compute-capability 9.0 GPU, bf16, Dv = 128 with D = 128 or 192, q, k, v (and dout, for the
+// backward) contiguous
 // with 16-byte aligned bases (outputs are contiguous by the op's checks), and MOECORE_ATTENTION_FLASH_HOPPER is not 0 (read at every
 // call; 0 selects the mma.sync kernels of attention_flash_cuda.cu).
 bool available(const AttentionDims& d, const Tensor& q, const Tensor& k, const Tensor& v,
