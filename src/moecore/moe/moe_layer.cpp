@@ -4,6 +4,7 @@
 
 #include "moecore/core/step_timers.h"
 #include "moecore/core/memory_categories.h"
+#include "moecore/moe/dispatch_load.h"
 #include "moecore/ops/elementwise.h"
 
 namespace moecore {
@@ -60,6 +61,13 @@ Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, 
   std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMoeDispatch);
   const TokenRows expert_in = dispatcher_->dispatch(in, ctx.dispatch);
   if (record) stats_.record_routing(ctx.dispatch.routing, routing.indices, routing.kept, routing.pad, training);
+  // The load-imbalance report (moe/dispatch_load.h): the rows this rank's experts received (over
+  // EP the plan's counts are on the host).
+  if (record && training && dispatcher_->ep_size() > 1) {
+    int64_t received = 0;
+    for (const int64_t c : ctx.dispatch.local_rows.host) received += c;
+    add_received_rows(received);
+  }
 
   phase.emplace("moe-experts", 2, dev);
   module.reset();  // the experts name their parts
