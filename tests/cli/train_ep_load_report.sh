@@ -14,7 +14,7 @@ base=(train --config "$src/configs/tiny.yaml" --device cpu --train-iters 2 --lr-
 values() { grep -o '"lm_loss":[^,}]*' "$1"; }
 MIN_LOGGED=2
 . "$(dirname "$0")/layout_compare.sh"  # run
-key() { grep -o "\"$2\":[^,}]*" "$dir/$1.jsonl" | tail -n 1 | cut -d: -f2; }
+key() { { grep -o "\"$2\":[^,}]*" "$dir/$1.jsonl" || true; } | tail -n 1 | cut -d: -f2; }
 for dispatcher in alltoall allgather; do
   for forced in "" "--moe-router-force-load-balancing"; do
     run load 2 "${base[@]}" --moe-token-dispatcher-type "$dispatcher" $forced
