@@ -297,7 +297,8 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("delay-wgrad-compute", &a.delay_wgrad_compute,
              "not available: goes with --overlap-moe-expert-parallel-comm (refused)");
   f.add_bool("moe-shared-expert-overlap", &a.moe_shared_expert_overlap,
-             "not available: the shared expert runs after the dispatch (refused)");
+             "the shared expert computes while the routed tokens travel (a side stream on the GPU; the same "
+             "numbers); needs --moe-shared-expert-intermediate-size and --moe-token-dispatcher-type alltoall");
   f.add_bool("moe-enable-deepep", &a.moe_enable_deepep, "not available: DeepEP kernels (the flex dispatcher) (refused)");
   f.add_bool("moe-layer-recompute", &a.moe_layer_recompute,
              "recompute each MoE layer from its input in the backward (= --recompute-modules moe)");
@@ -799,8 +800,19 @@ void check_feature_flags(TrainArgs& a) {
            "expert-parallel all-to-alls are not overlapped with another micro-batch's computation; drop the flag");
   MC_CHECK(!a.delay_wgrad_compute, "--delay-wgrad-compute is not available in this version (it goes with "
            "--overlap-moe-expert-parallel-comm): drop the flag");
-  MC_CHECK(!a.moe_shared_expert_overlap, "--moe-shared-expert-overlap is not available in this version: the shared "
-           "expert runs on the compute stream after the token dispatch; drop the flag");
+  if (a.moe_shared_expert_overlap) {
+    // Megatron's rules: a shared expert to overlap, and the alltoall dispatcher.
+    MC_CHECK(e.shared_expert_size > 0, "--moe-shared-expert-overlap needs a shared expert: set "
+             "--moe-shared-expert-intermediate-size (and --num-experts), or drop the flag");
+    MC_CHECK(a.token_dispatcher == "alltoall", "--moe-shared-expert-overlap works with --moe-token-dispatcher-type "
+             "alltoall only (as in Megatron), not ", a.token_dispatcher, ": add --moe-token-dispatcher-type alltoall");
+    // The shared expert's tensor-parallel collectives would run on the side stream beside the
+    // dispatch's on the compute stream (two communicators at once on one GPU).
+    MC_CHECK(a.tp == 1, "--moe-shared-expert-overlap with --tensor-model-parallel-size ", a.tp, " is not available in "
+             "this version (the shared expert's tensor-parallel collectives would run beside the dispatch's): use "
+             "--tensor-model-parallel-size 1 or drop the flag");
+    e.shared_expert_overlap = true;
+  }
   MC_CHECK(!a.moe_enable_deepep, "--moe-enable-deepep: the flex dispatcher (DeepEP kernels) is not available in this "
            "version; use --moe-token-dispatcher-type alltoall or allgather");
   MC_CHECK(!a.moe_use_upcycling, "--moe-use-upcycling (dense-to-MoE upcycling) is not available in this version; "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # check-identical.sh OLD_BIN NEW_BIN: the same short CPU trainings with two moecore binaries (before
 # and after a change that must not change behaviour, e.g. a refactor), compared exactly: every
-# metrics.jsonl field except timings (losses, norms, learning rate, tokens per expert, memory,
+# metrics.jsonl field except timings and the EP load report (losses, norms, learning rate, tokens per expert, memory,
 # host waits) and the validation lines. Cases: one rank with the router, balancing, capacity,
 # recompute and activation options, the two benchmark presets scaled down, and under mpirun
 # EP=2 (alltoall, allgather), EP=2 x ETP=2, TP=2+SP with EP=2, CP=2, PP=2 with virtual stages and
@@ -48,6 +48,8 @@ values() {
   fi
   { python3 -c 'import json, os, sys
 skip = {"ms_per_iteration", "tflops_per_gpu", "tokens_per_s", "timers_ms_per_iteration"}
+# The EP load report: timings, and rows per EP rank that follow from tokens_per_expert (compared).
+skip |= {k for l in open(sys.argv[1]) for k in json.loads(l) if k.startswith("moe_ep_")}
 if os.environ.get("IGNORE_PEAK"): skip.add("mem_max_allocated_bytes")
 for l in open(sys.argv[1]):
     j = json.loads(l)

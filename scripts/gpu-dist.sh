@@ -52,6 +52,9 @@ if [ "$what" != perf ]; then
   step train_nccl_timeout_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_nccl_timeout_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "same losses|waited|PASS" "$build/train_nccl_timeout_gpu.log" || true
+  step train_shared_expert_overlap_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_shared_expert_overlap_gpu.sh \
+    "$build/moecore" . "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
+  grep -E "bit-identical|moe_ep_|FAIL" "$build/train_shared_expert_overlap_gpu.log" || true
   step train_torchrun_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_torchrun_gpu.sh "$build/moecore" .
   step train_emulated_rank_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_emulated_rank_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"

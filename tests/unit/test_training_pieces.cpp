@@ -615,7 +615,7 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       {{"--cross-entropy-fusion-impl", "cuda"}, "--cross-entropy-fusion-impl 'cuda': expected te or native"},
       {{"--overlap-moe-expert-parallel-comm"}, "--overlap-moe-expert-parallel-comm is not available in this version"},
       {{"--delay-wgrad-compute"}, "--delay-wgrad-compute is not available in this version"},
-      {{"--moe-shared-expert-overlap"}, "--moe-shared-expert-overlap is not available in this version"},
+      {{"--moe-shared-expert-overlap"}, "--moe-shared-expert-overlap needs a shared expert"},
       {{"--moe-enable-deepep"}, "--moe-enable-deepep: the flex dispatcher (DeepEP kernels) is not available"},
       {{"--moe-layer-recompute"}, "--moe-layer-recompute needs an MoE model (--num-experts)"},
       {{"--moe-use-upcycling"}, "--moe-use-upcycling (dense-to-MoE upcycling) is not available"},

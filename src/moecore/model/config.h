@@ -32,6 +32,7 @@ struct MoeConfig {
   bool pad_to_capacity = false;
   int64_t shared_expert_size = 0;       // --moe-shared-expert-intermediate-size
   bool shared_expert_gate = false;      // sigmoid gate on the shared expert output (Qwen2-MoE)
+  bool shared_expert_overlap = false;   // --moe-shared-expert-overlap (a schedule, not the model)
   bool per_layer_logging = false;
   bool recompute_act = false;           // --recompute-modules moe_act (a memory option, not the model)
 };

@@ -12,14 +12,14 @@ AllGatherDispatcher::AllGatherDispatcher(comm::Communicator* ep, int64_t num_exp
 
 Tensor AllGatherDispatcher::gather_rows(const Tensor& in) const {
   Tensor out = Tensor::empty(with_rows(in, in.size(0) * gather_size_), in.dtype(), in.device());
-  CommTimer timer(*gather_);
+  CommTimer timer(*gather_, gather_ == ep_);
   gather_->all_gather(in, out);
   return out;
 }
 
 Tensor AllGatherDispatcher::reduce_scatter_rows(const Tensor& in) const {
   Tensor out = Tensor::empty(with_rows(in, in.size(0) / gather_size_), in.dtype(), in.device());
-  CommTimer timer(*gather_);
+  CommTimer timer(*gather_, gather_ == ep_);
   gather_->reduce_scatter(in, out, comm::ReduceOp::Sum);
   return out;
 }

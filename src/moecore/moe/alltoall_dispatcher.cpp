@@ -17,7 +17,7 @@ AllToAllDispatcher::AllToAllDispatcher(comm::Communicator* ep, int64_t num_exper
 Tensor AllToAllDispatcher::all_to_all_rows(const Tensor& in, const std::vector<int64_t>& send,
                                            const std::vector<int64_t>& recv) const {
   Tensor out = Tensor::empty(with_rows(in, total(recv)), in.dtype(), in.device());
-  CommTimer timer(*ep_);
+  CommTimer timer(*ep_, true);
   ep_->all_to_all(in, send, out, recv);
   return out;
 }
@@ -82,7 +82,7 @@ TokenRows AllToAllDispatcher::dispatch_preprocess(const DispatchInput& in, Ctx& 
   // ids: the check then comes with the layer's statistics.)
   Tensor counts_all = Tensor::empty({ep_size_, num_experts_}, DType::I32, ep_->device());
   {
-    CommTimer timer(*ep_);
+    CommTimer timer(*ep_, true);
     ep_->all_gather(ctx.routing.tokens_per_expert.view({1, num_experts_}), counts_all);
   }
   std::vector<int32_t> all = counts_all.to_vector<int32_t>();
@@ -152,7 +152,7 @@ Tensor AllToAllDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) c
     Tensor mine = Tensor::from_vector(ctx.local_rows.host, {1, local_experts_}).to(etp_->device());
     Tensor all = Tensor::empty({n, local_experts_}, DType::I64, etp_->device());
     {
-      CommTimer timer(*etp_);
+      CommTimer timer(*etp_, false);
       etp_->all_gather(mine, all);
     }
     const std::vector<int64_t> counts = all.to_vector<int64_t>();
@@ -171,7 +171,7 @@ Tensor AllToAllDispatcher::etp_gather(const Tensor& rows, Ctx& ctx, bool plan) c
   // all-gather with per-rank row counts: a send to every ETP rank (itself too) and a receive from each.
   Tensor gathered = Tensor::empty({ctx.etp_sort.num_tokens, hidden}, rows.dtype(), dev);
   {
-    CommTimer timer(*etp_);
+    CommTimer timer(*etp_, false);
     etp_->group_start();
     int64_t at = 0;
     for (int64_t r = 0; r < n; ++r) {
@@ -200,7 +200,7 @@ Tensor AllToAllDispatcher::etp_reduce(const Tensor& sorted, Ctx& ctx) const {
   const int64_t mine = ctx.etp_rows[static_cast<size_t>(me)];
   std::vector<Tensor> parts;
   {
-    CommTimer timer(*etp_);
+    CommTimer timer(*etp_, false);
     etp_->group_start();
     int64_t at = 0;
     for (int64_t r = 0; r < n; ++r) {

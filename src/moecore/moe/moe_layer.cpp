@@ -4,6 +4,8 @@
 
 #include "moecore/core/step_timers.h"
 #include "moecore/core/memory_categories.h"
+#include "moecore/moe/dispatch_load.h"
+#include "moecore/moe/side_stream.h"
 #include "moecore/ops/elementwise.h"
 
 namespace moecore {
@@ -11,6 +13,7 @@ namespace moecore {
 MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg, const MoeParallel& par)
     : swiglu_(cfg.swiglu),
       recompute_shared_(cfg.recompute.shared_experts),
+      shared_overlap_(cfg.moe.shared_expert_overlap && cfg.moe.shared_expert_size > 0),
       dispatcher_(make_token_dispatcher(par.dispatcher, cfg.moe.num_experts, par.ep, par.etp, par.tp_ep)) {
   MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
   router_ = TopKRouter(store, prefix, cfg, par);
@@ -55,11 +58,30 @@ Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, 
   // counts stay on the device: nothing in this layer then waits for the GPU.
   in.device_rows = experts_.device_rows();
 
+  // --moe-shared-expert-overlap: the shared expert first, on the side stream (a GPU), so that it
+  // computes while the routed tokens travel; its output joins the sum after the combine.
+  SideStream side;
+  Tensor shared_out;
+  if (shared_overlap_) {
+    side.fork(dev, true);
+    const TimedRegion shared_phase("moe-shared-expert", 2, dev);  // the side stream's interval
+    const MemoryCategoryScope shared_module(ActivationModule::kSharedExperts);
+    shared_out = shared_.compute(x, ctx.batch, ctx.shared);
+  }
+  side.leave();
+
   std::optional<TimedRegion> phase(std::in_place, "moe-dispatch", 2, dev);
   // Memory accounting: each phase's saved tensors under its module's name.
   std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMoeDispatch);
   const TokenRows expert_in = dispatcher_->dispatch(in, ctx.dispatch);
   if (record) stats_.record_routing(ctx.dispatch.routing, routing.indices, routing.kept, routing.pad, training);
+  // The load-imbalance report (moe/dispatch_load.h): the rows this rank's experts received (over
+  // EP the plan's counts are on the host).
+  if (record && training && dispatcher_->ep_size() > 1) {
+    int64_t received = 0;
+    for (const int64_t c : ctx.dispatch.local_rows.host) received += c;
+    add_received_rows(received);
+  }
 
   phase.emplace("moe-experts", 2, dev);
   module.reset();  // the experts name their parts
@@ -71,7 +93,10 @@ Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, 
   // it (the dispatcher's Ctx keeps it then: GELU experts).
   Tensor out = dispatcher_->combine(expert_out, ctx.dispatch);
 
-  if (shared_.enabled()) {
+  if (shared_overlap_) {
+    side.join();
+    add_into(out, shared_out);  // the sum shared_.forward makes
+  } else if (shared_.enabled()) {
     phase.emplace("moe-shared-expert", 2, dev);
     module.emplace(ActivationModule::kSharedExperts);
     shared_.forward(x, ctx.batch, out, ctx.shared);
@@ -97,17 +122,22 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
   const Device dev = dy.device();
   std::optional<TimedRegion> phase;  // --timing-log-level 2: the layer's phases
   Tensor dx_shared;
+  // --moe-shared-expert-overlap: the shared expert's backward (and its recomputation) on the side
+  // stream (a GPU) beside the routed backward's communication; dx joins after the router's.
+  SideStream side;
+  side.fork(dev, shared_overlap_);
   if (ctx.shared_dropped) {  // --recompute-modules shared_experts: their forward again (output not needed)
     phase.emplace("moe-shared-expert", 2, dev);
     const MemoryCategoryScope module(ActivationModule::kSharedExperts);  // saved again, under its name
-    Tensor unused = Tensor::zeros(dy.shape(), dy.dtype(), dev);
-    shared_.forward(ctx.x, ctx.batch, unused, ctx.shared);
+    shared_.compute(ctx.x, ctx.batch, ctx.shared);
     ctx.shared_dropped = false;
   }
   if (shared_.enabled()) {
     phase.emplace("moe-shared-expert-backward", 2, dev);
     dx_shared = shared_.backward(dy, ctx.shared);
   }
+  phase.reset();
+  side.leave();
 
   phase.emplace("moe-combine-backward", 2, dev);
   const Tensor d_expert_out = dispatcher_->combine_backward(dy, ctx.dispatch);
@@ -123,6 +153,7 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
 
   phase.emplace("moe-router-backward", 2, dev);
   router_.backward(d_tokens.probs, loss_grad_scale, ctx.router, d_tokens.rows);
+  side.join();
   if (dx_shared.defined()) add_into(d_tokens.rows, dx_shared);
   ctx = Ctx{};
   return d_tokens.rows;

@@ -7,7 +7,10 @@
 //   experts:  moe/experts.h (GroupedExperts): grouped GEMMs, weighted SwiGLU or GELU
 //   combine:  the rows summed back to their tokens (for GELU experts weighted by the routing
 //             probabilities there)
-//   shared:   moe/shared_experts.h
+//   shared:   moe/shared_experts.h; with --moe-shared-expert-overlap computed before the dispatch
+//             (on a GPU on a side stream, moe/side_stream.h, while the routed tokens travel) and
+//             added after the combine, its backward likewise beside the routed backward: the same
+//             arithmetic, so the same numbers as without the flag
 //   stats:    moe/moe_stats.h (MoeStats): losses, tokens per expert, routing checks, expert bias
 #pragma once
 
@@ -68,7 +71,7 @@ class MoeLayer {
   // Dispatch, experts, combine and shared experts for the routing in ctx.routing; record: count
   // the routing in the step's statistics (not when recomputing).
   Tensor route_and_compute(const Tensor& x, bool record, bool training, Ctx& ctx);
-  bool swiglu_ = true, recompute_shared_ = false;
+  bool swiglu_ = true, recompute_shared_ = false, shared_overlap_ = false;
   std::shared_ptr<const TokenDispatcher> dispatcher_;
   TopKRouter router_;
   GroupedExperts experts_;

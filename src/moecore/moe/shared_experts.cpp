@@ -22,13 +22,14 @@ SharedExperts::SharedExperts(ParamStore& store, const std::string& prefix, const
 }
 
 void SharedExperts::forward(const Tensor& x, int64_t batch, Tensor& out, Ctx& ctx) const {
+  add_into(out, compute(x, batch, ctx));
+}
+
+Tensor SharedExperts::compute(const Tensor& x, int64_t batch, Ctx& ctx) const {
   const Device dev = x.device();
   const int64_t tokens = x.size(0);
   ctx.out = mlp_.forward(x, ctx.mlp, batch);
-  if (!gated_) {
-    add_into(out, ctx.out);
-    return;
-  }
+  if (!gated_) return ctx.out;
   // out += sigmoid(x w_gate) * shared: the per-token scale is a combine with one "expert" and the
   // gate as its probability.
   const DType combine = x.dtype() == DType::F64 ? DType::F64 : DType::F32;
@@ -40,7 +41,7 @@ void SharedExperts::forward(const Tensor& x, int64_t batch, Tensor& out, Ctx& ct
   ctx.gate_routing = ops::make_moe_routing(Tensor::zeros({tokens, 1}, DType::I32, dev), Tensor(), 1, 0, false);
   Tensor scaled = Tensor::empty({tokens, hidden_}, x.dtype(), dev);
   ops::moe_unpermute_forward(ctx.out, ctx.gate_prob, ctx.gate_routing, scaled);
-  add_into(out, scaled);
+  return scaled;
 }
 
 Tensor SharedExperts::backward(const Tensor& dy, Ctx& ctx) const {

@@ -31,6 +31,9 @@ class SharedExperts {
   bool enabled() const { return enabled_; }
   // out [T, H] += the shared experts' output for x [T, H] (batch: the sequences in x).
   void forward(const Tensor& x, int64_t batch, Tensor& out, Ctx& ctx) const;
+  // The shared experts' output [T, H] itself (forward adds it to out): --moe-shared-expert-overlap
+  // computes it while the routed tokens travel and adds it after the combine, the same sum.
+  Tensor compute(const Tensor& x, int64_t batch, Ctx& ctx) const;
   // -> their input gradient for dy [T, H].
   Tensor backward(const Tensor& dy, Ctx& ctx) const;
 

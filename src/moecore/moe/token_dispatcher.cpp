@@ -34,16 +34,20 @@ DispatchCommTime take_dispatch_comm_time() {
 
 namespace dispatch_detail {
 
-CommTimer::CommTimer(comm::Communicator& group) : dev_(group.device()), on_(dispatch_timers_enabled()) {
-  if (!on_) return;
-  synchronize(dev_);
-  const auto arrived = std::chrono::steady_clock::now();
-  group.barrier();
-  t0_ = std::chrono::steady_clock::now();
-  g_wait_seconds += std::chrono::duration<double>(t0_ - arrived).count();
+CommTimer::CommTimer(comm::Communicator& group, bool ep_collective)
+    : dev_(group.device()), on_(dispatch_timers_enabled()) {
+  if (on_) {
+    synchronize(dev_);
+    const auto arrived = std::chrono::steady_clock::now();
+    group.barrier();
+    t0_ = std::chrono::steady_clock::now();
+    g_wait_seconds += std::chrono::duration<double>(t0_ - arrived).count();
+  }
+  clock_.emplace(dev_, ep_collective);
 }
 
 CommTimer::~CommTimer() {
+  clock_.reset();
   if (!on_) return;
   synchronize(dev_);
   g_comm_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();

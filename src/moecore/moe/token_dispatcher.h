@@ -45,9 +45,11 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "moecore/comm/communicator.h"
+#include "moecore/moe/dispatch_load.h"
 #include "moecore/ops/grouped_gemm.h"
 #include "moecore/ops/permute.h"
 
@@ -145,6 +147,7 @@ class TokenDispatcher {
   TokenRows dispatch_backward(const TokenRows& d_expert_in, Ctx& ctx) const;
 
   int64_t num_experts() const { return num_experts_; }
+  int64_t ep_size() const { return ep_size_; }
   int64_t local_experts() const { return local_experts_; }
   int64_t first_expert() const { return first_expert_; }
 
@@ -170,10 +173,11 @@ namespace dispatch_detail {
 // synchronised, then the group meets at a barrier (the time until its slowest rank arrives is
 // the wait), then the collective runs from a common start until this device has finished it.
 // Every rank of the group constructs one at the same point (the dispatch collectives are matched
-// across the group), so the barriers pair up.
+// across the group), so the barriers pair up. ep_collective: the collective is over the EP group,
+// so that on a step with armed clocks (moe/dispatch_load.h) its device time is recorded too.
 class CommTimer {
  public:
-  explicit CommTimer(comm::Communicator& group);
+  CommTimer(comm::Communicator& group, bool ep_collective);
   ~CommTimer();
   CommTimer(const CommTimer&) = delete;
   CommTimer& operator=(const CommTimer&) = delete;
@@ -182,6 +186,7 @@ class CommTimer {
   Device dev_;
   bool on_;
   std::chrono::steady_clock::time_point t0_;
+  std::optional<CollectiveClock> clock_;  // after the barrier: the collective alone
 };
 
 Shape with_rows(const Tensor& t, int64_t rows);

@@ -13,6 +13,7 @@
 
 #include "moecore/core/allocator.h"
 #include "moecore/core/step_timers.h"
+#include "moecore/moe/dispatch_load.h"
 #include "moecore/train/lr_schedule.h"
 #include "moecore/train/memory_report.h"
 
@@ -54,6 +55,7 @@ struct TrainMetrics::Interval {
   double interval_ms = 0;  // wall time of the interval's steps
   double params_norm = 0;
   double dispatch_ms = 0, dispatch_wait_ms = 0;  // MOECORE_COMM_TIMERS=1 only
+  DispatchLoadReport load;  // the log step's EP load imbalance (moe/dispatch_load.h)
   std::vector<RegionTime> timers;
 };
 
@@ -139,6 +141,11 @@ bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step
   interval_steps_++;
 
   v.params_norm = log_now ? std::sqrt(run.optimizer->params_norm_sq()) : 0.0;  // collective
+  // The step's received rows and (armed at log steps) EP collective times; reduced over the EP
+  // group at log steps only, after the synchronisation above (the events have completed).
+  const DispatchLoadSample load = take_dispatch_load();
+  arm_dispatch_clocks(false);  // an evaluation or checkpoint after this step records nothing
+  if (log_now && run.groups) v.load = reduce_dispatch_load(load, run.groups->ep());  // collective
   if (log_now) v.timers = take_region_times();
   if (logger_ && log_now) {
     write_log_step(run, it, step, v);
@@ -195,6 +202,13 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
     std::printf(" dispatch communication (ms, last step): %.1f (%.0f%% of the average step; waiting for the "
                 "slowest rank: %.1f) |",
                 v.dispatch_ms, 100.0 * v.dispatch_ms / avg_ms, v.dispatch_wait_ms);
+  if (v.load.valid)
+    std::printf(" EP received rows (last step) min/mean/max: %.0f/%.0f/%.0f (imbalance %.2f) |", v.load.rows_min,
+                v.load.rows_mean, v.load.rows_max, v.load.imbalance);
+  if (v.load.timed)
+    std::printf(" EP dispatch collectives (ms, last step, mean over EP ranks): %.1f, waiting for the slowest rank: "
+                "%.1f (max %.1f) |",
+                v.load.comm_ms_mean, v.load.wait_ms_mean, v.load.wait_ms_max);
   std::printf("\n");
   print_timers(v.timers, interval_steps_, avg_ms);
   if (cfg.moe.per_layer_logging) {
@@ -222,6 +236,17 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
     j["timers_ms_per_iteration"] = t;
   }
   for (size_t k = 0; k < avg_mtp.size(); ++k) j["mtp_" + std::to_string(k + 1) + "_loss"] = avg_mtp[k];
+  if (v.load.valid) {
+    j["moe_ep_received_rows_min"] = v.load.rows_min;
+    j["moe_ep_received_rows_mean"] = v.load.rows_mean;
+    j["moe_ep_received_rows_max"] = v.load.rows_max;
+    j["moe_ep_imbalance"] = v.load.imbalance;
+  }
+  if (v.load.timed) {
+    j["moe_ep_dispatch_comm_ms"] = v.load.comm_ms_mean;
+    j["moe_ep_dispatch_wait_ms"] = v.load.wait_ms_mean;
+    j["moe_ep_dispatch_wait_max_ms"] = v.load.wait_ms_max;
+  }
   if (moe) {
     j["load_balancing_loss"] = avg_aux;
     j["z_loss"] = avg_z;

@@ -10,6 +10,7 @@
 #include "moecore/core/memory_categories.h"
 #include "moecore/core/progress.h"
 #include "moecore/core/step_timers.h"
+#include "moecore/moe/dispatch_load.h"
 #include "moecore/train/checkpoint_transfer.h"
 #include "moecore/train/evaluate.h"
 #include "moecore/train/metrics.h"
@@ -113,6 +114,7 @@ int run_training(const TrainArgs& args) {
       before_log.update(static_cast<double>(it - first_it), "iteration " + std::to_string(it) + " of " + std::to_string(args.train_iters));
     const uint64_t syncs0 = host_synchronizations();
     if (run.dev.is_cuda()) cuda_allocator(run.dev.index).reset_peak();
+    arm_dispatch_clocks(is_log_step(args, it));  // the EP collectives' events, read at the log step
     const StepResult step = train_step(run, it);
     const bool log_now = metrics.end_step(run, it, step, syncs0);
 
