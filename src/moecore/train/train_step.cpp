@@ -67,6 +67,31 @@ void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses, std
   }
 }
 
+// sums[1], sums[2] += each layer's aux and z loss per micro-batch, in layer order.
+void add_balancing_losses(const std::vector<MoeStepStats>& layer_stats, int64_t micro, std::vector<double>& sums) {
+  for (const MoeStepStats& s : layer_stats) {
+    sums[1] += s.aux_loss / static_cast<double>(micro);
+    sums[2] += s.z_loss / static_cast<double>(micro);
+  }
+}
+
+// reduce_moe_statistics on the device: each layer's packed statistics reduced there, its end of
+// step (expert bias) applied there, and a read of them started (pending.moe).
+void moe_statistics_on_device(const std::vector<MoeLayer*>& moe_layers, comm::Communicator* token_group,
+                              comm::Communicator* dp, std::optional<TimedRegion>& phase, Device dev,
+                              PendingStepValues& pending) {
+  phase.emplace("moe-statistics", 1, dev);
+  std::vector<Tensor> packed;
+  for (MoeLayer* l : moe_layers) packed.push_back(l->pack_step_stats(token_group, dp, dev));
+  phase.emplace("moe-finish-step", 1, dev);
+  pending.moe = std::vector<PendingRead>(moe_layers.size());
+  for (size_t l = 0; l < moe_layers.size(); ++l) {
+    pending.moe_micro_batches.push_back(moe_layers[l]->step_micro_batches());
+    moe_layers[l]->finish_step_on_device(packed[l], dp);
+    pending.moe[l].start(packed[l]);
+  }
+}
+
 }  // namespace
 
 std::vector<MoeStepStats> reduce_moe_statistics(const std::vector<MoeLayer*>& moe_layers,
@@ -103,9 +128,10 @@ StepResult train_step(TrainingRun& run, int64_t it) {
     run.fp8->set_recording(false);
     run.fp8->finish_step(run.groups->tp(), run.groups->dp_cp());
   }
-  // The MoE layers' statistics start for the host now; reading them below waits once at most (not
-  // once per layer).
-  for (MoeLayer* l : run.moe_layers) l->prefetch_stats();
+  // With pipeline stages the MoE layers' statistics are read on the host this step: they start for
+  // the host now, so reading them below waits once at most (not once per layer).
+  if (run.pp)
+    for (MoeLayer* l : run.moe_layers) l->prefetch_stats();
   phase.emplace("grads-reduce", 1, dev);
   memory.emplace(MemoryCategory::kCommunication);
   optimizer.reduce_gradients();
@@ -124,14 +150,15 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   const Tensor grad_sq_parts = optimizer.grad_norm_sq_parts();  // on the device
   StepResult r;
   r.iteration = it;
-  r.layer_stats = reduce_moe_statistics(run.moe_layers, run.groups->token_group(), dp, phase, dev);
-  phase.emplace("loss-and-checks", 1, dev);
-  std::vector<double> sums = {0.0, 0.0, 0.0, static_cast<double>(r.layer_stats.size())};
-  for (const MoeStepStats& s : r.layer_stats) {
-    sums[1] += s.aux_loss / static_cast<double>(micro);
-    sums[2] += s.z_loss / static_cast<double>(micro);
-  }
   auto pending = std::make_unique<PendingStepValues>();
+  if (run.pp) {
+    r.layer_stats = reduce_moe_statistics(run.moe_layers, run.groups->token_group(), dp, phase, dev);
+  } else {  // on the device, read with the step's other values (resolve_step)
+    moe_statistics_on_device(run.moe_layers, run.groups->token_group(), dp, phase, dev, *pending);
+  }
+  phase.emplace("loss-and-checks", 1, dev);
+  std::vector<double> sums = {0.0, 0.0, 0.0, static_cast<double>(run.moe_layers.size())};
+  add_balancing_losses(r.layer_stats, micro, sums);
   Tensor decided_loss = has_head ? losses.value() : Tensor();
   if (run.pp) {
     // The loss lives on the last stage, MoE layers on every stage: sums over the pipeline give
@@ -170,6 +197,15 @@ void resolve_step(TrainingRun& run, StepResult& r) {
   if (!r.pending->mtp.empty()) {
     r.mtp_losses.clear();
     for (PendingRead& m : r.pending->mtp) r.mtp_losses.push_back(m.get()[0]);
+  }
+  if (!r.pending->moe.empty()) {  // the MoE layers' statistics, then the step's balancing losses
+    for (size_t l = 0; l < r.pending->moe.size(); ++l)
+      r.layer_stats.push_back(
+          run.moe_layers[l]->unpack_step_stats(r.pending->moe[l].get(), r.pending->moe_micro_batches[l]));
+    std::vector<double> sums = {0.0, 0.0, 0.0, static_cast<double>(r.layer_stats.size())};
+    add_balancing_losses(r.layer_stats, run.micro, sums);
+    r.aux = sums[3] > 0 ? sums[1] / sums[3] : 0.0;
+    r.z = sums[3] > 0 ? sums[2] / sums[3] : 0.0;
   }
   r.pending.reset();
   if (!r.skipped) return;

@@ -7,10 +7,13 @@
 // for the gradient norm. The step's loss, gradient norm and skip reach the host later:
 // resolve_step (TrainMetrics calls it at a log step) reads them and counts a skip in run.state.
 //
+// Without pipeline stages the MoE layers' statistics stay on the device too (reduced over the
+// ranks by device collectives, the expert-bias update applied there) and are read with the rest.
+//
 // Phases (--timing-log-level 1): forward-backward, grads-reduce, grad-norm, moe-statistics,
-// moe-finish-step, loss-and-checks, optimizer. Host waits left in a step: the MoE statistics'
-// read (one, behind the step's work), and with pipeline stages the loss's read (the stages sum it
-// on the host); the norm's cross-rank sums of the other layouts are host collectives too.
+// moe-finish-step, loss-and-checks, optimizer. Host waits left in a step: with pipeline stages the
+// loss's and the MoE statistics' reads (the stages sum them on the host); the norm's cross-rank
+// sums of the layouts other than one rank or replicated DP (host collectives).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +31,10 @@ namespace moecore {
 struct PendingStepValues {
   PendingRead report;            // StepDecisions::report(): {loss, grad_sq, skipped}
   std::vector<PendingRead> mtp;  // each MTP depth's loss (without pipeline stages)
+  // Without pipeline stages: each MoE layer's packed statistics (MoeStats::pack_step_stats) and
+  // its micro-batch count.
+  std::vector<PendingRead> moe;
+  std::vector<int64_t> moe_micro_batches;
 };
 
 struct StepResult {
@@ -41,7 +48,7 @@ struct StepResult {
   double grad_sq = 0;    // the squared global gradient norm
   double grad_norm = 0;  // its square root
   bool skipped = false;  // a NaN or Inf in the loss or the gradients: no optimizer step
-  std::vector<MoeStepStats> layer_stats;  // each MoE layer's statistics, reduced over the ranks
+  std::vector<MoeStepStats> layer_stats;  // each MoE layer's statistics, reduced over the ranks (resolved)
 };
 
 // Step `it` (1-based). Updates run.state (consumed samples, iteration).
