@@ -65,6 +65,18 @@ class MoeLayer {
   const MoeStepStats& stats() const { return stats_.stats(); }
   void prefetch_stats() { stats_.prefetch(); }
   MoeStepStats& mutable_stats() { return stats_.mutable_stats(); }
+  // The device path of the same (MoeStats::pack_step_stats and the rest): no host read.
+  Tensor pack_step_stats(comm::Communicator* token_group, comm::Communicator* dp, Device dev) {
+    return stats_.pack_step_stats(token_group, dp, dev);
+  }
+  void finish_step_on_device(Tensor& packed, comm::Communicator* dp) {
+    stats_.finish_step_on_device(packed, dp);
+    router_.start_step();
+  }
+  MoeStepStats unpack_step_stats(const std::vector<double>& packed, int64_t micro_batches) const {
+    return stats_.unpack_step_stats(packed, micro_batches);
+  }
+  int64_t step_micro_batches() const { return stats_.micro_batches(); }
   void check_evaluation_routing() const { stats_.check_evaluation_routing(); }
 
  private:

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/moe_step_stats.h"
 
 namespace moecore {
 
@@ -87,10 +88,11 @@ void MoeStats::prefetch() {
 }
 
 // The router's top-k cannot produce these; they guard the plans' deferred checks.
-void MoeStats::check_routing_flags(const std::vector<int64_t>& c) const {
+void MoeStats::check_routing_flags(const std::vector<int64_t>& c, size_t at) const {
   const size_t e = stats_.tokens_per_expert.size();
-  MC_CHECK(c[e] == 0, prefix_, ": an expert index outside [0, ", e, ") reached the token dispatch");
-  MC_CHECK(c[e + 1] == 0, prefix_, ": an expert received more assignments than its padded capacity");
+  if (at == SIZE_MAX) at = e;
+  MC_CHECK(c[at] == 0, prefix_, ": an expert index outside [0, ", e, ") reached the token dispatch");
+  MC_CHECK(c[at + 1] == 0, prefix_, ": an expert received more assignments than its padded capacity");
 }
 
 void MoeStats::check_evaluation_routing() const {
@@ -163,6 +165,45 @@ MoeStepStats MoeStats::finish_step() {
   stats_ = MoeStepStats{};
   stats_.tokens_per_expert.assign(out.tokens_per_expert.size(), 0.0);
   return out;
+}
+
+Tensor MoeStats::pack_step_stats(comm::Communicator* token_group, comm::Communicator* dp, Device dev) {
+  const int64_t e = static_cast<int64_t>(stats_.tokens_per_expert.size());
+  Tensor packed = Tensor::empty({e + 4}, DType::F64, dev);
+  Tensor host_counts;  // counts the host already has (plans copied for the GEMM sizes, or the index path)
+  for (double c : stats_.tokens_per_expert)
+    if (c != 0) {
+      host_counts = Tensor::from_vector(stats_.tokens_per_expert, {e}).to(dev);
+      break;
+    }
+  ops::pack_moe_step_stats(aux_acc_, z_acc_, counts_acc_, host_counts, aux_loss_coeff_, z_loss_coeff_, packed);
+  // The losses and counts over the ranks, as reduce_moe_step_stats sums them (the flags stay this rank's).
+  Tensor sums = packed.slice(0, 0, e + 2);
+  if (token_group) token_group->all_reduce(sums, comm::ReduceOp::Sum);
+  if (dp) dp->all_reduce(sums, comm::ReduceOp::Sum);
+  return packed;
+}
+
+void MoeStats::finish_step_on_device(Tensor& packed, comm::Communicator* dp) {
+  Tensor bias;
+  if (expert_bias_ && stats_.micro_batches > 0 && bias_update_rate_ > 0) bias = expert_bias_->master;
+  ops::finish_moe_step_stats(packed, dp ? static_cast<double>(dp->size()) : 1.0, bias, bias_update_rate_);
+  aux_acc_ = z_acc_ = counts_acc_ = Tensor();
+  const size_t e = stats_.tokens_per_expert.size();
+  stats_ = MoeStepStats{};
+  stats_.tokens_per_expert.assign(e, 0.0);
+}
+
+MoeStepStats MoeStats::unpack_step_stats(const std::vector<double>& packed, int64_t micro_batches) const {
+  const size_t e = stats_.tokens_per_expert.size();
+  MC_CHECK(packed.size() == e + 4, prefix_, ": packed step statistics of ", packed.size(), " numbers; expected ", e + 4);
+  check_routing_flags({0, static_cast<int64_t>(packed[e + 2]), static_cast<int64_t>(packed[e + 3])}, 1);
+  MoeStepStats s;
+  s.aux_loss = packed[0];
+  s.z_loss = packed[1];
+  s.micro_batches = micro_batches;
+  s.tokens_per_expert.assign(packed.begin() + 2, packed.begin() + 2 + static_cast<std::ptrdiff_t>(e));
+  return s;
 }
 
 void reduce_moe_step_stats(MoeStepStats& s, comm::Communicator* token_group, comm::Communicator* dp) {

@@ -13,6 +13,7 @@
 // mutable_stats(), finish_step()) then find them there, or read the device tensors.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,6 +61,17 @@ class MoeStats {
   // Data parallelism: the trainer reduces the step's statistics over the ranks before finish_step
   // (reduce_moe_step_stats).
   MoeStepStats& mutable_stats();
+  // The device path of the end of a step (no host read; train_step without pipeline stages):
+  // pack_step_stats packs this step's statistics on the device (ops/moe_step_stats.h: {aux / coeff,
+  // z / coeff, tokens per expert, the two routing-check flags}) and sums all but the flags over
+  // token_group and dp (device collectives); finish_step_on_device averages the losses over the dp
+  // ranks, applies the expert-bias update on the device and clears the step. The packed vector is
+  // read later (a log step) and turned into the step's statistics by unpack_step_stats, which
+  // raises the routing checks it carries.
+  Tensor pack_step_stats(comm::Communicator* token_group, comm::Communicator* dp, Device dev);
+  void finish_step_on_device(Tensor& packed, comm::Communicator* dp);
+  MoeStepStats unpack_step_stats(const std::vector<double>& packed, int64_t micro_batches) const;
+  int64_t micro_batches() const { return stats_.micro_batches; }
   // Raises the deferred routing checks of the evaluation forwards since the last read (an expert
   // index outside [0, E), an expert over its padded capacity): call after an evaluation or
   // generation, whose flags no training statistics would read. Reads a small tensor (waits).
@@ -68,7 +80,8 @@ class MoeStats {
  private:
   void accumulate_loss(Tensor& acc, const Tensor& loss);
   void sync_stats() const;  // device loss sums -> stats_
-  void check_routing_flags(const std::vector<int64_t>& counts_and_flags) const;
+  // The two flags at c[at], c[at + 1] (SIZE_MAX: at E, after the counts).
+  void check_routing_flags(const std::vector<int64_t>& c, size_t at = SIZE_MAX) const;
 
   std::string prefix_;
   double aux_loss_coeff_ = 0, z_loss_coeff_ = 0, bias_update_rate_ = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -17,9 +18,10 @@ struct Chunk {
   size_t piece;
   int64_t lo, hi;
 };
-}  // namespace
 
-void adamw_step_host(std::vector<HostAdamWPiece>& pieces, float grad_scale, int threads) {
+// Runs update(piece, param, grad, m, v, weight or null) on every chunk, on `threads` threads.
+void run_chunks(std::vector<HostAdamWPiece>& pieces, int threads,
+                const std::function<void(HostAdamWPiece&, Tensor&, const Tensor&, Tensor&, Tensor&, Tensor*)>& update) {
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const HostAdamWPiece& p = pieces[i];
@@ -42,8 +44,7 @@ void adamw_step_host(std::vector<HostAdamWPiece>& pieces, float grad_scale, int 
         auto part = [&](const Tensor& t) { return t.view({t.numel()}).slice(0, lo, hi); };
         Tensor param = part(p.param), m = part(p.exp_avg), v = part(p.exp_avg_sq);
         Tensor weight = p.compute_weight.defined() ? part(p.compute_weight) : Tensor();
-        adamw_step(param, part(p.grad), m, v, p.config, grad_scale, weight.defined() ? &weight : nullptr,
-                   /*parallel=*/false);
+        update(p, param, part(p.grad), m, v, weight.defined() ? &weight : nullptr);
       }
     } catch (...) {
       const std::lock_guard<std::mutex> lock(failure_mutex);
@@ -56,6 +57,21 @@ void adamw_step_host(std::vector<HostAdamWPiece>& pieces, float grad_scale, int 
   work();  // the calling thread takes chunks too
   for (std::thread& t : pool) t.join();
   if (failure) std::rethrow_exception(failure);
+}
+}  // namespace
+
+void adamw_step_host(std::vector<HostAdamWPiece>& pieces, float grad_scale, int threads) {
+  run_chunks(pieces, threads, [&](HostAdamWPiece& p, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, Tensor* w) {
+    adamw_step(param, grad, m, v, p.config, grad_scale, w, /*parallel=*/false);
+  });
+}
+
+void adamw_step_host(std::vector<HostAdamWPiece>& pieces, const Tensor& step, int threads) {
+  MC_CHECK(step.device().is_cpu(), "adamw_step_host: the step's scalars are on ", step.device().str(),
+           "; expected a host copy");
+  run_chunks(pieces, threads, [&](HostAdamWPiece& p, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, Tensor* w) {
+    adamw_step(param, grad, m, v, step, p.config.weight_decay > 0, w, /*parallel=*/false);
+  });
 }
 
 }  // namespace moecore::ops

@@ -13,10 +13,13 @@ namespace moecore::ops {
 struct HostAdamWPiece {
   Tensor param, grad, exp_avg, exp_avg_sq;  // host tensors of one length (as adamw_step takes them)
   Tensor compute_weight;                    // optional: bf16, receives the updated param rounded
-  AdamWConfig config;
+  AdamWConfig config;  // with a device step (below): only whether weight_decay > 0 counts
 };
 
 // threads <= 0: std::thread::hardware_concurrency(). Errors of any chunk are raised here.
 void adamw_step_host(std::vector<HostAdamWPiece>& pieces, float grad_scale, int threads = 0);
+// The same with the coefficients and skip flag of a step decided on the device (adamw.h:
+// AdamWDeviceStep), copied into host memory: `step` is a CPU tensor of make_adamw_device_step.
+void adamw_step_host(std::vector<HostAdamWPiece>& pieces, const Tensor& step, int threads = 0);
 
 }  // namespace moecore::ops

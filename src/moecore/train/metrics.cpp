@@ -109,14 +109,33 @@ void TrainMetrics::check_health(int64_t it, const StepResult& step, bool log_now
                 static_cast<long long>(it), step.lm_loss, step.grad_norm, static_cast<long long>(stalled_steps_));
 }
 
-bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step, uint64_t syncs0) {
-  const TrainArgs& args = run.args;
-  const Device dev = run.dev;
-  check_health(it, step, is_log_step(args, it));
+void TrainMetrics::account_step(TrainingRun& run, StepResult& step) {
+  resolve_step(run, step);  // its loss, gradient norm and skip (and the skip's count in run.state)
+  check_health(step.iteration, step, is_log_step(run.args, step.iteration));
   if (step.skipped) {
     interval_skipped_++;
     interval_nan_++;
+    return;
   }
+  interval_loss_ += step.lm_loss;
+  interval_aux_ += step.aux;
+  interval_mtp_.resize(step.mtp_losses.size(), 0.0);
+  for (size_t k = 0; k < step.mtp_losses.size(); ++k) interval_mtp_[k] += step.mtp_losses[k];
+  interval_z_ += step.z;
+  interval_loss_steps_++;
+}
+
+void TrainMetrics::resolve_steps(TrainingRun& run) {
+  for (StepResult& s : unresolved_) account_step(run, s);
+  if (!unresolved_.empty()) last_ = std::move(unresolved_.back());
+  unresolved_.clear();
+  run.decisions.resolved();  // every decided step is counted in run.state now
+}
+
+bool TrainMetrics::end_step(TrainingRun& run, int64_t it, StepResult step, uint64_t syncs0) {
+  const TrainArgs& args = run.args;
+  const Device dev = run.dev;
+  unresolved_.push_back(std::move(step));  // until the host reads it (a log step; --timing-log-level: each step)
   const bool log_now = is_log_step(args, it);
   const bool timers_on = args.timing_log_level > 0;
   if (log_now || timers_on) synchronize(dev);
@@ -124,20 +143,13 @@ bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step
   // Read the clock before the logging below (params-norm collective, printing): the interval's time is its steps'.
   v.interval_ms = log_now ? ms_since(interval_start_) - interval_excluded_ms_ : 0.0;
   if (timers_on) collect_region_times();  // after the synchronisation: reads finished events only
+  if (log_now || timers_on) resolve_steps(run);  // after the synchronisation: their reads have arrived
   // Includes the log step's synchronisation just above; evaluation and checkpoint waits come
   // after this line and before the next step's syncs0, so they are not counted (as their time).
   interval_syncs_ += host_synchronizations() - syncs0;
   const DispatchCommTime dispatch_time = take_dispatch_comm_time();  // MOECORE_COMM_TIMERS=1 only
   v.dispatch_ms = dispatch_time.seconds * 1e3;
   v.dispatch_wait_ms = dispatch_time.wait_seconds * 1e3;
-  if (!step.skipped) {
-    interval_loss_ += step.lm_loss;
-    interval_aux_ += step.aux;
-    interval_mtp_.resize(step.mtp_losses.size(), 0.0);
-    for (size_t k = 0; k < step.mtp_losses.size(); ++k) interval_mtp_[k] += step.mtp_losses[k];
-    interval_z_ += step.z;
-    interval_loss_steps_++;
-  }
   interval_steps_++;
 
   v.params_norm = log_now ? std::sqrt(run.optimizer->params_norm_sq()) : 0.0;  // collective
@@ -148,7 +160,7 @@ bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step
   if (log_now && run.groups) v.load = reduce_dispatch_load(load, run.groups->ep());  // collective
   if (log_now) v.timers = take_region_times();
   if (logger_ && log_now) {
-    write_log_step(run, it, step, v);
+    write_log_step(run, it, last_, v);
     interval_loss_ = interval_aux_ = interval_z_ = 0;
     interval_mtp_.assign(interval_mtp_.size(), 0.0);
     interval_steps_ = interval_skipped_ = interval_nan_ = interval_loss_steps_ = 0;

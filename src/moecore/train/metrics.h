@@ -8,11 +8,13 @@
 // not skipped; skipped / NaN steps are counted per interval (as Megatron logs them); host
 // synchronisations are counted in the steps (core/device.h) and logged per iteration. The host
 // waits for the device at a log step only (and at each step with --timing-log-level, whose
-// timers read their events).
+// timers read their events): the steps' losses, gradient norms and skips (decided on the device)
+// are read there, the NaN/Inf lines and health warnings printed there, for each step in order.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <fstream>
 #include <memory>
 
@@ -44,7 +46,12 @@ class TrainMetrics {
   // After step `it` (syncs0: host_synchronizations() when it began): accounts the step and, at a
   // log step, waits for the device and writes the line, the JSONL object and the scalars.
   // Collective at a log step (the parameter norm). Returns whether it was a log step.
-  bool end_step(TrainingRun& run, int64_t it, const StepResult& step, uint64_t syncs0);
+  // The step's values reach the host only then: every step since the last log step is resolved
+  // (train_step.h: resolve_step) and accounted there, in order.
+  bool end_step(TrainingRun& run, int64_t it, StepResult step, uint64_t syncs0);
+  // Resolves and accounts the steps not yet read (reads that wait unless the device has finished
+  // them): before a checkpoint (run.state's skip counts) or an evaluation.
+  void resolve_steps(TrainingRun& run);
   // Time spent on evaluation or checkpoints after step `it`: not the interval's.
   void exclude_ms(double ms) { interval_excluded_ms_ += ms; }
   // The validation line, JSONL object and scalar of `it`.
@@ -56,6 +63,7 @@ class TrainMetrics {
   // A warning line (logging rank) for a step whose gradients are all zero, or whose loss repeats
   // the previous step's exactly with a vanishing gradient norm.
   void check_health(int64_t it, const StepResult& step, bool log_now);
+  void account_step(TrainingRun& run, StepResult& step);  // one resolved step into the interval
   // --memory-report at the first log step: every rank's report to the logging rank (collective).
   void write_memory_report(TrainingRun& run, int64_t it);
 
@@ -74,7 +82,9 @@ class TrainMetrics {
   double previous_loss_ = 0;  // check_health: the last step's loss
   bool have_previous_loss_ = false;
   int64_t stalled_steps_ = 0;
-  bool memory_reported_ = false;  // steps in a row that could not change the model
+  bool memory_reported_ = false;
+  std::deque<StepResult> unresolved_;  // the steps since the last read, in order
+  StepResult last_;                    // the last resolved step (the log line's grad norm, MoE layers)
 };
 
 }  // namespace moecore

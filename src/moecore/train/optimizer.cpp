@@ -181,9 +181,13 @@ void Optimizer::start_grad_download() {
   downloaded_->record(current_stream(dev));
 }
 
-void Optimizer::step_host(std::vector<ops::HostAdamWPiece>& pieces, float clip_scale) {
+void Optimizer::step_host(std::vector<ops::HostAdamWPiece>& pieces, float clip_scale, const Tensor* device_step) {
   downloaded_->synchronize();
-  ops::adamw_step_host(pieces, clip_scale);
+  if (device_step) {
+    ops::adamw_step_host(pieces, device_step->to(Device::cpu()));
+  } else {
+    ops::adamw_step_host(pieces, clip_scale);
+  }
   if (sharded_masters_) return;  // the bf16 weights go up with the shard's (shard_weights)
   for (bool expert : {false, true}) {  // fp32 compute: the masters are the weights
     Shard& s = expert ? expert_ : dense_;
@@ -558,24 +562,35 @@ void Optimizer::reduce_gradients() {
   }
 }
 
-double Optimizer::grad_norm_sq() {
+Tensor Optimizer::grad_norm_sq_parts() {
   const Tensor& dense_grads = store_.grad_buffer();
   const Tensor& expert_grads = store_.expert_grad_buffer();
   const bool one_rank = !groups_.tp && !groups_.pp && !groups_.ep && !groups_.etp;
-  if (!distributed_ && one_rank && (tied_counted_ || tied_.end <= tied_.begin) &&
-      dense_grads.numel() > 0 && expert_grads.numel() > 0 && dense_grads.dtype() == expert_grads.dtype()) {
-    // The usual one-GPU case: both sums of squares on the device, read in one copy (one wait).
-    Tensor out = Tensor::empty({2}, dense_grads.dtype(), dense_grads.device());
-    Tensor first = out.slice(0, 0, 1), second = out.slice(0, 1, 2);
+  if (!distributed_ && one_rank && (tied_counted_ || tied_.end <= tied_.begin) && dense_grads.numel() > 0 &&
+      (expert_grads.numel() == 0 || dense_grads.dtype() == expert_grads.dtype())) {
+    // The usual one-GPU case: the sums of squares stay on the device.
+    const int64_t parts = expert_grads.numel() > 0 ? 2 : 1;
+    Tensor out = Tensor::empty({parts}, dense_grads.dtype(), dense_grads.device());
+    Tensor first = out.slice(0, 0, 1);
     ops::sum_squares(dense_grads, first);
-    ops::sum_squares(expert_grads, second);
-    if (dense_grads.dtype() == DType::F64) {
-      const std::vector<double> v = out.to_vector<double>();
-      return v[0] + v[1];
+    if (parts == 2) {
+      Tensor second = out.slice(0, 1, 2);
+      ops::sum_squares(expert_grads, second);
     }
-    const std::vector<float> v = out.to_vector<float>();
-    return static_cast<double>(v[0]) + static_cast<double>(v[1]);
+    return out;
   }
+  return Tensor::from_vector(std::vector<double>{host_grad_norm_sq()}, {1}).to(store_.device());
+}
+
+double Optimizer::grad_norm_sq() {
+  const Tensor parts = grad_norm_sq_parts().to(Device::cpu());
+  double total = 0.0;  // as ops::decide_adamw_step sums them
+  for (int64_t i = 0; i < parts.numel(); ++i)
+    total = total + (parts.dtype() == DType::F64 ? parts.data<double>()[i] : static_cast<double>(parts.data<float>()[i]));
+  return total;
+}
+
+double Optimizer::host_grad_norm_sq() {
   if (!distributed_)
     return sum_over(groups_.pp, sum_over(groups_.tp, dense_squares(store_.grad_buffer(), 0)) +
                                     sum_over(groups_.ep, sum_over(groups_.etp, squares(store_.expert_grad_buffer()))));
@@ -623,6 +638,14 @@ double Optimizer::params_norm_sq() {
 }
 
 void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t step) {
+  step_with(h, lr, clip_scale, step, nullptr);
+}
+
+void Optimizer::step(const AdamHyper& h, const Tensor& device_step) {
+  step_with(h, 0.0, 1.0f, 1, &device_step);  // lr and step: placeholders, the device step holds them
+}
+
+void Optimizer::step_with(const AdamHyper& h, double lr, float clip_scale, int64_t step, const Tensor* device_step) {
   // Replicated state: the AdamW kernel also writes the bf16 compute weight of an f32 master in
   // the same pass (no second read of the masters to refresh them).
   auto writes_weight = [&](const Param& p) {
@@ -636,12 +659,26 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
   for (const auto& p : store_.all()) {
     if (!p->trainable) continue;
     const ops::AdamWConfig c{lr, h.beta1, h.beta2, h.eps, p->weight_decay ? h.weight_decay : 0.0, step};
+    // With coefficients from the host (c, clip_scale) or from the device step.
+    auto update = [&](Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, Tensor* weight) {
+      if (device_step) {
+        ops::adamw_step(master, grad, m, v, *device_step, p->weight_decay, weight);
+      } else {
+        ops::adamw_step(master, grad, m, v, c, clip_scale, weight);
+      }
+    };
+    auto update_split = [&](Tensor& high, Tensor& remainder, const Tensor& grad, Tensor& m, Tensor& v) {
+      if (device_step) {
+        ops::adamw_step_split(high, remainder, grad, m, v, *device_step, p->weight_decay);
+      } else {
+        ops::adamw_step_split(high, remainder, grad, m, v, c, clip_scale);
+      }
+    };
     if (!sharded_) {
       if (split) {  // the halves in place: the high half is the fresh bf16 weight
-        ops::adamw_step_split(p->high, p->remainder, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale);
+        update_split(p->high, p->remainder, p->grad, p->exp_avg, p->exp_avg_sq);
       } else {
-        ops::adamw_step(p->master, p->grad, p->exp_avg, p->exp_avg_sq, c, clip_scale,
-                        writes_weight(*p) ? &p->weight : nullptr);
+        update(p->master, p->grad, p->exp_avg, p->exp_avg_sq, writes_weight(*p) ? &p->weight : nullptr);
       }
       continue;
     }
@@ -660,14 +697,14 @@ void Optimizer::step(const AdamHyper& h, double lr, float clip_scale, int64_t st
     const Tensor grad = s.grad.slice(0, o.lo - s.begin, o.hi - s.begin);
     if (split) {
       Tensor high = s.weights.slice(0, o.lo, o.hi), remainder = s.remainder.slice(0, o.lo - s.begin, o.hi - s.begin);
-      ops::adamw_step_split(high, remainder, grad, m, v, c, clip_scale);
+      update_split(high, remainder, grad, m, v);
       continue;
     }
     Tensor master = sharded_masters_ ? s.state(s.master, s.host_master, o.lo, o.hi)
                                      : master_buffer_of(*p).slice(0, o.lo, o.hi);
-    ops::adamw_step(master, grad, m, v, c, clip_scale);
+    update(master, grad, m, v, nullptr);
   }
-  if (offloaded()) step_host(host_pieces, clip_scale);
+  if (offloaded()) step_host(host_pieces, clip_scale, device_step);
   if (overlap_param_gather_) {
     if (sharded_masters_ && !split)  // this shard's bf16 weights in place, where its owner broadcasts them
       for (bool expert : {false, true}) {

@@ -131,6 +131,15 @@ class Optimizer {
   // left stale (ParamStore::mark_grads_stale: garbage until the next backward writes them or
   // reduce_gradients() zeroes what it did not write).
   void step(const AdamHyper& h, double lr, float clip_scale, int64_t step);
+  // The same with the step decided on the device (ops::decide_adamw_step): the coefficients, the
+  // clip coefficient and the skip flag come from device_step (a skipped step leaves every
+  // parameter, moment and compute weight as it is). No host wait, except with CPU offload (its
+  // host AdamW reads them after the gradients' download it waits for anyway).
+  void step(const AdamHyper& h, const Tensor& device_step);
+  // The squared global gradient norm as parts on the device, f32 or f64, whose sum in double is
+  // grad_norm_sq(): no host read on one rank (or with replicated data parallelism); the other
+  // layouts sum on the host (host collectives) and upload the total.
+  Tensor grad_norm_sq_parts();
   // A skipped step: the gradients become stale, as after step().
   void skip();
 
@@ -174,6 +183,7 @@ class Optimizer {
   Tensor param_state(const Param& p, Shard& s, const Tensor& device_part, const Tensor& host_part);
   Tensor shard_master(const Param& p);  // sharded masters: one parameter's whole fp32 master
   // Squares of the fp32 masters joined from flat halves starting at element `begin` of a buffer.
+  double host_grad_norm_sq();  // grad_norm_sq_parts() of the other layouts: host sums
   double joined_squares(bool expert, const Tensor& high, const Tensor& remainder, int64_t begin);
   struct Range {
     int64_t begin = 0, end = 0;  // elements of one flat buffer
@@ -201,7 +211,9 @@ class Optimizer {
   void setup_offload(Shard& s, bool expert);                  // the host tensors (constructor)
   void start_grad_download();                                 // device gradients -> host_grad
   // The host AdamW of every offloaded piece, then the fp32-compute masters back to the device.
-  void step_host(std::vector<ops::HostAdamWPiece>& pieces, float clip_scale);
+  // device_step (may be null): the step decided on the device instead of clip_scale.
+  void step_host(std::vector<ops::HostAdamWPiece>& pieces, float clip_scale, const Tensor* device_step);
+  void step_with(const AdamHyper& h, double lr, float clip_scale, int64_t step, const Tensor* device_step);
   // Sharded masters: the shard's bf16 weights [begin, end) into dst (the device part cast, the
   // host part copied from host_weights).
   void shard_weights(Shard& s, Tensor& dst);

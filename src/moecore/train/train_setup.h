@@ -24,6 +24,7 @@
 #include "moecore/train/checkpoint.h"
 #include "moecore/train/data_source.h"
 #include "moecore/train/optimizer.h"
+#include "moecore/train/step_decisions.h"
 
 namespace moecore {
 
@@ -60,6 +61,7 @@ class TrainingRun {
   std::vector<GPTModel*> chunks;
   std::unique_ptr<Optimizer> optimizer;
   TrainingState state;
+  StepDecisions decisions;  // the optimizer steps' device-side decisions (step_decisions.h)
   DataSources data;
 
   int64_t micro = 1;  // micro-batches of this rank per step

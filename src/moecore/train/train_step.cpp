@@ -10,7 +10,6 @@
 #include "moecore/core/memory_categories.h"
 #include "moecore/ops/adamw.h"
 #include "moecore/train/loss_accumulator.h"
-#include "moecore/train/lr_schedule.h"
 #include "moecore/train/pipeline.h"
 
 namespace moecore {
@@ -68,6 +67,31 @@ void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses, std
   }
 }
 
+// sums[1], sums[2] += each layer's aux and z loss per micro-batch, in layer order.
+void add_balancing_losses(const std::vector<MoeStepStats>& layer_stats, int64_t micro, std::vector<double>& sums) {
+  for (const MoeStepStats& s : layer_stats) {
+    sums[1] += s.aux_loss / static_cast<double>(micro);
+    sums[2] += s.z_loss / static_cast<double>(micro);
+  }
+}
+
+// reduce_moe_statistics on the device: each layer's packed statistics reduced there, its end of
+// step (expert bias) applied there, and a read of them started (pending.moe).
+void moe_statistics_on_device(const std::vector<MoeLayer*>& moe_layers, comm::Communicator* token_group,
+                              comm::Communicator* dp, std::optional<TimedRegion>& phase, Device dev,
+                              PendingStepValues& pending) {
+  phase.emplace("moe-statistics", 1, dev);
+  std::vector<Tensor> packed;
+  for (MoeLayer* l : moe_layers) packed.push_back(l->pack_step_stats(token_group, dp, dev));
+  phase.emplace("moe-finish-step", 1, dev);
+  pending.moe = std::vector<PendingRead>(moe_layers.size());
+  for (size_t l = 0; l < moe_layers.size(); ++l) {
+    pending.moe_micro_batches.push_back(moe_layers[l]->step_micro_batches());
+    moe_layers[l]->finish_step_on_device(packed[l], dp);
+    pending.moe[l].start(packed[l]);
+  }
+}
+
 }  // namespace
 
 std::vector<MoeStepStats> reduce_moe_statistics(const std::vector<MoeLayer*>& moe_layers,
@@ -104,69 +128,93 @@ StepResult train_step(TrainingRun& run, int64_t it) {
     run.fp8->set_recording(false);
     run.fp8->finish_step(run.groups->tp(), run.groups->dp_cp());
   }
-  // The MoE layers' statistics start for the host now; the gradient norm's read below waits for
-  // them too (same stream), so reading them afterwards waits no more (not once per layer).
-  for (MoeLayer* l : run.moe_layers) l->prefetch_stats();
+  // With pipeline stages the MoE layers' statistics are read on the host this step: they start for
+  // the host now, so reading them below waits once at most (not once per layer).
+  if (run.pp)
+    for (MoeLayer* l : run.moe_layers) l->prefetch_stats();
   phase.emplace("grads-reduce", 1, dev);
   memory.emplace(MemoryCategory::kCommunication);
   optimizer.reduce_gradients();
   memory.emplace(MemoryCategory::kWorkspace);
-  // The step's loss, averaged over DP on the device, goes to the host behind the gradients: the
-  // gradient norm's read below waits for it too (no wait of its own).
+  // The step's losses, averaged over DP on the device, go to the host behind the step's work
+  // (no wait of their own); the lm loss also travels in the step's decision report.
   if (dp && has_head) dp->all_reduce(losses.value(), comm::ReduceOp::Avg);
   PendingRead loss_read;
-  if (has_head) loss_read.start(losses.value());
+  if (has_head && run.pp) loss_read.start(losses.value());
   std::vector<PendingRead> mtp_reads(mtp_losses.size());
   for (size_t k = 0; k < mtp_losses.size(); ++k) {
     if (dp) dp->all_reduce(mtp_losses[k].value(), comm::ReduceOp::Avg);
     mtp_reads[k].start(mtp_losses[k].value());
   }
   phase.emplace("grad-norm", 1, dev);
-  const double grad_sq = optimizer.grad_norm_sq();
+  const Tensor grad_sq_parts = optimizer.grad_norm_sq_parts();  // on the device
   StepResult r;
-  r.layer_stats = reduce_moe_statistics(run.moe_layers, run.groups->token_group(), dp, phase, dev);
-  phase.emplace("loss-and-checks", 1, dev);
-  // The loss lives on the last stage, MoE layers on every stage: sums over the pipeline give
-  // every rank the same values (the skip decision must agree everywhere).
-  std::vector<double> sums = {has_head ? loss_read.get()[0] : 0.0, 0.0, 0.0, static_cast<double>(r.layer_stats.size())};
-  const size_t mtp_at = sums.size();  // then each MTP depth's loss (0 on the stages without the head)
-  for (int64_t k = 0; k < run.cfg.mtp_num_layers; ++k)
-    sums.push_back(has_head ? mtp_reads[static_cast<size_t>(k)].get()[0] : 0.0);
-  for (const MoeStepStats& s : r.layer_stats) {
-    sums[1] += s.aux_loss / static_cast<double>(micro);
-    sums[2] += s.z_loss / static_cast<double>(micro);
+  r.iteration = it;
+  auto pending = std::make_unique<PendingStepValues>();
+  if (run.pp) {
+    r.layer_stats = reduce_moe_statistics(run.moe_layers, run.groups->token_group(), dp, phase, dev);
+  } else {  // on the device, read with the step's other values (resolve_step)
+    moe_statistics_on_device(run.moe_layers, run.groups->token_group(), dp, phase, dev, *pending);
   }
-  if (run.pp) sum_over_ranks(run.pp, sums);
-  const double lm_loss = sums[0];
-  const double aux = sums[3] > 0 ? sums[1] / sums[3] : 0.0, z = sums[3] > 0 ? sums[2] / sums[3] : 0.0;
+  phase.emplace("loss-and-checks", 1, dev);
+  std::vector<double> sums = {0.0, 0.0, 0.0, static_cast<double>(run.moe_layers.size())};
+  add_balancing_losses(r.layer_stats, micro, sums);
+  Tensor decided_loss = has_head ? losses.value() : Tensor();
+  if (run.pp) {
+    // The loss lives on the last stage, MoE layers on every stage: sums over the pipeline give
+    // every rank the same values (the skip decision must agree everywhere). Read here (a wait).
+    sums[0] = has_head ? loss_read.get()[0] : 0.0;
+    for (int64_t k = 0; k < run.cfg.mtp_num_layers; ++k)
+      sums.push_back(has_head ? mtp_reads[static_cast<size_t>(k)].get()[0] : 0.0);
+    sum_over_ranks(run.pp, sums);
+    decided_loss = Tensor::from_vector(std::vector<double>{sums[0]}, {1}).to(dev);
+    r.mtp_losses.assign(sums.begin() + 4, sums.end());
+  } else {
+    pending->mtp = std::move(mtp_reads);
+  }
   state.consumed_samples += args.global_batch_size;
   state.iteration = it;
-  // Megatron's scheduler: the step after n successful steps uses lr(n); skipped steps do not count.
-  const double lr = learning_rate(args, it - 1 - state.skipped_iterations - state.optimizer_offset);
-  double grad_norm = std::sqrt(grad_sq);
   phase.emplace("optimizer", 1, dev);
-  if (!std::isfinite(lm_loss) || !std::isfinite(grad_sq)) {
-    if (run.logger) std::printf("iteration %lld: %s in the %s; step skipped\n", static_cast<long long>(it),
-                std::isnan(lm_loss) || std::isnan(grad_sq) ? "NaN" : "Inf",
-                std::isfinite(lm_loss) ? "gradients" : "loss");
-    state.skipped_iterations++;
-    state.nan_iterations++;
-    optimizer.skip();
-  } else {
-    const double clip = args.clip_grad > 0 && grad_norm > args.clip_grad ? args.clip_grad / (grad_norm + 1e-6) : 1.0;
-    const AdamHyper hyper{args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay};
-    optimizer.step(hyper, lr, static_cast<float>(clip), it - state.skipped_iterations - state.optimizer_offset);
-  }
+  // Clipping and the NaN/Inf skip decided on the device (step_decisions.h): no host wait.
+  run.decisions.decide(args, state, it, grad_sq_parts, decided_loss, dev);
+  pending->report.start(run.decisions.report());
+  const AdamHyper hyper{args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay};
+  optimizer.step(hyper, run.decisions.device_step());
   phase.reset();
-  r.lm_loss = lm_loss;
-  r.mtp_losses.assign(sums.begin() + static_cast<std::ptrdiff_t>(mtp_at), sums.end());
-  r.aux = aux;
-  r.z = z;
-  r.grad_sq = grad_sq;
-  r.grad_norm = grad_norm;
-  r.skipped = !std::isfinite(lm_loss) || !std::isfinite(grad_sq);
-  r.loss_on_device = losses.value();
+  r.aux = sums[3] > 0 ? sums[1] / sums[3] : 0.0;
+  r.z = sums[3] > 0 ? sums[2] / sums[3] : 0.0;
+  r.pending = std::move(pending);
   return r;
+}
+
+void resolve_step(TrainingRun& run, StepResult& r) {
+  if (!r.pending) return;
+  const std::vector<double> report = r.pending->report.get();
+  r.lm_loss = report[0];
+  r.grad_sq = report[1];
+  r.grad_norm = std::sqrt(r.grad_sq);
+  r.skipped = report[2] != 0.0;
+  if (!r.pending->mtp.empty()) {
+    r.mtp_losses.clear();
+    for (PendingRead& m : r.pending->mtp) r.mtp_losses.push_back(m.get()[0]);
+  }
+  if (!r.pending->moe.empty()) {  // the MoE layers' statistics, then the step's balancing losses
+    for (size_t l = 0; l < r.pending->moe.size(); ++l)
+      r.layer_stats.push_back(
+          run.moe_layers[l]->unpack_step_stats(r.pending->moe[l].get(), r.pending->moe_micro_batches[l]));
+    std::vector<double> sums = {0.0, 0.0, 0.0, static_cast<double>(r.layer_stats.size())};
+    add_balancing_losses(r.layer_stats, run.micro, sums);
+    r.aux = sums[3] > 0 ? sums[1] / sums[3] : 0.0;
+    r.z = sums[3] > 0 ? sums[2] / sums[3] : 0.0;
+  }
+  r.pending.reset();
+  if (!r.skipped) return;
+  if (run.logger)
+    std::printf("iteration %lld: %s in the %s; step skipped\n", static_cast<long long>(r.iteration),
+                std::isnan(r.lm_loss) || std::isnan(r.grad_sq) ? "NaN" : "Inf",
+                std::isfinite(r.lm_loss) ? "gradients" : "loss");
+  run.state.skipped_iterations++;
+  run.state.nan_iterations++;
 }
 
 }  // namespace moecore

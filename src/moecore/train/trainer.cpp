@@ -102,8 +102,8 @@ int run_training(const TrainArgs& args) {
   metrics.start_interval();
   auto ms_since = [](Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); };
   // Until the first log line, a progress line every --progress-interval seconds (a long
-  // --log-interval, or slow steps, would leave the terminal silent): the host waits for each
-  // step's gradient norm, so its step count follows the GPU's.
+  // --log-interval, or slow steps, would leave the terminal silent): the host may run ahead of
+  // the GPU by the steps the allocator and the queue allow, so its count can lead the GPU's.
   const int64_t first_it = run.state.iteration + 1;
   int64_t first_log = first_it;
   while (first_log < args.train_iters && !is_log_step(args, first_log)) ++first_log;
@@ -115,13 +115,15 @@ int run_training(const TrainArgs& args) {
     const uint64_t syncs0 = host_synchronizations();
     if (run.dev.is_cuda()) cuda_allocator(run.dev.index).reset_peak();
     arm_dispatch_clocks(is_log_step(args, it));  // the EP collectives' events, read at the log step
-    const StepResult step = train_step(run, it);
-    const bool log_now = metrics.end_step(run, it, step, syncs0);
+    const bool log_now = metrics.end_step(run, it, train_step(run, it), syncs0);
 
     const bool evaluate_now =
         args.eval_interval > 0 && run.data.valid && (it % args.eval_interval == 0 || it == args.train_iters);
     const bool save_now = args.save_interval > 0 && it % args.save_interval == 0 && it != args.train_iters;
-    if ((evaluate_now || save_now) && !log_now) synchronize(run.dev);  // the step's own work counts as training time
+    if ((evaluate_now || save_now) && !log_now) {
+      synchronize(run.dev);  // the step's own work counts as training time
+      metrics.resolve_steps(run);  // the skip counts a checkpoint records
+    }
     const auto excluded_start = Clock::now();
     if (evaluate_now) metrics.log_validation(it, evaluate(run));
     if (save_now) save();
