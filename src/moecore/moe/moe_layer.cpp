@@ -5,12 +5,14 @@
 #include "moecore/core/step_timers.h"
 #include "moecore/core/memory_categories.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/router_padding.h"
 
 namespace moecore {
 
 MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConfig& cfg, const MoeParallel& par)
     : swiglu_(cfg.swiglu),
       recompute_shared_(cfg.recompute.shared_experts),
+      router_pad_multiple_(cfg.fp8.enabled && cfg.fp8.router_padding ? ops::kFp8RouterPadMultiple : 0),
       dispatcher_(make_token_dispatcher(par.dispatcher, cfg.moe.num_experts, par.ep, par.etp, par.tp_ep)) {
   MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
   router_ = TopKRouter(store, prefix, cfg, par);
@@ -46,6 +48,14 @@ Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, 
   in.indices = routing.indices;
   in.kept = routing.kept;
   in.pad = routing.pad;
+  if (router_pad_multiple_ > 0) {
+    MC_CHECK(routing.pad == 0, "--moe-router-padding-for-fp8 with padding to capacity: refused at the flags");
+    ops::PaddedRouting padded =
+        ops::pad_routing_map(in.indices, in.probs, in.kept, dispatcher_->num_experts(), router_pad_multiple_);
+    in.indices = padded.indices;
+    in.probs = padded.probs;
+    in.kept = padded.kept;
+  }
   // SwiGLU experts apply each row's probability in the activation (Megatron's weighted SwiGLU):
   // the probabilities go to the rows, the combine is a plain sum, and their gradient comes from
   // the activation's backward, which reads the rows anyway (the combine's backward would read
@@ -120,6 +130,10 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
 
   phase.emplace("moe-dispatch-backward", 2, dev);
   TokenRows d_tokens = dispatcher_->dispatch_backward(d_expert_in, ctx.dispatch);
+  // --moe-router-padding-for-fp8: the added assignments' probability gradient is discarded.
+  const int64_t topk = ctx.routing.indices.size(1);
+  if (d_tokens.probs.defined() && d_tokens.probs.size(1) != topk)
+    d_tokens.probs = d_tokens.probs.slice(1, 0, topk).contiguous();
 
   phase.emplace("moe-router-backward", 2, dev);
   router_.backward(d_tokens.probs, loss_grad_scale, ctx.router, d_tokens.rows);
