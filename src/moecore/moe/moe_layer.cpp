@@ -13,6 +13,9 @@ MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConf
     : swiglu_(cfg.swiglu),
       recompute_shared_(cfg.recompute.shared_experts),
       router_pad_multiple_(cfg.fp8.enabled && cfg.fp8.router_padding ? ops::kFp8RouterPadMultiple : 0),
+      fp8_dispatch_(!cfg.fp8.enabled                                    ? Fp8Dispatch::Off
+                    : cfg.fp8.recipe == Fp8Config::Recipe::Blockwise ? Fp8Dispatch::Tiles
+                                                                     : Fp8Dispatch::PerTensor),
       dispatcher_(make_token_dispatcher(par.dispatcher, cfg.moe.num_experts, par.ep, par.etp, par.tp_ep)) {
   MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
   router_ = TopKRouter(store, prefix, cfg, par);
@@ -64,6 +67,7 @@ Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, 
   // Expert GEMMs that read device offsets (the Hopper kernel for all three) let the plan's
   // counts stay on the device: nothing in this layer then waits for the GPU.
   in.device_rows = experts_.device_rows();
+  in.fp8 = fp8_dispatch_;
 
   std::optional<TimedRegion> phase(std::in_place, "moe-dispatch", 2, dev);
   // Memory accounting: each phase's saved tensors under its module's name.

@@ -54,6 +54,7 @@ struct TrainMetrics::Interval {
   double interval_ms = 0;  // wall time of the interval's steps
   double params_norm = 0;
   double dispatch_ms = 0, dispatch_wait_ms = 0;  // MOECORE_COMM_TIMERS=1 only
+  DispatchVolume dispatch_volume;  // the last step's forward token dispatch (shown with MOECORE_COMM_TIMERS=1)
   std::vector<RegionTime> timers;
 };
 
@@ -128,6 +129,7 @@ bool TrainMetrics::end_step(TrainingRun& run, int64_t it, const StepResult& step
   const DispatchCommTime dispatch_time = take_dispatch_comm_time();  // MOECORE_COMM_TIMERS=1 only
   v.dispatch_ms = dispatch_time.seconds * 1e3;
   v.dispatch_wait_ms = dispatch_time.wait_seconds * 1e3;
+  v.dispatch_volume = take_dispatch_volume();
   if (!step.skipped) {
     interval_loss_ += step.lm_loss;
     interval_aux_ += step.aux;
@@ -195,6 +197,9 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
     std::printf(" dispatch communication (ms, last step): %.1f (%.0f%% of the average step; waiting for the "
                 "slowest rank: %.1f) |",
                 v.dispatch_ms, 100.0 * v.dispatch_ms / avg_ms, v.dispatch_wait_ms);
+  if (dispatch_timers_enabled() && v.dispatch_volume.rows > 0)
+    std::printf(" forward token dispatch (last step): %lld bytes for %lld rows |",
+                static_cast<long long>(v.dispatch_volume.bytes), static_cast<long long>(v.dispatch_volume.rows));
   std::printf("\n");
   print_timers(v.timers, interval_steps_, avg_ms);
   if (cfg.moe.per_layer_logging) {
