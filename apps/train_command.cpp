@@ -307,7 +307,8 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
             "not available: goes with --moe-use-upcycling (refused unless 1)");
   f.add_bool("fp8-param-gather", &a.fp8_param_gather, "not available: FP8 parameters all-gathered (refused)");
   f.add_bool("moe-router-padding-for-fp8", &a.moe_router_padding_for_fp8,
-             "not available: routing map padded for FP8 GEMM alignment (refused)");
+             "with FP8 training: pad the routing map (not the tokens) so every expert's rows are a multiple of 16 "
+             "(the first unrouted tokens, probability 0); alltoall dispatcher, no padding to capacity");
 }
 
 // FP8 training (model/fp8_linear.h): the transformer layers' linears on FP8 operands.
@@ -346,7 +347,8 @@ void check_fp8_flags(TrainArgs& a) {
   for (const auto& [given, flag] : {std::pair{!a.fp8_recipe.empty(), "--fp8-recipe"},
                                     std::pair{a.fp8_amax_history_len != TrainArgs::kFp8HistoryNotGiven, "--fp8-amax-history-len"},
                                     std::pair{!a.fp8_amax_compute_algo.empty(), "--fp8-amax-compute-algo"},
-                                    std::pair{a.fp8_margin != 0, "--fp8-margin"}})
+                                    std::pair{a.fp8_margin != 0, "--fp8-margin"},
+                                    std::pair{a.moe_router_padding_for_fp8, "--moe-router-padding-for-fp8"}})
     MC_CHECK(!given || c.enabled, flag, " needs FP8 training: add --fp8-format e4m3|hybrid (or --fp8)");
   c.recipe = a.fp8_recipe == "tensorwise" ? Fp8Config::Recipe::Tensorwise
              : a.fp8_recipe == "blockwise" ? Fp8Config::Recipe::Blockwise
@@ -362,8 +364,13 @@ void check_fp8_flags(TrainArgs& a) {
   c.margin = a.fp8_margin;
   MC_CHECK(!a.fp8_param_gather, "--fp8-param-gather is not available yet: FP8 training keeps bf16/fp32 weights and "
            "all-gathers them as before; drop the flag");
-  MC_CHECK(!a.moe_router_padding_for_fp8, "--moe-router-padding-for-fp8 is not available yet: the FP8 expert GEMMs "
-           "run per expert and need no row padding; drop the flag");
+  c.router_padding = a.moe_router_padding_for_fp8;
+  MC_CHECK(!c.router_padding || !a.model.moe.pad_to_capacity, "--moe-router-padding-for-fp8 with "
+           "--moe-pad-expert-input-to-capacity: padding to capacity already fixes every expert's rows; drop one of them");
+  MC_CHECK(!c.router_padding || a.dispatcher == DispatcherType::AllToAll || (a.ep == 1 && a.etp == 1),
+           "--moe-router-padding-for-fp8 with --moe-token-dispatcher-type allgather over --expert-model-parallel-size ",
+           a.ep, " x --expert-tensor-parallel-size ", a.etp, ": the padded routing differs in width from rank to rank "
+           "(Megatron refuses it too); use --moe-token-dispatcher-type alltoall");
   MC_CHECK(!c.enabled || !a.device.is_cuda(), "--fp8-format / --fp8: FP8 training runs on the CPU backend (emulated "
            "FP8 GEMMs) in this version; the CUDA FP8 ops exist (ops/fp8_quant.h) but the model does not use them on "
            "a GPU yet: on ", a.device.str(), " train in bf16 (--bf16) or add --device cpu");

@@ -18,6 +18,9 @@ namespace {
 // The dtypes of the backend this one stands in for: MPI's on the CPU, NCCL's on a GPU.
 const std::vector<DType> kHostDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
 const std::vector<DType> kDeviceDtypes = {DType::F32, DType::BF16, DType::I32, DType::I64, DType::U8};
+// all_gather / all_to_all on the CPU also move FP8 codes, as the MPI backend does.
+const std::vector<DType> kHostMoveDtypes = {DType::F32, DType::F64, DType::BF16,    DType::I32,
+                                            DType::I64, DType::U8,  DType::FP8E4M3, DType::FP8E5M2};
 constexpr uint64_t kFillSeed = 0x656d756c61746564ull;  // "emulated"
 
 const char* start_of(const Tensor& t) { return static_cast<const char*>(t.data_ptr()); }
@@ -42,7 +45,7 @@ EmulatedCommunicator::EmulatedCommunicator(int rank, int size, Device device, st
 
 void EmulatedCommunicator::fill(Tensor& t) {
   if (t.numel() == 0) return;
-  if (is_floating(t.dtype())) {
+  if (is_floating(t.dtype()) && dtype_size(t.dtype()) > 1) {  // FP8 codes: zeros, as integers
     ops::fill_normal(t, kFillSeed, fills_++, 0.0, 1.0);
     return;
   }
@@ -106,7 +109,7 @@ void EmulatedCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceO
 }
 
 void EmulatedCommunicator::all_gather(const Tensor& in, Tensor& out) {
-  const auto& dtypes = device_.is_cpu() ? kHostDtypes : kDeviceDtypes;
+  const auto& dtypes = device_.is_cpu() ? kHostMoveDtypes : kDeviceDtypes;
   detail::check_tensor("all_gather", "in", in, device_, dtypes);
   detail::check_tensor("all_gather", "out", out, device_, dtypes);
   detail::check_same_dtype("all_gather", in, out);
@@ -119,7 +122,7 @@ void EmulatedCommunicator::all_gather(const Tensor& in, Tensor& out) {
 
 void EmulatedCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
                                       const std::vector<int64_t>& recv_counts) {
-  const auto& dtypes = device_.is_cpu() ? kHostDtypes : kDeviceDtypes;
+  const auto& dtypes = device_.is_cpu() ? kHostMoveDtypes : kDeviceDtypes;
   detail::check_tensor("all_to_all", "in", in, device_, dtypes);
   detail::check_tensor("all_to_all", "out", out, device_, dtypes);
   detail::check_same_dtype("all_to_all", in, out);

@@ -123,6 +123,10 @@ void Communicator::add_role(const std::string& role) {
 namespace {
 
 const std::vector<DType> kMpiDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
+// The collectives that only move bytes (all_gather, all_to_all) also take FP8 codes (the FP8
+// token dispatch, moe/token_dispatcher.h); reductions do not.
+const std::vector<DType> kMpiMoveDtypes = {DType::F32, DType::F64,      DType::BF16,    DType::I32,
+                                           DType::I64, DType::U8, DType::FP8E4M3, DType::FP8E5M2};
 
 // Transport type: bf16 travels as its 16-bit pattern (reductions convert to f32 first).
 MPI_Datatype mpi_type(DType t) {
@@ -133,7 +137,9 @@ MPI_Datatype mpi_type(DType t) {
     case DType::I32: return MPI_INT32_T;
     case DType::I64: return MPI_INT64_T;
     case DType::U8: return MPI_UINT8_T;
-    default: MC_FAIL("comm: dtype ", dtype_name(t), " has no MPI type, expected one of ", detail::dtypes_str(kMpiDtypes));
+    case DType::FP8E4M3:
+    case DType::FP8E5M2: return MPI_UINT8_T;  // moved as bytes (never reduced: kMpiMoveDtypes)
+    default: MC_FAIL("comm: dtype ", dtype_name(t), " has no MPI type, expected one of ", detail::dtypes_str(kMpiMoveDtypes));
   }
 }
 
@@ -308,8 +314,8 @@ void MpiCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op)
 }
 
 void MpiCommunicator::all_gather(const Tensor& in, Tensor& out) {
-  detail::check_tensor("all_gather", "in", in, device(), kMpiDtypes);
-  detail::check_tensor("all_gather", "out", out, device(), kMpiDtypes);
+  detail::check_tensor("all_gather", "in", in, device(), kMpiMoveDtypes);
+  detail::check_tensor("all_gather", "out", out, device(), kMpiMoveDtypes);
   detail::check_same_dtype("all_gather", in, out);
   detail::check_rows_multiple("all_gather", "out", out, "in", in, size_);
   count_of("all_gather", out.numel());
@@ -323,8 +329,8 @@ void MpiCommunicator::all_gather(const Tensor& in, Tensor& out) {
 
 void MpiCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
                                  const std::vector<int64_t>& recv_counts) {
-  detail::check_tensor("all_to_all", "in", in, device(), kMpiDtypes);
-  detail::check_tensor("all_to_all", "out", out, device(), kMpiDtypes);
+  detail::check_tensor("all_to_all", "in", in, device(), kMpiMoveDtypes);
+  detail::check_tensor("all_to_all", "out", out, device(), kMpiMoveDtypes);
   detail::check_same_dtype("all_to_all", in, out);
   detail::check_all_to_all(in, send_counts, out, recv_counts, size_);
   const int64_t row = std::accumulate(in.shape().begin() + 1, in.shape().end(), int64_t{1}, std::multiplies<>());

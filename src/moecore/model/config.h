@@ -81,6 +81,7 @@ struct Fp8Config {
   int64_t amax_history_len = 1;   // --fp8-amax-history-len (delayed)
   bool amax_compute_max = false;  // --fp8-amax-compute-algo max (else most_recent; delayed)
   int64_t margin = 0;             // --fp8-margin: delayed scales divided by 2^margin
+  bool router_padding = false;    // --moe-router-padding-for-fp8 (ops/router_padding.h)
 };
 
 struct ModelConfig {

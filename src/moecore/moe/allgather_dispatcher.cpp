@@ -31,16 +31,36 @@ TokenRows AllGatherDispatcher::dispatch_preprocess(const DispatchInput& in, Ctx&
   ctx.indices = in.indices;
   ctx.kept = in.kept;
   ctx.probs_to_rows = in.probs_to_rows;
+  ctx.fp8 = in.fp8;
   ctx.probs = ctx.dprobs = Tensor();
   return {in.x, in.probs};
 }
 
 TokenRows AllGatherDispatcher::token_dispatch(const TokenRows& local, Ctx& ctx) const {
   TokenRows out;
-  out.rows = gather_rows(local.rows);
+  int64_t bytes = static_cast<int64_t>(ctx.indices.nbytes());
+  if (ctx.fp8 == Fp8Dispatch::Off) {
+    out.rows = gather_rows(local.rows);
+    bytes += static_cast<int64_t>(local.rows.nbytes());
+  } else {
+    // FP8: the codes and their factors ([T, tiles] or [1]) gathered alike.
+    const dispatch_detail::Fp8Rows q = dispatch_detail::quantize_dispatch_rows(local.rows, ctx.fp8);
+    const Tensor codes = gather_rows(q.codes), factors = gather_rows(q.scale_inv);
+    bytes += static_cast<int64_t>(q.codes.nbytes() + q.scale_inv.nbytes());
+    out.rows = dispatch_detail::dequantize_dispatch_rows(
+        codes, factors, ctx.fp8, std::vector<int64_t>(static_cast<size_t>(gather_size_), local.rows.size(0)),
+        local.rows.dtype());
+  }
   ctx.indices = gather_rows(ctx.indices);
-  if (ctx.kept.defined()) ctx.kept = gather_rows(ctx.kept);
-  if (local.probs.defined()) out.probs = gather_rows(local.probs);
+  if (ctx.kept.defined()) {
+    bytes += static_cast<int64_t>(ctx.kept.nbytes());
+    ctx.kept = gather_rows(ctx.kept);
+  }
+  if (local.probs.defined()) {
+    out.probs = gather_rows(local.probs);
+    bytes += static_cast<int64_t>(local.probs.nbytes());
+  }
+  dispatch_detail::count_dispatch(local.rows.size(0), bytes);
   return out;
 }
 

@@ -52,6 +52,7 @@ TokenRows AllToAllDispatcher::dispatch_preprocess(const DispatchInput& in, Ctx& 
   const int64_t hidden = in.x.size(1);
   ctx.tokens = in.x.size(0);
   ctx.topk = in.indices.size(1);
+  ctx.fp8 = in.fp8;
   ctx.dprobs = Tensor();
   // One rank without ETP: the plan's counts need not come to the host when the expert GEMMs
   // read the device offsets (device_rows). Over EP they come through the all-gather below
@@ -111,8 +112,32 @@ TokenRows AllToAllDispatcher::dispatch_preprocess(const DispatchInput& in, Ctx& 
 TokenRows AllToAllDispatcher::token_dispatch(const TokenRows& local, Ctx& ctx) const {
   if (!ep_) return local;
   TokenRows out;
-  out.rows = all_to_all_rows(local.rows, ctx.send_rows, ctx.recv_rows);
-  if (local.probs.defined()) out.probs = all_to_all_rows(local.probs, ctx.send_rows, ctx.recv_rows);
+  int64_t bytes = 0;
+  if (ctx.fp8 == Fp8Dispatch::Off) {
+    out.rows = all_to_all_rows(local.rows, ctx.send_rows, ctx.recv_rows);
+    bytes += static_cast<int64_t>(local.rows.nbytes());
+  } else {
+    // FP8: the codes with their factors (1x128 tiles: per row; per tensor: one to every rank).
+    const dispatch_detail::Fp8Rows q = dispatch_detail::quantize_dispatch_rows(local.rows, ctx.fp8);
+    const Tensor codes = all_to_all_rows(q.codes, ctx.send_rows, ctx.recv_rows);
+    Tensor factors;
+    if (ctx.fp8 == Fp8Dispatch::Tiles) {
+      factors = all_to_all_rows(q.scale_inv, ctx.send_rows, ctx.recv_rows);
+      bytes += static_cast<int64_t>(q.scale_inv.nbytes());
+    } else {
+      const std::vector<int64_t> one(static_cast<size_t>(ep_size_), 1);
+      const std::vector<float> each(static_cast<size_t>(ep_size_), q.scale_inv.to_vector<float>()[0]);
+      factors = all_to_all_rows(Tensor::from_vector(each, {ep_size_}, ep_->device()), one, one);
+      bytes += ep_size_ * static_cast<int64_t>(sizeof(float));
+    }
+    bytes += static_cast<int64_t>(q.codes.nbytes());
+    out.rows = dispatch_detail::dequantize_dispatch_rows(codes, factors, ctx.fp8, ctx.recv_rows, local.rows.dtype());
+  }
+  if (local.probs.defined()) {
+    out.probs = all_to_all_rows(local.probs, ctx.send_rows, ctx.recv_rows);
+    bytes += static_cast<int64_t>(local.probs.nbytes());
+  }
+  dispatch_detail::count_dispatch(local.rows.size(0), bytes);
   return out;
 }
 

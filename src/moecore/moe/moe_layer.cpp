@@ -7,6 +7,7 @@
 #include "moecore/moe/dispatch_load.h"
 #include "moecore/moe/side_stream.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/router_padding.h"
 
 namespace moecore {
 
@@ -14,6 +15,10 @@ MoeLayer::MoeLayer(ParamStore& store, const std::string& prefix, const ModelConf
     : swiglu_(cfg.swiglu),
       recompute_shared_(cfg.recompute.shared_experts),
       shared_overlap_(cfg.moe.shared_expert_overlap && cfg.moe.shared_expert_size > 0),
+      router_pad_multiple_(cfg.fp8.enabled && cfg.fp8.router_padding ? ops::kFp8RouterPadMultiple : 0),
+      fp8_dispatch_(!cfg.fp8.enabled                                    ? Fp8Dispatch::Off
+                    : cfg.fp8.recipe == Fp8Config::Recipe::Blockwise ? Fp8Dispatch::Tiles
+                                                                     : Fp8Dispatch::PerTensor),
       dispatcher_(make_token_dispatcher(par.dispatcher, cfg.moe.num_experts, par.ep, par.etp, par.tp_ep)) {
   MC_CHECK(!cfg.add_bias_linear, "MoE experts have no biases yet: add --disable-bias-linear to use --num-experts");
   router_ = TopKRouter(store, prefix, cfg, par);
@@ -49,6 +54,14 @@ Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, 
   in.indices = routing.indices;
   in.kept = routing.kept;
   in.pad = routing.pad;
+  if (router_pad_multiple_ > 0) {
+    MC_CHECK(routing.pad == 0, "--moe-router-padding-for-fp8 with padding to capacity: refused at the flags");
+    ops::PaddedRouting padded =
+        ops::pad_routing_map(in.indices, in.probs, in.kept, dispatcher_->num_experts(), router_pad_multiple_);
+    in.indices = padded.indices;
+    in.probs = padded.probs;
+    in.kept = padded.kept;
+  }
   // SwiGLU experts apply each row's probability in the activation (Megatron's weighted SwiGLU):
   // the probabilities go to the rows, the combine is a plain sum, and their gradient comes from
   // the activation's backward, which reads the rows anyway (the combine's backward would read
@@ -57,6 +70,7 @@ Tensor MoeLayer::route_and_compute(const Tensor& x, bool record, bool training, 
   // Expert GEMMs that read device offsets (the Hopper kernel for all three) let the plan's
   // counts stay on the device: nothing in this layer then waits for the GPU.
   in.device_rows = experts_.device_rows();
+  in.fp8 = fp8_dispatch_;
 
   // --moe-shared-expert-overlap: the shared expert first, on the side stream (a GPU), so that it
   // computes while the routed tokens travel; its output joins the sum after the combine.
@@ -150,6 +164,10 @@ Tensor MoeLayer::backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx) {
 
   phase.emplace("moe-dispatch-backward", 2, dev);
   TokenRows d_tokens = dispatcher_->dispatch_backward(d_expert_in, ctx.dispatch);
+  // --moe-router-padding-for-fp8: the added assignments' probability gradient is discarded.
+  const int64_t topk = ctx.routing.indices.size(1);
+  if (d_tokens.probs.defined() && d_tokens.probs.size(1) != topk)
+    d_tokens.probs = d_tokens.probs.slice(1, 0, topk).contiguous();
 
   phase.emplace("moe-router-backward", 2, dev);
   router_.backward(d_tokens.probs, loss_grad_scale, ctx.router, d_tokens.rows);

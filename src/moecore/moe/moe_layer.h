@@ -12,6 +12,11 @@
 //             added after the combine, its backward likewise beside the routed backward: the same
 //             arithmetic, so the same numbers as without the flag
 //   stats:    moe/moe_stats.h (MoeStats): losses, tokens per expert, routing checks, expert bias
+//   FP8 dispatch: with FP8 training the tokens cross the EP collective in FP8 (Fp8Dispatch).
+//   FP8 padding: with --moe-router-padding-for-fp8 the router's decision is widened before the
+//             dispatch (ops/router_padding.h) so every expert's rows are a multiple of 16; the
+//             statistics count the router's own assignments, the router's backward reads the
+//             probability gradient of its k columns only.
 #pragma once
 
 #include <memory>
@@ -84,6 +89,8 @@ class MoeLayer {
   // the routing in the step's statistics (not when recomputing).
   Tensor route_and_compute(const Tensor& x, bool record, bool training, Ctx& ctx);
   bool swiglu_ = true, recompute_shared_ = false, shared_overlap_ = false;
+  int64_t router_pad_multiple_ = 0;  // > 0: --moe-router-padding-for-fp8
+  Fp8Dispatch fp8_dispatch_ = Fp8Dispatch::Off;  // FP8 training: the tokens cross EP in FP8
   std::shared_ptr<const TokenDispatcher> dispatcher_;
   TopKRouter router_;
   GroupedExperts experts_;

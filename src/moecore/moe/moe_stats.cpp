@@ -41,7 +41,8 @@ void MoeStats::record_routing(const ops::MoeRouting& plan, const Tensor& indices
     // them. When the dispatcher's plan covers exactly this rank's tokens over all E experts, its
     // counts are these numbers: on the host when they were copied for the GEMM sizes (unpadded),
     // else summed on the device and read with the losses; otherwise count from the indices.
-    const bool whole = plan.num_tokens == tokens && plan.num_experts == e;
+    // (Not with --moe-router-padding-for-fp8: the plan then also holds the added assignments.)
+    const bool whole = plan.num_tokens == tokens && plan.topk == indices.size(1) && plan.num_experts == e;
     if (whole && pad == 0 && static_cast<int64_t>(plan.host_tokens_per_expert.size()) == e) {
       for (int64_t i = 0; i < e; ++i)
         stats_.tokens_per_expert[static_cast<size_t>(i)] +=

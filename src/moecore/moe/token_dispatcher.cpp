@@ -9,6 +9,8 @@
 #include "moecore/core/env_switches.h"
 #include "moecore/moe/allgather_dispatcher.h"
 #include "moecore/moe/alltoall_dispatcher.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/fp8_quant.h"
 
 namespace moecore {
 
@@ -16,7 +18,14 @@ const char* dispatcher_name(DispatcherType t) { return t == DispatcherType::AllG
 
 namespace {
 double g_comm_seconds = 0, g_wait_seconds = 0;
+DispatchVolume g_volume;
 }  // namespace
+
+DispatchVolume take_dispatch_volume() {
+  const DispatchVolume v = g_volume;
+  g_volume = DispatchVolume{};
+  return v;
+}
 
 bool dispatch_timers_enabled() {
   static const bool on = [] {
@@ -57,6 +66,53 @@ Shape with_rows(const Tensor& t, int64_t rows) {
   Shape s = t.shape();
   s[0] = rows;
   return s;
+}
+
+void count_dispatch(int64_t rows, int64_t bytes) {
+  g_volume.rows += rows;
+  g_volume.bytes += bytes;
+}
+
+Fp8Rows quantize_dispatch_rows(const Tensor& rows, Fp8Dispatch mode) {
+  MC_CHECK(mode != Fp8Dispatch::Off && rows.ndim() == 2 && (rows.dtype() == DType::F32 || rows.dtype() == DType::BF16),
+           "FP8 dispatch: rows ", rows.describe(), ": expected [rows, hidden] f32 or bf16");
+  const int64_t n = rows.size(0), hidden = rows.size(1);
+  const int64_t tiles = (hidden + ops::kFp8BlockSize - 1) / ops::kFp8BlockSize;
+  const Device dev = rows.device();
+  if (mode == Fp8Dispatch::Tiles) {
+    if (n == 0) return {Tensor::empty({0, hidden}, DType::FP8E4M3, dev), Tensor::empty({0, tiles}, DType::F32, dev)};
+    ops::Fp8Tensor q = ops::quantize_tiles(rows, ops::Fp8Format::E4M3);
+    return {q.data, q.scale_inv};
+  }
+  const float scale = n == 0 ? 1.0f
+                             : ops::fp8_scale_from_amax(ops::amax(rows), ops::Fp8Format::E4M3, false);
+  if (n == 0) return {Tensor::empty({0, hidden}, DType::FP8E4M3, dev), Tensor::from_vector(std::vector<float>{1.0f / scale}, {1}, dev)};
+  ops::Fp8Tensor q = ops::quantize_per_tensor(rows, scale, ops::Fp8Format::E4M3);
+  return {q.data, q.scale_inv.view({1})};
+}
+
+Tensor dequantize_dispatch_rows(const Tensor& codes, const Tensor& scale_inv, Fp8Dispatch mode,
+                                const std::vector<int64_t>& chunk_rows, DType dtype) {
+  const int64_t m = codes.size(0), hidden = codes.size(1);
+  Tensor out32 = Tensor::empty({m, hidden}, DType::F32, codes.device());
+  if (mode == Fp8Dispatch::Tiles) {
+    if (m > 0) out32 = ops::dequantize({codes, scale_inv, ops::Fp8Scaling::Tile1x128});
+  } else {
+    MC_CHECK(scale_inv.numel() == static_cast<int64_t>(chunk_rows.size()) && total(chunk_rows) == m,
+             "FP8 dispatch: ", scale_inv.numel(), " factors for ", chunk_rows.size(), " chunks of ", total(chunk_rows),
+             " rows, ", m, " received");
+    int64_t at = 0;
+    for (size_t c = 0; c < chunk_rows.size(); ++c) {
+      const int64_t rows = chunk_rows[c];
+      if (rows == 0) continue;
+      const int64_t i = static_cast<int64_t>(c);
+      out32.slice(0, at, at + rows)
+          .copy_from(ops::dequantize({codes.slice(0, at, at + rows), scale_inv.slice(0, i, i + 1),
+                                      ops::Fp8Scaling::PerTensor}));
+      at += rows;
+    }
+  }
+  return dtype == DType::F32 ? out32 : ops::cast_to(out32, dtype);
 }
 
 int64_t total(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }

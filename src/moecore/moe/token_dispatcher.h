@@ -58,6 +58,30 @@ namespace moecore {
 enum class DispatcherType { AllGather, AllToAll };
 const char* dispatcher_name(DispatcherType t);
 
+// FP8 dispatch (FP8 training under EP; issue 28): the hidden-state rows cross the forward
+// dispatch's EP collective (the all-to-all, or the all-gather) as E4M3 codes with fp32
+// dequantisation factors (ops/fp8_quant.h), about half of bf16's bytes, and are dequantised to
+// their dtype on arrival (exactly: every E4M3 value times a factor is a bf16 / f32 value):
+//   Tiles      1x128 tiles per row, power-of-two factors [rows, ceil(H/128)] (blockwise recipe).
+//              The experts' FP8 input quantiser then finds the same values (codes and factors
+//              at most a power of two apart), so their forward GEMMs equal quantising after the
+//              dispatch; their wgrad's 128x1 tiles read the dequantised rows (as Transformer
+//              Engine's do when FP8 tokens arrive).
+//   PerTensor  one factor per sending rank from the current amax of the rows it sends
+//              (tensorwise and delayed recipes); the experts' quantiser scales them again.
+// Only the forward dispatch travels in FP8: the combine and the backward keep the rows' dtype.
+// On one rank (no collective) nothing is quantised.
+enum class Fp8Dispatch { Off, Tiles, PerTensor };
+
+// The forward token dispatch's volume on this rank since the last call (then reset): the rows
+// (tokens, for allgather) it sent and the bytes of everything its token_dispatch collectives
+// sent (rows or FP8 codes and factors, probabilities; allgather: also the routing), its own
+// share included. Counted always; the log shows it with MOECORE_COMM_TIMERS=1.
+struct DispatchVolume {
+  int64_t rows = 0, bytes = 0;
+};
+DispatchVolume take_dispatch_volume();
+
 // Timers for the share of a step spent in dispatch communication (issue: scaling runs). With
 // MOECORE_COMM_TIMERS=1 in the environment every dispatcher collective is bracketed by device
 // synchronisations and its wall time accumulated (which serialises the step: for measurement
@@ -91,6 +115,7 @@ struct DispatchInput {
   // The caller's expert GEMMs take device offsets (ops::grouped_gemm_device_rows): on one rank
   // without ETP the plan's counts then stay on the device (Ctx::local_rows.host empty).
   bool device_rows = false;
+  Fp8Dispatch fp8 = Fp8Dispatch::Off;  // see Fp8Dispatch (used where a collective moves the rows)
 };
 
 class TokenDispatcher {
@@ -112,6 +137,7 @@ class TokenDispatcher {
     int64_t tokens = 0, topk = 0;
     ops::MoeRouting etp_sort;           // ETP: gathered rows (ETP rank-major) -> local-expert order
     std::vector<int64_t> etp_rows;      // ETP: rows each ETP rank contributed
+    Fp8Dispatch fp8 = Fp8Dispatch::Off;
   };
 
   TokenDispatcher() = default;
@@ -194,6 +220,18 @@ int64_t total(const std::vector<int64_t>& v);
 // The combine's last step: each token's rows weighted by probs and summed; without probs (the
 // experts applied them) a plain sum of each token's rows, which is permute's backward.
 void unpermute(const Tensor& rows, const Tensor& probs, const ops::MoeRouting& r, Tensor& out);
+// Adds to the forward dispatch's volume (take_dispatch_volume).
+void count_dispatch(int64_t rows, int64_t bytes);
+// FP8 dispatch: rows [n, H] (f32 / bf16) -> E4M3 codes [n, H] and factors (Tiles: [n, tiles];
+// PerTensor: [1]).
+struct Fp8Rows {
+  Tensor codes, scale_inv;
+};
+Fp8Rows quantize_dispatch_rows(const Tensor& rows, Fp8Dispatch mode);
+// The arrival: codes [m, H] and factors (Tiles: [m, tiles]; PerTensor: one per chunk, the
+// chunks' rows in chunk_rows) -> [m, H] in dtype.
+Tensor dequantize_dispatch_rows(const Tensor& codes, const Tensor& scale_inv, Fp8Dispatch mode,
+                                const std::vector<int64_t>& chunk_rows, DType dtype);
 
 }  // namespace dispatch_detail
 

@@ -56,6 +56,7 @@ struct TrainMetrics::Interval {
   double params_norm = 0;
   double dispatch_ms = 0, dispatch_wait_ms = 0;  // MOECORE_COMM_TIMERS=1 only
   DispatchLoadReport load;  // the log step's EP load imbalance (moe/dispatch_load.h)
+  DispatchVolume dispatch_volume;  // the last step's forward token dispatch (shown with MOECORE_COMM_TIMERS=1)
   std::vector<RegionTime> timers;
 };
 
@@ -150,6 +151,7 @@ bool TrainMetrics::end_step(TrainingRun& run, int64_t it, StepResult step, uint6
   const DispatchCommTime dispatch_time = take_dispatch_comm_time();  // MOECORE_COMM_TIMERS=1 only
   v.dispatch_ms = dispatch_time.seconds * 1e3;
   v.dispatch_wait_ms = dispatch_time.wait_seconds * 1e3;
+  v.dispatch_volume = take_dispatch_volume();
   interval_steps_++;
 
   v.params_norm = log_now ? std::sqrt(run.optimizer->params_norm_sq()) : 0.0;  // collective
@@ -221,6 +223,9 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
     std::printf(" EP dispatch collectives (ms, last step, mean over EP ranks): %.1f, waiting for the slowest rank: "
                 "%.1f (max %.1f) |",
                 v.load.comm_ms_mean, v.load.wait_ms_mean, v.load.wait_ms_max);
+  if (dispatch_timers_enabled() && v.dispatch_volume.rows > 0)
+    std::printf(" forward token dispatch (last step): %lld bytes for %lld rows |",
+                static_cast<long long>(v.dispatch_volume.bytes), static_cast<long long>(v.dispatch_volume.rows));
   std::printf("\n");
   print_timers(v.timers, interval_steps_, avg_ms);
   if (cfg.moe.per_layer_logging) {
