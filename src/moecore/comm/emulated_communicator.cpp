@@ -17,7 +17,7 @@ namespace {
 
 // The dtypes of the backend this one stands in for: MPI's on the CPU, NCCL's on a GPU.
 const std::vector<DType> kHostDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
-const std::vector<DType> kDeviceDtypes = {DType::F32, DType::BF16, DType::I32, DType::I64, DType::U8};
+const std::vector<DType> kDeviceDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
 // all_gather / all_to_all on the CPU also move FP8 codes, as the MPI backend does.
 const std::vector<DType> kHostMoveDtypes = {DType::F32, DType::F64, DType::BF16,    DType::I32,
                                             DType::I64, DType::U8,  DType::FP8E4M3, DType::FP8E5M2};
@@ -45,7 +45,8 @@ EmulatedCommunicator::EmulatedCommunicator(int rank, int size, Device device, st
 
 void EmulatedCommunicator::fill(Tensor& t) {
   if (t.numel() == 0) return;
-  if (is_floating(t.dtype()) && dtype_size(t.dtype()) > 1) {  // FP8 codes: zeros, as integers
+  // FP8 codes, and f64 on a GPU (no random fill there): zeros, as integers.
+  if (is_floating(t.dtype()) && dtype_size(t.dtype()) > 1 && (t.device().is_cpu() || t.dtype() != DType::F64)) {
     ops::fill_normal(t, kFillSeed, fills_++, 0.0, 1.0);
     return;
   }

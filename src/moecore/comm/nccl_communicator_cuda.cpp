@@ -17,11 +17,13 @@
 namespace moecore::comm {
 namespace {
 
-const std::vector<DType> kNcclDtypes = {DType::F32, DType::BF16, DType::I32, DType::I64, DType::U8};
+// F64: the step's MoE statistics are summed over the ranks in f64 on the device.
+const std::vector<DType> kNcclDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
     case DType::F32: return ncclFloat32;
+    case DType::F64: return ncclFloat64;
     case DType::BF16: return ncclBfloat16;
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;
