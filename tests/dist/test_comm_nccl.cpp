@@ -79,7 +79,7 @@ TEST_F(CommNccl, GroupedCallsCompleteAtGroupEnd) { comm_checks::check_grouped_ca
 TEST_F(CommNccl, SplitIntoEvenAndOddRanks) { comm_checks::check_split_even_odd(c()); }
 TEST_F(CommNccl, BadArgumentsRaiseErrors) {
   comm_checks::check_bad_arguments(c());
-  // Host tensors and f64 are not for the NCCL communicator.
+  // Host tensors and FP8 codes are not for the NCCL communicator.
   Tensor host = Tensor::zeros({4}, DType::F32);
   try {
     c().all_reduce(host, ReduceOp::Sum);
@@ -89,9 +89,18 @@ TEST_F(CommNccl, BadArgumentsRaiseErrors) {
     EXPECT_NE(msg.find("comm all_reduce: t is Tensor(f32, cpu"), std::string::npos) << msg;
     EXPECT_NE(msg.find("expected a tensor on " + c().device().str()), std::string::npos) << msg;
   }
-  Tensor f64 = Tensor::zeros({4}, DType::F64, c().device());
-  EXPECT_THROW(c().broadcast(f64, 0), Error);
+  Tensor fp8 = Tensor::zeros({4}, DType::FP8E4M3, c().device());
+  EXPECT_THROW(c().broadcast(fp8, 0), Error);
   c().barrier();
+}
+
+// f64 sums (the step's MoE statistics are reduced in f64 on the device).
+TEST_F(CommNccl, F64AllReduceSums) {
+  Tensor t = Tensor::from_vector(std::vector<double>{1.5, -2.0, 1e-300}, {3}).to(c().device());
+  c().all_reduce(t, ReduceOp::Sum);
+  const std::vector<double> got = t.to(Device::cpu()).to_vector<double>();
+  const double n = static_cast<double>(c().size());
+  EXPECT_EQ(got, (std::vector<double>{1.5 * n, -2.0 * n, 1e-300 * n}));
 }
 
 // The expert-parallel dispatchers (alltoall, allgather) on device tensors through NCCL.
