@@ -108,6 +108,13 @@ int main(int argc, char** argv) {
           record("gemv", bench::time_ms(dev, iters, reps, [&] {
                    ops::cuda::grouped_gemv_launch(x, w, offsets.data<int32_t>(), out, stream);
                  }));
+        if (!hopper::available(x, w, out, g.experts)) {  // not a Hopper GPU (or not an sm_90a build)
+          std::printf("%s\n", nlohmann::json{{"bench", "decode_gemm"}, {"gemm", g.name}, {"prompts", prompts},
+                                             {"skipped", "the Hopper kernel does not run here"}}
+                                  .dump()
+                                  .c_str());
+          continue;
+        }
         using hopper::ForwardTile;
         for (ForwardTile t : {ForwardTile::Wide128, ForwardTile::Narrow128, ForwardTile::Rows64Wide,
                               ForwardTile::Rows64Narrow, ForwardTile::Auto}) {

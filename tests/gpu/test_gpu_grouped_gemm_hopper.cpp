@@ -186,8 +186,6 @@ TEST(HopperGroupedGemm, WgradIgnoresTheNextExpertsRowsEvenWhenTheyAreNaN) {
   }
 }
 
-// The kernel declines what it cannot do (the caller then loops): f32 inputs, a last dimension
-// that is not a multiple of 8 (TMA row strides), a non-contiguous weight.
 // Every forward tile (the 64-row ones split the columns between the warpgroups) on the cases
 // above and on decoding's shapes: a handful of rows per expert, some experts empty.
 TEST(HopperGroupedGemm, EveryForwardTileMatchesCpu) {
@@ -228,6 +226,8 @@ TEST(HopperGroupedGemm, AutoTileFollowsRowsPerExpert) {
   EXPECT_EQ(auto_forward_tile(128, 8, 2048, 132), ForwardTile::Rows64Narrow);    // fc2: 64 wide tiles
 }
 
+// The kernel declines what it cannot do (the caller then loops): f32 inputs, a last dimension
+// that is not a multiple of 8 (TMA row strides), a non-contiguous weight.
 TEST(HopperGroupedGemm, DeclinesUnsupportedCases) {
   MC_REQUIRE_CUDA();
   const Device d = Device::cuda(0);
