@@ -55,6 +55,11 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
     if (pf.gpus <= 0)
       throw cli::UsageError("moecore plan needs --gpus N (the GPUs of the layout), or --nodes and --gpus-per-node",
                             __FILE__, __LINE__);
+    // Flags training takes that the models leave out: refused, not ignored.
+    MC_CHECK(!a.moe_shared_expert_overlap, "moecore plan: --moe-shared-expert-overlap is not in the planner's step-time "
+             "or memory model; plan without it (the step then counts the shared expert in full)");
+    MC_CHECK(!a.moe_router_padding_for_fp8, "moecore plan: --moe-router-padding-for-fp8 is not in the planner's model "
+             "(at most 15 padded rows per expert); plan without it");
     // FP8: a prediction of the blockwise recipe (training runs FP8 on the CPU backend only).
     if (!a.fp8_recipe.empty() || !a.fp8_format.empty() || a.fp8) {
       MC_CHECK(a.fp8_recipe == "blockwise", a.fp8_recipe.empty() ? std::string("--fp8 / --fp8-format without --fp8-recipe (training's default: delayed)")
