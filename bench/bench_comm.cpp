@@ -12,13 +12,13 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "bench_ranks.h"
 #include "moecore/comm/bootstrap.h"
 #include "moecore/comm/communicator.h"
 #include "moecore/core/device.h"
@@ -48,20 +48,7 @@ double time_calls(comm::Communicator& c, const Case& k, Tensor& a, Tensor& b, De
       c.all_gather(in, b);
     }
   };
-  for (int i = 0; i < 5; ++i) once();
-  std::vector<double> runs;
-  for (int r = 0; r < 5; ++r) {
-    synchronize(dev);
-    c.barrier();
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 10; ++i) once();
-    synchronize(dev);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 10;
-    MPI_Allreduce(MPI_IN_PLACE, &s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    runs.push_back(s);
-  }
-  std::sort(runs.begin(), runs.end());
-  return runs[runs.size() / 2];
+  return bench::slowest_rank_seconds(c, dev, 5, once);
 }
 
 }  // namespace

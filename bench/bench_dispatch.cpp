@@ -21,7 +21,6 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -29,6 +28,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_ranks.h"
 #include "moecore/cli/flags.h"
 #include "moecore/comm/bootstrap.h"
 #include "moecore/comm/communicator.h"
@@ -61,25 +61,6 @@ Tensor route(const Preset& p, int64_t tokens, int rank, bool balanced) {
           balanced ? static_cast<int32_t>((t * p.topk + j) % p.experts) : all[static_cast<size_t>(j)];
   }
   return Tensor::from_vector(ids, {tokens, p.topk});
-}
-
-// Median over 5 runs of 10 calls of fn (after 3 warm-up calls), the slowest rank's.
-template <typename F>
-double seconds_per_call(comm::Communicator& c, Device dev, F&& fn) {
-  for (int i = 0; i < 3; ++i) fn();
-  std::vector<double> runs;
-  for (int r = 0; r < 5; ++r) {
-    synchronize(dev);
-    c.barrier();
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 10; ++i) fn();
-    synchronize(dev);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 10;
-    MPI_Allreduce(MPI_IN_PLACE, &s, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    runs.push_back(s);
-  }
-  std::sort(runs.begin(), runs.end());
-  return runs[runs.size() / 2];
 }
 
 struct Row {
@@ -125,11 +106,11 @@ int main(int argc, char** argv) {
       auto dispatcher = make_token_dispatcher(DispatcherType::AllToAll, p.experts, world.get());
       TokenDispatcher::Ctx ctx;
       TokenRows expert_in;
-      const double dispatch_s = seconds_per_call(*world, dev, [&] {
+      const double dispatch_s = bench::slowest_rank_seconds(*world, dev, 3, [&] {
         ctx = TokenDispatcher::Ctx{};
         expert_in = dispatcher->dispatch(in, ctx);
       });
-      const double combine_s = seconds_per_call(*world, dev, [&] { (void)dispatcher->combine(expert_in.rows, ctx); });
+      const double combine_s = bench::slowest_rank_seconds(*world, dev, 3, [&] { (void)dispatcher->combine(expert_in.rows, ctx); });
       // The rows this rank sends to the other ranks (the combine returns as many).
       int64_t sent = 0;
       for (int r = 0; r < n; ++r)
@@ -140,7 +121,7 @@ int main(int argc, char** argv) {
       const int64_t per_peer = std::max<int64_t>(1, static_cast<int64_t>(sent_bytes) / es / std::max(1, n - 1));
       Tensor a = Tensor::zeros({per_peer * n}, dt, dev), b = Tensor::zeros({per_peer * n}, dt, dev);
       const std::vector<int64_t> split(static_cast<size_t>(n), per_peer);
-      const double a2a_s = seconds_per_call(*world, dev, [&] { world->all_to_all(a, split, b, split); });
+      const double a2a_s = bench::slowest_rank_seconds(*world, dev, 3, [&] { world->all_to_all(a, split, b, split); });
       // Per-rank figures: the slowest rank's time and the busiest rank's bytes.
       const double a2a_bytes = static_cast<double>(per_peer * (n - 1) * es);
       rows.push_back({p.name, sent_bytes / (1 << 20), dispatch_s * 1e3, combine_s * 1e3, a2a_s * 1e3,
