@@ -187,6 +187,7 @@ float amax(const Tensor& x) {
   MC_CUDA_CHECK(cudaGetLastError());
   unsigned bits = 0;
   MC_CUDA_CHECK(cudaMemcpyAsync(&bits, out.data_ptr(), 4, cudaMemcpyDeviceToHost, s));
+  count_host_synchronization();  // a host read (the model uses amax_into instead)
   MC_CUDA_CHECK(cudaStreamSynchronize(s));
   return bits_float(bits);
 }
