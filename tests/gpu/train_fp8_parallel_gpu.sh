@@ -20,6 +20,7 @@ compare() {
 }
 volume() { grep -o 'forward token dispatch (last step): [0-9]* bytes for [0-9]* rows' "$1" | tail -1 | awk '{ print $6 / $9 }'; }
 for recipe in blockwise tensorwise delayed; do
+  rm -f "$dir/one.jsonl"  # the metrics file is appended to
   CUDA_VISIBLE_DEVICES=0 "$bin" "${base[@]}" --fp8-recipe $recipe --metrics-file "$dir/one.jsonl" >"$dir/one.log" 2>&1 ||
     { cat "$dir/one.log"; exit 1; }
   grep -q "cuda" "$dir/one.log" || { cat "$dir/one.log"; echo "FAIL: not on a GPU"; exit 1; }
