@@ -39,7 +39,8 @@ for preset in "${presets[@]}"; do
         > "$m.log" 2>&1; then
       echo "offload_table: $preset ($label) failed:"; tail -5 "$m.log"; status=1; continue
     fi
-    ms=$(field "$m" ms_per_iteration); tps=$(field "$m" tokens_per_s); peak=$(field "$m" mem_max_allocated_bytes)
+    ms=$(field "$m" ms_per_iteration | awk '{ printf "%.2f", $1 }')
+    tps=$(field "$m" tokens_per_s | awk '{ printf "%.0f", $1 }'); peak=$(field "$m" mem_max_allocated_bytes)
     peak_gb=$(awk -v p="$peak" 'BEGIN { printf "%.2f", p / 1e9 }')
     same=-; cost=-
     if [ "$label" = plain ]; then
