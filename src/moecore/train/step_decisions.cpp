@@ -13,6 +13,7 @@ void StepDecisions::decide(const TrainArgs& args, const TrainingState& state, in
                            const Tensor& loss, Device dev) {
   prepare(args, state, it, dev);
   decide_on_device(args, grad_sq_parts, loss);
+  table_ = Tensor();  // the upload goes back to the allocator now (enqueued work keeps its order)
 }
 
 void StepDecisions::prepare(const TrainArgs& args, const TrainingState& state, int64_t it, Device dev,
