@@ -866,6 +866,8 @@ void check_cuda_graph_flags(TrainArgs& a) {
            "graph would freeze; drop one of them");
   MC_CHECK(a.model.moe.capacity_factor <= 0.0, flag, "--moe-expert-capacity-factor: the capacity layer reads the "
            "expert counts on the host, which a graph cannot capture; use dropless MoE or drop the flag");
+  MC_CHECK(a.model.position_embedding_type != "learned_absolute", flag, "--position-embedding-type learned_absolute "
+           "uploads the positions from pageable host memory each step, which a graph cannot replay; use rope or none");
   MC_CHECK(a.timing_log_level == 0, flag, "--timing-log-level ", a.timing_log_level, " reads events each step, "
            "which replayed steps do not record; use --timing-log-level 0 with CUDA graphs");
   MC_CHECK(a.device.is_cuda(), flag, "CUDA graphs need a GPU, and this run is on ", a.device.str(),
