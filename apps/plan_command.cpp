@@ -5,6 +5,7 @@
 // src/moecore/plan/. The last line of the output is one JSON object.
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <optional>
 
@@ -12,6 +13,8 @@
 
 #include "commands.h"
 #include "moecore/core/error.h"
+#include "moecore/model/config.h"
+#include "moecore/plan/calibrate.h"
 #include "moecore/plan/hardware.h"
 #include "moecore/plan/layout_search.h"
 #include "moecore/plan/memory_model.h"
@@ -27,9 +30,28 @@ struct PlanFlags {
   int64_t gpus = 0, nodes = 0, gpus_per_node = 0;
   std::string gpu = "h100", profile;
   double nvlink_gbps = 0, network_gbps = 0;
-  bool search = false;
+  bool search = false, calibrate = false, embedding_slot = false, loss_slot = false;
   int64_t search_top = 10;
+  std::string out;
 };
+
+// --account-for-{embedding,loss}-in-pipeline-split: num_layers + the slots split over the stages;
+// a slot's layer kind (dense / MoE) is its neighbour's, for the memory model's upper bound.
+void add_pipeline_slots(TrainArgs& a, const PlanFlags& pf, plan::PlanOptions* o) {
+  MC_CHECK(!pf.calibrate, "moecore plan --calibrate: --account-for-*-in-pipeline-split are predictions only; drop them");
+  const int64_t layers = a.model.num_layers;
+  MC_CHECK(layers >= 1, "--num-layers ", layers, " must be >= 1");
+  const std::vector<bool> kinds = parse_moe_layer_freq(a.moe_layer_freq.empty() ? "1" : a.moe_layer_freq, layers);
+  std::string list;
+  auto put = [&](bool moe) { list += std::string(list.empty() ? "[" : ",") + (moe ? "1" : "0"); };
+  if (pf.embedding_slot) put(kinds.front());
+  for (bool moe : kinds) put(moe);
+  if (pf.loss_slot) put(kinds.back());
+  a.moe_layer_freq = list + "]";
+  a.model.num_layers = layers + (pf.embedding_slot ? 1 : 0) + (pf.loss_slot ? 1 : 0);
+  o->embedding_slot = pf.embedding_slot;
+  o->loss_slot = pf.loss_slot;
+}
 
 // The train flags of argv with the planner's own flags, parsed and checked for `world` ranks.
 TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, plan::PlanOptions* o, bool* help,
@@ -43,6 +65,13 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
     f.add_string("gpu", &pf.gpu, "hardware profile: h100, h200 or cpu (the CPU ranks of the tests)");
     f.add_string("profile", &pf.profile, "JSON file overriding the profile's fields (docs/planning.md)");
     f.add_bool("search", &pf.search, "rank every valid layout of the cluster by predicted tokens/s");
+    f.add_bool("calibrate", &pf.calibrate, "time this device's kernels at the layout's rank-local shapes and write a "
+               "profile (--out) that --profile reads");
+    f.add_bool("account-for-embedding-in-pipeline-split", &pf.embedding_slot, "a prediction (Megatron's flag): "
+               "the embedding takes a layer's place in the pipeline split");
+    f.add_bool("account-for-loss-in-pipeline-split", &pf.loss_slot, "a prediction (Megatron's flag): the output "
+               "layer and loss take a layer's place in the pipeline split");
+    f.add_string("out", &pf.out, "--calibrate: the profile file to write (default: print it)");
     f.add_int("search-top", &pf.search_top, "--search: how many of the best layouts to print (default 10)");
     f.add_int("nodes", &pf.nodes, "nodes of the cluster (default: --gpus / --gpus-per-node)");
     f.add_int("gpus-per-node", &pf.gpus_per_node, "GPUs per node (default: the profile's)");
@@ -87,9 +116,27 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
       o->ep_overlap = true;
       a.overlap_moe_ep_comm = a.delay_wgrad_compute = false;
     }
-    MC_CHECK(a.device_text.empty() || a.device_text == "cpu", "moecore plan: --device ", a.device_text,
-             " is not for the planner (it runs on the host); name the predicted hardware with --gpu");
-    a.device_text = "cpu";  // the planner runs here; --gpu names the hardware predicted
+    // The flex dispatcher (DeepEP: a token crosses the network once per node it goes to): a
+    // prediction, with --moe-enable-deepep or --moe-flex-dispatcher-backend deepep as Megatron takes it.
+    if (a.token_dispatcher == "flex" || a.moe_enable_deepep || !a.flex_dispatcher_backend.empty()) {
+      MC_CHECK(a.token_dispatcher == "flex", "moecore plan: --moe-enable-deepep / --moe-flex-dispatcher-backend go "
+               "with --moe-token-dispatcher-type flex");
+      MC_CHECK(a.flex_dispatcher_backend.empty() || a.flex_dispatcher_backend == "deepep", "moecore plan: "
+               "--moe-flex-dispatcher-backend ", a.flex_dispatcher_backend, " is not in the planner's model (it models "
+               "deepep: one network copy per node)");
+      MC_CHECK(!pf.calibrate, "moecore plan --calibrate: the flex dispatcher is a prediction only; calibrate with "
+               "--moe-token-dispatcher-type alltoall");
+      o->flex_dispatch = true;
+      a.token_dispatcher = "alltoall";
+      a.moe_enable_deepep = false;
+      a.flex_dispatcher_backend.clear();
+    }
+    if (pf.embedding_slot || pf.loss_slot) add_pipeline_slots(a, pf, o);
+    // --calibrate measures on the device training would use (--device); a plan runs on the host.
+    MC_CHECK(pf.calibrate || a.device_text.empty() || a.device_text == "cpu", "moecore plan: --device ",
+             a.device_text, " is not for the planner (it runs on the host); name the predicted hardware with --gpu "
+             "(--device is for --calibrate)");
+    if (!pf.calibrate) a.device_text = "cpu";
     if (a.data_path.empty()) a.mock_data = true;  // the planner reads no data
     comm::LaunchEnv env;
     env.world = static_cast<int>(pf.gpus);
@@ -174,9 +221,9 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
   for (const auto& s : mem) worst = std::max(worst, s.parts.total());
   std::printf(" largest rank: %.4f GB of %.4f GB: %s\n", worst / unit, limit / unit,
               limit <= 0 ? "unknown" : worst <= limit ? "fits" : "DOES NOT FIT");
-  std::printf(" predicted step: %.4f s (compute %.4f, EP dispatch/combine %.4f, TP/CP %.4f, PP %.4f, bubble %.4f, "
-              "DP %.4f, optimizer %.4f)\n",
-              t.step_s, t.compute_s, t.ep_comm_s, t.tp_cp_comm_s, t.pp_comm_s, t.bubble_s, t.dp_comm_s, t.optimizer_s);
+  std::printf(" predicted step: %.4f s (compute %.4f, small kernels %.4f, EP dispatch/combine %.4f, TP/CP %.4f, PP %.4f, "
+              "bubble %.4f, DP %.4f, optimizer %.4f)\n",
+              t.step_s, t.compute_s, t.small_kernels_s, t.ep_comm_s, t.tp_cp_comm_s, t.pp_comm_s, t.bubble_s, t.dp_comm_s, t.optimizer_s);
   std::printf(" %.0f tokens/s, %.1f TFLOP/s/GPU, MFU %.1f%% of %.0f TFLOP/s bf16\n", t.tokens_per_s, t.tflops_per_gpu,
               100 * t.mfu, hw.peak_bf16_tflops);
   for (const std::string& n : t.notes) std::printf(" note: %s\n", n.c_str());
@@ -206,13 +253,46 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
   const nlohmann::json out = {{"gpus", cl.gpus},       {"gpu", hw.name},          {"fits", limit <= 0 || worst <= limit},
                               {"memory_limit_bytes", limit}, {"peak_bytes", worst}, {"stages", stages},
                               {"step_s", t.step_s},    {"tokens_per_s", t.tokens_per_s},
-                              {"step_parts_s", {{"compute", t.compute_s}, {"ep_dispatch_combine", t.ep_comm_s},
+                              {"step_parts_s", {{"compute", t.compute_s}, {"small_kernels", t.small_kernels_s},
+                                                {"ep_dispatch_combine", t.ep_comm_s},
                                                 {"tp_cp", t.tp_cp_comm_s}, {"pp", t.pp_comm_s}, {"bubble", t.bubble_s},
                                                 {"dp", t.dp_comm_s}, {"optimizer", t.optimizer_s}}},
                               {"tflops_per_gpu", t.tflops_per_gpu}, {"mfu", t.mfu}, {"fp8_prediction", o.fp8},
                               {"ep_overlap_prediction", o.ep_overlap}};
   std::printf("%s\n", out.dump().c_str());
   std::fflush(stdout);
+}
+
+// --calibrate: the measured profile to `out` (or stdout), and the step it predicts for the layout.
+int calibrate_and_write(const TrainArgs& a, const plan::PlanOptions& o, const plan::HardwareProfile& hw,
+                        const plan::Cluster& cl, const std::string& out) {
+  std::ofstream f;
+  if (!out.empty()) {  // before measuring
+    f.open(out);
+    MC_CHECK(f.good(), "--out: cannot write '", out, "'");
+  }
+  const plan::Calibration cal = plan::calibrate(a, o, hw);
+  nlohmann::json j = plan::profile_json(cal.profile);
+  j["measured"] = cal.measured;
+  const std::string text = j.dump(2) + "\n";
+  if (!out.empty()) {
+    f << text;
+    MC_CHECK(f.good(), "--out: writing '", out, "' failed");
+  } else {
+    std::cout << text;
+  }
+  const plan::StepTime before = plan::predict_step_time(a, o, hw, cl);
+  const plan::StepTime after = plan::predict_step_time(a, o, cal.profile, cl);
+  std::printf("moecore plan --calibrate on %s: gemm %.3f, grouped gemm %.3f at %.0f rows per expert, attention %.3f "
+              "of %.3g TFLOP/s; small kernels %.3f of %.3g GB/s\n",
+              a.device.str().c_str(), cal.profile.gemm_efficiency, cal.profile.grouped_gemm_efficiency,
+              cal.profile.grouped_gemm_reference_rows, cal.profile.attention_efficiency, hw.peak_bf16_tflops,
+              cal.profile.small_kernel_efficiency, hw.hbm_gbps);
+  const nlohmann::json last = {{"profile", out.empty() ? "-" : out}, {"step_s", after.step_s},
+                               {"step_s_uncalibrated", before.step_s}, {"measured", cal.measured}};
+  std::printf("%s\n", last.dump().c_str());
+  std::fflush(stdout);
+  return 0;
 }
 
 }  // namespace
@@ -230,6 +310,17 @@ int run_plan(const std::vector<std::string>& argv) {
   plan::HardwareProfile hw = plan::builtin_hardware_profile(pf.gpu);
   if (!pf.profile.empty()) plan::apply_profile_file(hw, pf.profile);
   const plan::Cluster cl = cluster_of(pf, hw);
+  MC_CHECK(pf.out.empty() || pf.calibrate, "moecore plan: --out is the profile --calibrate writes; add --calibrate "
+           "or drop --out");
+  if (pf.calibrate) {
+    MC_CHECK(!pf.search, "moecore plan: --calibrate measures one layout; drop --search (search with the written "
+             "profile: --profile FILE.json --search)");
+    MC_CHECK(!hw.cpu || a.device.is_cpu(), "moecore plan --calibrate: --gpu cpu goes with --device cpu (the device "
+             "measured is ", a.device.str(), ")");
+    MC_CHECK(hw.cpu || !a.device.is_cpu(), "moecore plan --calibrate: --gpu ", pf.gpu, " names a GPU but the device "
+             "measured is the CPU; add --device cuda, or --gpu cpu to calibrate the CPU profile");
+    return calibrate_and_write(a, o, hw, cl, pf.out);
+  }
   o.whole_run_peak = hw.cpu;
   o.offload_copies_synchronous = hw.cpu;  // the CPU copies offloaded activations at once
   o.gpu_head_chunks = !hw.cpu;

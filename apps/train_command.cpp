@@ -317,7 +317,8 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
 // FP8 training (model/fp8_linear.h): the transformer layers' linears on FP8 operands.
 void register_fp8_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_string("fp8-format", &a.fp8_format,
-               "FP8 training: e4m3 (every operand E4M3) or hybrid (E4M3 forward, E5M2 gradients); CPU-emulated GEMMs");
+               "FP8 training: e4m3 (every operand E4M3) or hybrid (E4M3 forward, E5M2 gradients); cuBLASLt FP8 GEMMs on a GPU, "
+               "emulated on the CPU");
   f.add_bool("fp8", &a.fp8, "FP8 training in E4M3 (= --fp8-format e4m3 unless --fp8-format is given)");
   f.add_string("fp8-recipe", &a.fp8_recipe,
                "FP8 scaling: delayed (default; amax history), tensorwise (current amax), blockwise (1x128 tiles, "
@@ -374,9 +375,6 @@ void check_fp8_flags(TrainArgs& a) {
            "--moe-router-padding-for-fp8 with --moe-token-dispatcher-type allgather over --expert-model-parallel-size ",
            a.ep, " x --expert-tensor-parallel-size ", a.etp, ": the padded routing differs in width from rank to rank "
            "(Megatron refuses it too); use --moe-token-dispatcher-type alltoall");
-  MC_CHECK(!c.enabled || !a.device.is_cuda(), "--fp8-format / --fp8: FP8 training runs on the CPU backend (emulated "
-           "FP8 GEMMs) in this version; the CUDA FP8 ops exist (ops/fp8_quant.h) but the model does not use them on "
-           "a GPU yet: on ", a.device.str(), " train in bf16 (--bf16) or add --device cpu");
 }
 
 // Data: mock data or Megatron .bin/.idx datasets with a tokenizer.

@@ -7,7 +7,8 @@
 #          (--distributed-timeout-minutes: a stopped GPU rank ends the job with the watchdog's
 #          message); tests/gpu/train_torchrun_gpu.sh (the same under
 #          torchrun, NCCL bootstrapped over TCP); tests/gpu/train_emulated_rank_gpu.sh (each
-#          rank of EP=2, TP=2, PP=2, DP=2 layouts emulated alone has the real rank's peak)
+#          rank of EP=2, TP=2, PP=2, DP=2 layouts emulated alone has the real rank's peak);
+#          tests/gpu/train_fp8_parallel_gpu.sh (FP8 training in EP=2, TP=2, DP=2 against one GPU)
 #   perf:  bench_comm (NCCL all-to-all / all-reduce / all-gather bus bandwidth at dispatch sizes)
 #          on 2 and, with 4+ GPUs, 4 ranks; mixtral-small (bf16, global batch 16) on one GPU,
 #          DP=2, EP=2 (alltoall, allgather), PP=2, TP=2+SP, CP=2, TP=2+SP with EP=2, and with 4+
@@ -55,6 +56,9 @@ if [ "$what" != perf ]; then
   step train_shared_expert_overlap_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_shared_expert_overlap_gpu.sh \
     "$build/moecore" . "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "bit-identical|moe_ep_|FAIL" "$build/train_shared_expert_overlap_gpu.log" || true
+  step train_fp8_parallel_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_fp8_parallel_gpu.sh "$build/moecore" . \
+    "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
+  grep -E "same|differ" "$build/train_fp8_parallel_gpu.log" || true
   step train_torchrun_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_torchrun_gpu.sh "$build/moecore" .
   step train_emulated_rank_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_emulated_rank_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"

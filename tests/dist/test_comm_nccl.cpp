@@ -4,7 +4,10 @@
 // (every rank of a node takes the same decision, so no rank is left waiting in a collective).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "moecore/comm/bootstrap.h"
 #include "moecore/comm/communicator.h"
@@ -89,8 +92,65 @@ TEST_F(CommNccl, BadArgumentsRaiseErrors) {
     EXPECT_NE(msg.find("comm all_reduce: t is Tensor(f32, cpu"), std::string::npos) << msg;
     EXPECT_NE(msg.find("expected a tensor on " + c().device().str()), std::string::npos) << msg;
   }
+  // FP8 codes are moved (CommNccl.Fp8CodesMoveAsBytes), never reduced.
   Tensor fp8 = Tensor::zeros({4}, DType::FP8E4M3, c().device());
-  EXPECT_THROW(c().broadcast(fp8, 0), Error);
+  try {
+    c().all_reduce(fp8, ReduceOp::Max);
+    ADD_FAILURE() << "all_reduce of FP8 codes on an NCCL communicator did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FP8 codes are only moved as bytes"), std::string::npos) << e.what();
+  }
+  c().barrier();
+}
+
+// FP8 codes (the FP8 token dispatch) travel as bytes: all_gather, all_to_all, broadcast and
+// send/recv deliver every code unchanged, E4M3 and E5M2.
+TEST_F(CommNccl, Fp8CodesMoveAsBytes) {
+  const int n = c().size(), r = c().rank();
+  auto codes = [](int rank, int64_t count, DType dt) {
+    std::vector<uint8_t> v(static_cast<size_t>(count));
+    for (int64_t i = 0; i < count; ++i) v[static_cast<size_t>(i)] = static_cast<uint8_t>(37 * rank + 5 * i + 1);
+    Tensor t = Tensor::empty({count}, dt);
+    std::copy(v.begin(), v.end(), static_cast<uint8_t*>(t.data_ptr()));
+    return t;
+  };
+  auto bytes = [](const Tensor& t) {
+    const Tensor h = t.to(Device::cpu());
+    const auto* p = static_cast<const uint8_t*>(h.data_ptr());
+    return std::vector<uint8_t>(p, p + h.numel());
+  };
+  for (const DType dt : {DType::FP8E4M3, DType::FP8E5M2}) {
+    const Tensor mine = codes(r, 6, dt).to(c().device());
+    Tensor gathered = Tensor::empty({6 * n}, dt, c().device());
+    c().all_gather(mine, gathered);
+    std::vector<uint8_t> want;
+    for (int q = 0; q < n; ++q) {
+      const std::vector<uint8_t> b = bytes(codes(q, 6, dt));
+      want.insert(want.end(), b.begin(), b.end());
+    }
+    EXPECT_EQ(bytes(gathered), want) << dtype_name(dt) << " all_gather";
+    // all_to_all: rank r sends 3 codes to every rank; receives rank q's codes [3r, 3r + 3).
+    const Tensor send = codes(r, 3 * n, dt).to(c().device());
+    Tensor recv = Tensor::empty({3 * n}, dt, c().device());
+    c().all_to_all(send, std::vector<int64_t>(static_cast<size_t>(n), 3), recv, std::vector<int64_t>(static_cast<size_t>(n), 3));
+    std::vector<uint8_t> want_a2a;
+    for (int q = 0; q < n; ++q) {
+      const std::vector<uint8_t> b = bytes(codes(q, 3 * n, dt));
+      want_a2a.insert(want_a2a.end(), b.begin() + 3 * r, b.begin() + 3 * r + 3);
+    }
+    EXPECT_EQ(bytes(recv), want_a2a) << dtype_name(dt) << " all_to_all";
+    Tensor b = codes(r, 5, dt).to(c().device());
+    c().broadcast(b, n - 1);
+    EXPECT_EQ(bytes(b), bytes(codes(n - 1, 5, dt))) << dtype_name(dt) << " broadcast";
+    // send/recv around the ring
+    const Tensor out = codes(r, 4, dt).to(c().device());  // alive until the group ends
+    Tensor got = Tensor::empty({4}, dt, c().device());
+    c().group_start();
+    c().send(out, (r + 1) % n);
+    c().recv(got, (r + n - 1) % n);
+    c().group_end();
+    EXPECT_EQ(bytes(got), bytes(codes((r + n - 1) % n, 4, dt))) << dtype_name(dt) << " send/recv";
+  }
   c().barrier();
 }
 

@@ -1,13 +1,15 @@
 // gpu tier: FP8 quantisation on CUDA bit-identical to the CPU (codes and factors: per tensor,
 // 1x128 tiles and their 128x1 transposes, 128x128 blocks, both formats, f32 and bf16 inputs,
 // ragged edges), and cuBLASLt's FP8 GEMM (per-tensor scale pointers; the VEC128 / BLK128x128
-// block-scaling modes) against the CPU emulation of the same operands.
+// block-scaling modes) against the CPU emulation of the same operands; the per-tensor scaling
+// state kept on the device against the CPU's host arithmetic.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "moecore/model/fp8_linear.h"
 #include "moecore/ops/fp8_quant.h"
 #include "op_harness.h"
 
@@ -114,3 +116,85 @@ INSTANTIATE_TEST_SUITE_P(
                       GpuGemmCase{"tiles_blocks_e5m2_bf16", Fp8Scaling::Tile1x128, Fp8Scaling::Block128, Fp8Format::E5M2, DType::BF16},
                       GpuGemmCase{"tiles_tiles_f32", Fp8Scaling::Tile1x128, Fp8Scaling::Tile1x128, Fp8Format::E5M2, DType::F32}),
     [](const auto& i) { return std::string(i.param.name); });
+
+// The per-tensor scaling state kept on the device (fp8_quant.h): the amax tensor, the quantiser
+// reading its scale there (from an amax, from a stored scale, 0 meaning 1), record_amax and the
+// delayed update equal the CPU's (the host arithmetic) bit for bit.
+TEST(GpuFp8DeviceScale, QuantiserEqualsTheHostScaleOne) {
+  for (const DType dt : {DType::F32, DType::BF16}) {
+    Tensor x = random_tensor({130, 300}, dt, Device::cpu(), -5.0, 5.0);
+    const Tensor xg = x.to(gpu());
+    const Tensor a = amax_tensor(x), ag = amax_tensor(xg);
+    EXPECT_EQ(to_doubles(a), to_doubles(ag.to(Device::cpu())));
+    for (Fp8Format f : {Fp8Format::E4M3, Fp8Format::E5M2}) {
+      const Fp8Tensor host_scale = quantize_per_tensor(x, fp8_scale_from_amax(amax(x), f, false), f);
+      expect_same(host_scale, quantize_per_tensor(xg, ag, Fp8ScaleFrom::Amax, f), "device amax");
+      for (float s : {0.0f, 3.75f, 1e-3f}) {
+        const Tensor src = Tensor::from_vector(std::vector<float>{s}, {1});
+        expect_same(quantize_per_tensor(x, src, Fp8ScaleFrom::Stored, f),
+                    quantize_per_tensor(xg, src.to(gpu()), Fp8ScaleFrom::Stored, f), "stored scale");
+      }
+    }
+  }
+}
+
+TEST(GpuFp8DeviceScale, HistoryAndDelayedUpdateEqualTheCpu) {
+  for (bool use_max : {true, false}) {
+    for (int64_t margin : {0, 2}) {
+      const int64_t rows = 9, len = 5;
+      Tensor h = random_tensor({rows, len}, DType::F32, Device::cpu(), 0.0, 40.0);
+      h.data<float>()[1 * len] = 0.0f;       // an amax of 0: scale kept
+      h.data<float>()[2 * len + 3] = NAN;    // a NaN in the history
+      h.data<float>()[4 * len] = INFINITY;   // an infinite amax
+      h.data<float>()[5 * len + 1] = 1e-38f;  // tiny values
+      Tensor scale = random_tensor({rows}, DType::F32, Device::cpu(), 0.5, 3.0);
+      scale.data<float>()[1] = 0.0f;  // none yet
+      Tensor hg = h.to(gpu()), sg = scale.to(gpu());
+      const Tensor x = random_tensor({7, 33}, DType::BF16, Device::cpu(), -60.0, 60.0);
+      for (int64_t row : {0, 3, 8}) {
+        record_amax(x, h, row);
+        record_amax(x.to(gpu()), hg, row);
+      }
+      Tensor newest = Tensor::empty({rows}, DType::F32), newest_g = Tensor::empty({rows}, DType::F32, gpu());
+      history_newest(h, newest);
+      history_newest(hg, newest_g);
+      EXPECT_EQ(to_doubles(newest), to_doubles(newest_g.to(Device::cpu())));
+      DelayedScalingUpdate u;
+      u.grad_fp8_max = 57344.0f;
+      u.amax_compute_max = use_max;
+      u.margin = margin;
+      delayed_scaling_update(h, scale, newest, u);
+      delayed_scaling_update(hg, sg, newest_g, u);
+      auto bits = [](const Tensor& t) {  // NaN-safe comparison
+        const std::vector<float> v = t.to(Device::cpu()).to_vector<float>();
+        std::vector<uint32_t> b;
+        for (float f : v) b.push_back(std::isnan(f) ? 0x7fc00000u : float_bits(f));
+        return b;
+      };
+      EXPECT_EQ(bits(h), bits(hg)) << "histories, max " << use_max << " margin " << margin;
+      EXPECT_EQ(bits(scale), bits(sg)) << "scales, max " << use_max << " margin " << margin;
+    }
+  }
+}
+
+// A wgrad over rows that are not a multiple of 16 (an expert's share) on the GPU: the zero-padded
+// rows give the CPU emulation's result (model/fp8_linear.h).
+TEST(GpuFp8DeviceScale, Fp8LinearWgradOverRaggedRows) {
+  for (Fp8Config::Recipe recipe : {Fp8Config::Recipe::Tensorwise, Fp8Config::Recipe::Blockwise}) {
+    Fp8Config cfg;
+    cfg.enabled = true;
+    cfg.recipe = recipe;
+    Fp8Context ctx(cfg);
+    ParamStore store_cpu(Device::cpu(), DType::F32, DType::F32, 1), store_gpu(gpu(), DType::F32, DType::F32, 1);
+    const Fp8Linear lin_cpu(ctx, store_cpu, "l", 1, nullptr, 64, 32), lin_gpu(ctx, store_gpu, "l", 1, nullptr, 64, 32);
+    const Tensor dy = random_tensor({37, 32}, DType::F32, Device::cpu(), -1.0, 1.0);
+    const Tensor x = random_tensor({37, 64}, DType::F32, Device::cpu(), -2.0, 2.0);
+    Tensor dw = Tensor::zeros({32, 64}, DType::F32), dw_g = Tensor::zeros({32, 64}, DType::F32, gpu());
+    lin_cpu.wgrad(dy, x, dw, 0.0f);
+    lin_gpu.wgrad(dy.to(gpu()), x.to(gpu()), dw_g, 0.0f);
+    const std::vector<double> want = to_doubles(dw), got = to_doubles(dw_g.to(Device::cpu()));
+    // cuBLASLt vs the emulation: summation order and the tensor cores' ~14-bit partial sums (sums of
+    // |products| up to ~74 here: < 1e-2); a padding or layout error is O(1).
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-2) << i;
+  }
+}

@@ -1,7 +1,8 @@
 // What keeps the host from running ahead of the GPU in a training step: a micro-batch checked on
 // the host (check_batch_on_host) and uploaded through pinned memory goes through the model's
 // forward and backward without one wait; the loss stays on the device until a later read that
-// has already arrived. host_synchronizations() counts every wait (core/device.h).
+// has already arrived; FP8 training keeps its scaling state on the device (no wait either).
+// host_synchronizations() counts every wait (core/device.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 
 #include "moecore/core/host_transfer.h"
 #include "moecore/data/mock_data.h"
+#include "moecore/model/fp8_linear.h"
 #include "moecore/model/gpt.h"
 #include "moecore/train/metrics.h"
 #include "moecore/train/train_setup.h"
@@ -238,4 +240,48 @@ TEST(GpuHostWaits, SteadyStateTrainingStepDoesNotWait) {
 TEST(GpuHostWaits, SteadyStateTrainingStepWithExpertBiasDoesNotWait) {
   MC_REQUIRE_CUDA();
   expect_sync_free_steps({"--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"});
+}
+
+// FP8 training (model/fp8_linear.h) keeps its amaxes, histories and scales on the device: a
+// dense model's micro-batch runs forward and backward in FP8, and the delayed recipe's step-end
+// update runs, without a host wait, per recipe.
+TEST(GpuHostWaits, Fp8MicroBatchAndScalingUpdateRunWithoutWaiting) {
+  MC_REQUIRE_CUDA();
+  const Device dev = Device::cuda(0);
+  for (const Fp8Config::Recipe recipe :
+       {Fp8Config::Recipe::Tensorwise, Fp8Config::Recipe::Delayed, Fp8Config::Recipe::Blockwise}) {
+    ModelConfig cfg = small_dense();
+    cfg.fp8.enabled = true;
+    cfg.fp8.hybrid = true;
+    cfg.fp8.recipe = recipe;
+    cfg.fp8.amax_history_len = 4;
+    cfg.fp8.amax_compute_max = true;
+    Fp8Context fp8(cfg.fp8);
+    ParamStore store(dev, DType::F32, DType::BF16, 11);
+    store.set_fp8(&fp8);
+    GPTModel model(cfg, store);
+    store.initialize();
+    const MockData data(cfg.vocab_size, cfg.seq_length, 5, "train");
+    const Batch host = data.batch(0, 4, Device::cpu());
+    const int64_t labelled = check_batch_on_host(host.tokens, host.labels, cfg.vocab_size);
+    PinnedUploader uploader;
+    PendingRead read;
+    synchronize(dev);
+    const uint64_t before = host_synchronizations();
+    occupy_gpu(dev);
+    const Batch b{uploader.upload(host.tokens, dev), uploader.upload(host.labels, dev), labelled};
+    GPTModel::Ctx ctx;
+    ctx.fused_head_scale = 1.0;
+    ctx.checked_num_labels = b.num_labels;
+    fp8.set_recording(true);
+    const Tensor sum = model.forward_loss_sum(b.tokens, b.labels, true, 3, ctx);
+    model.backward(1.0, ctx);
+    fp8.set_recording(false);
+    fp8.finish_step(nullptr, nullptr);
+    read.start(sum);
+    EXPECT_EQ(host_synchronizations(), before) << "recipe " << static_cast<int>(recipe) << " waited on the host";
+    synchronize(dev);
+    const double loss = read.get()[0] / static_cast<double>(labelled);
+    EXPECT_TRUE(std::isfinite(loss) && loss > 3.0) << "recipe " << static_cast<int>(recipe) << ": loss " << loss;
+  }
 }

@@ -401,6 +401,19 @@ TEST(GpuCore, OutOfMemoryIsAClearError) {
   EXPECT_EQ(small.to_vector<float>()[1023], 1.0f);
 }
 
+// f64 fills (the step decisions' skip counter) keep the value as given: a float round trip would
+// turn 0.1 into 0.10000000149011612.
+TEST(GpuOps, FillF64EqualsCpu) {
+  MC_REQUIRE_CUDA();
+  for (const double v : {0.0, 0.1, -3.0e300}) {
+    Tensor gpu = Tensor::empty({1027}, DType::F64, kCuda), cpu = Tensor::empty({1027}, DType::F64);
+    ops::fill(gpu, v);
+    ops::fill(cpu, v);
+    EXPECT_EQ(gpu.to_vector<double>(), cpu.to_vector<double>()) << v;
+    EXPECT_EQ(gpu.to_vector<double>()[1026], v);
+  }
+}
+
 TEST(GpuCore, StreamsEventsAndPinnedCopies) {
   MC_REQUIRE_CUDA();
   Stream side = Stream::create(kCuda);

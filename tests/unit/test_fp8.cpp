@@ -218,7 +218,7 @@ TEST(Fp8Delayed, HistoryRollsAndScalesFollowTransformerEngine) {
     cfg.amax_compute_max = use_max;
     Fp8Context ctx(cfg);
     ParamStore store(Device::cpu(), DType::F32, DType::F32, 1);
-    const Fp8Linear lin(ctx, store, "l", 1, nullptr);
+    const Fp8Linear lin(ctx, store, "l", 1, nullptr, 2, 1);
     const Tensor w = matrix({0.5f, -0.25f}, 1, 2);
     Tensor y = Tensor::empty({1, 1}, DType::F32);
     const Param& hist = store.get("l.fp8_amax_history");
@@ -238,4 +238,66 @@ TEST(Fp8Delayed, HistoryRollsAndScalesFollowTransformerEngine) {
       EXPECT_EQ(hist.master.data<float>()[2], amaxes[step]) << "the newest amax rolls to the end";
     }
   }
+}
+
+// The device-scale per-tensor ops (fp8_quant.h, "Per-tensor scaling state") compute on the CPU
+// what the host code computes: the quantiser with the scale read from a tensor equals the one
+// given the scale, the amax tensor is amax().
+TEST(Fp8DeviceScale, QuantiserEqualsTheHostScaleOne) {
+  Tensor x = random_tensor({5, 130}, DType::F32, Device::cpu(), -3.0, 3.0);
+  x.data<float>()[7] = 1e-30f;
+  for (Fp8Format f : {Fp8Format::E4M3, Fp8Format::E5M2}) {
+    const Tensor a = amax_tensor(x);
+    ASSERT_EQ(a.shape(), Shape({1}));
+    EXPECT_EQ(a.data<float>()[0], amax(x));
+    auto same = [](const Fp8Tensor& p, const Fp8Tensor& q) {
+      const auto* pc = static_cast<const uint8_t*>(p.data.data_ptr());
+      const auto* qc = static_cast<const uint8_t*>(q.data.data_ptr());
+      return std::equal(pc, pc + p.data.numel(), qc) && p.scale_inv.data<float>()[0] == q.scale_inv.data<float>()[0];
+    };
+    EXPECT_TRUE(same(quantize_per_tensor(x, a, Fp8ScaleFrom::Amax, f),
+                     quantize_per_tensor(x, fp8_scale_from_amax(amax(x), f, false), f)));
+    const Tensor stored = Tensor::from_vector(std::vector<float>{37.5f}, {1});
+    EXPECT_TRUE(same(quantize_per_tensor(x, stored, Fp8ScaleFrom::Stored, f), quantize_per_tensor(x, 37.5f, f)));
+    const Tensor none = Tensor::from_vector(std::vector<float>{0.0f}, {1});  // "none yet": scale 1
+    EXPECT_TRUE(same(quantize_per_tensor(x, none, Fp8ScaleFrom::Stored, f), quantize_per_tensor(x, 1.0f, f)));
+  }
+  const Tensor bad = Tensor::from_vector(std::vector<float>{-1.0f}, {1});
+  EXPECT_THROW(quantize_per_tensor(x, bad, Fp8ScaleFrom::Stored, Fp8Format::E4M3), Error);
+  EXPECT_THROW(quantize_per_tensor(x, Tensor::zeros({2}, DType::F32), Fp8ScaleFrom::Amax, Fp8Format::E4M3), Error);
+}
+
+// record_amax keeps the maximum in history[row, 0] (a NaN sticks); history_newest reads column 0;
+// delayed_scaling_update is Transformer Engine's update (the rows r % 3 == 2 with the gradient's
+// fp8_max), margin included.
+TEST(Fp8DeviceScale, HistoryOpsFollowTransformerEngine) {
+  Tensor h = Tensor::zeros({3, 2}, DType::F32);
+  record_amax(matrix({1.0f, -3.0f}, 1, 2), h, 0);
+  record_amax(matrix({2.0f, 0.5f}, 1, 2), h, 0);
+  record_amax(matrix({0.25f, 0.0f}, 1, 2), h, 2);
+  record_amax(matrix({NAN, 1.0f}, 1, 2), h, 1);
+  record_amax(matrix({5.0f, 1.0f}, 1, 2), h, 1);
+  EXPECT_EQ(h.data<float>()[0], 3.0f);
+  EXPECT_TRUE(std::isnan(h.data<float>()[2]));
+  EXPECT_EQ(h.data<float>()[4], 0.25f);
+  h.data<float>()[1] = 8.0f;  // an older amax
+  Tensor newest = Tensor::empty({3}, DType::F32);
+  history_newest(h, newest);
+  EXPECT_EQ(newest.data<float>()[0], 3.0f);
+  EXPECT_EQ(newest.data<float>()[2], 0.25f);
+  newest.data<float>()[0] = 4.0f;  // as if another rank saw more
+  Tensor scale = Tensor::from_vector(std::vector<float>{0.0f, 2.0f, 5.0f}, {3});
+  DelayedScalingUpdate u;
+  u.x_w_fp8_max = 448.0f;
+  u.grad_fp8_max = 57344.0f;
+  u.amax_compute_max = true;
+  u.margin = 1;
+  delayed_scaling_update(h, scale, newest, u);
+  EXPECT_EQ(scale.data<float>()[0], 448.0f / 8.0f / 2.0f);      // max(4, 8), margin 1
+  EXPECT_EQ(scale.data<float>()[1], 2.0f);                      // NaN amax: the scale is kept
+  EXPECT_EQ(scale.data<float>()[2], 57344.0f / 0.25f / 2.0f);   // a gradient row
+  const std::vector<float> rolled = {0.0f, 4.0f, 0.0f, 0.0f, 0.0f, 0.25f};
+  for (int i : {0, 1, 4, 5}) EXPECT_EQ(h.data<float>()[i], rolled[static_cast<size_t>(i)]) << i;
+  EXPECT_TRUE(std::isnan(h.data<float>()[3]));
+  EXPECT_THROW(delayed_scaling_update(h, scale, Tensor::zeros({2}, DType::F32), u), Error);
 }

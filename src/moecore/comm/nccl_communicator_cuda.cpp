@@ -19,6 +19,19 @@ namespace {
 
 // F64: the step's MoE statistics are summed over the ranks in f64 on the device.
 const std::vector<DType> kNcclDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
+// The collectives that only move bytes (all_gather, all_to_all, broadcast, send, recv) also take
+// FP8 codes (the FP8 token dispatch, moe/token_dispatcher.h): NCCL has no FP8 type, so they travel
+// as ncclUint8. Reductions refuse them (refuse_fp8_reduction).
+const std::vector<DType> kNcclMoveDtypes = {DType::F32, DType::F64, DType::BF16,    DType::I32,
+                                            DType::I64, DType::U8,  DType::FP8E4M3, DType::FP8E5M2};
+
+bool is_fp8(DType t) { return t == DType::FP8E4M3 || t == DType::FP8E5M2; }
+
+void refuse_fp8_reduction(const char* call, const char* name, const Tensor& t) {
+  MC_CHECK(!t.defined() || !is_fp8(t.dtype()), "comm ", call, ": ", name, " has dtype ", dtype_name(t.dtype()),
+           ", expected one of ", detail::dtypes_str(kNcclDtypes), ": FP8 codes are only moved as bytes (all_gather, "
+           "all_to_all, broadcast, send, recv), never reduced; reduce in f32 or bf16");
+}
 
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
@@ -28,7 +41,9 @@ ncclDataType_t nccl_type(DType t) {
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;
     case DType::U8: return ncclUint8;
-    default: MC_FAIL("comm: dtype ", dtype_name(t), " has no NCCL type, expected one of ", detail::dtypes_str(kNcclDtypes));
+    case DType::FP8E4M3:
+    case DType::FP8E5M2: return ncclUint8;  // moved as bytes (never reduced: refuse_fp8_reduction)
+    default: MC_FAIL("comm: dtype ", dtype_name(t), " has no NCCL type, expected one of ", detail::dtypes_str(kNcclMoveDtypes));
   }
 }
 
@@ -120,6 +135,7 @@ void* NcclCommunicator::stream() const { return current_stream(device_).handle()
   if (in_flight_) host_wait_.emplace(collective, group_name_)
 
 void NcclCommunicator::all_reduce(Tensor& t, ReduceOp op) {
+  refuse_fp8_reduction("all_reduce", "t", t);
   detail::check_tensor("all_reduce", "t", t, device_, kNcclDtypes);
   detail::check_reduce_op("all_reduce", t.dtype(), op);
   MC_NCCL_WATCH_HOST("all_reduce");
@@ -129,6 +145,7 @@ void NcclCommunicator::all_reduce(Tensor& t, ReduceOp op) {
 }
 
 void NcclCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
+  refuse_fp8_reduction("reduce_scatter", "in", in);
   detail::check_tensor("reduce_scatter", "in", in, device_, kNcclDtypes);
   detail::check_tensor("reduce_scatter", "out", out, device_, kNcclDtypes);
   detail::check_same_dtype("reduce_scatter", in, out);
@@ -141,8 +158,8 @@ void NcclCommunicator::reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op
 }
 
 void NcclCommunicator::all_gather(const Tensor& in, Tensor& out) {
-  detail::check_tensor("all_gather", "in", in, device_, kNcclDtypes);
-  detail::check_tensor("all_gather", "out", out, device_, kNcclDtypes);
+  detail::check_tensor("all_gather", "in", in, device_, kNcclMoveDtypes);
+  detail::check_tensor("all_gather", "out", out, device_, kNcclMoveDtypes);
   detail::check_same_dtype("all_gather", in, out);
   detail::check_rows_multiple("all_gather", "out", out, "in", in, size_);
   MC_NCCL_WATCH_HOST("all_gather");
@@ -152,8 +169,8 @@ void NcclCommunicator::all_gather(const Tensor& in, Tensor& out) {
 
 void NcclCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
                                   const std::vector<int64_t>& recv_counts) {
-  detail::check_tensor("all_to_all", "in", in, device_, kNcclDtypes);
-  detail::check_tensor("all_to_all", "out", out, device_, kNcclDtypes);
+  detail::check_tensor("all_to_all", "in", in, device_, kNcclMoveDtypes);
+  detail::check_tensor("all_to_all", "out", out, device_, kNcclMoveDtypes);
   detail::check_same_dtype("all_to_all", in, out);
   detail::check_all_to_all(in, send_counts, out, recv_counts, size_);
   const int64_t row = std::accumulate(in.shape().begin() + 1, in.shape().end(), int64_t{1}, std::multiplies<>());
@@ -177,6 +194,7 @@ void NcclCommunicator::all_to_all(const Tensor& in, const std::vector<int64_t>& 
 }
 
 void NcclCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
+  refuse_fp8_reduction("reduce", "t", t);
   detail::check_tensor("reduce", "t", t, device_, kNcclDtypes);
   detail::check_peer("reduce", "root", root, size_);
   detail::check_reduce_op("reduce", t.dtype(), op);
@@ -188,7 +206,7 @@ void NcclCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
 }
 
 void NcclCommunicator::broadcast(Tensor& t, int root) {
-  detail::check_tensor("broadcast", "t", t, device_, kNcclDtypes);
+  detail::check_tensor("broadcast", "t", t, device_, kNcclMoveDtypes);
   detail::check_peer("broadcast", "root", root, size_);
   MC_NCCL_WATCH_HOST("broadcast");
   MC_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), count(t), nccl_type(t.dtype()), root, comm_, MC_NCCL_STREAM));
@@ -196,7 +214,7 @@ void NcclCommunicator::broadcast(Tensor& t, int root) {
 }
 
 void NcclCommunicator::send(const Tensor& t, int peer) {
-  detail::check_tensor("send", "t", t, device_, kNcclDtypes);
+  detail::check_tensor("send", "t", t, device_, kNcclMoveDtypes);
   detail::check_peer("send", "peer", peer, size_);
   MC_CHECK(peer != rank_ || group_depth_ > 0, "comm send: peer ", peer,
            " is this rank, expected another rank (sending to itself needs group_start/group_end)");
@@ -206,7 +224,7 @@ void NcclCommunicator::send(const Tensor& t, int peer) {
 }
 
 void NcclCommunicator::recv(Tensor& t, int peer) {
-  detail::check_tensor("recv", "t", t, device_, kNcclDtypes);
+  detail::check_tensor("recv", "t", t, device_, kNcclMoveDtypes);
   detail::check_peer("recv", "peer", peer, size_);
   MC_CHECK(peer != rank_ || group_depth_ > 0, "comm recv: peer ", peer,
            " is this rank, expected another rank (receiving from itself needs group_start/group_end)");

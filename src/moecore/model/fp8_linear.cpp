@@ -9,18 +9,17 @@ namespace {
 using ops::Fp8Format;
 using ops::Fp8Tensor;
 
-float max_nan(float a, float b) { return std::isnan(a) || std::isnan(b) ? a + b : std::max(a, b); }
+// cuBLASLt's FP8 GEMM wants K a multiple of 16 (ops/fp8_gemm_cuda.cpp); wgrad's K is the rows.
+constexpr int64_t kCudaFp8KMultiple = 16;
 
-// Transformer Engine's delayed-scaling update of one tensor's history h [len] and scale.
-void update_delayed(float* h, int64_t len, float& scale, float fp8_max, const Fp8Config& cfg) {
-  float amax = h[0];
-  if (cfg.amax_compute_max)
-    for (int64_t i = 1; i < len; ++i) amax = max_nan(amax, h[i]);
-  const float prev = scale == 0.0f ? 1.0f : scale;
-  const float sf = fp8_max / amax / std::ldexp(1.0f, static_cast<int>(cfg.margin));
-  scale = amax > 0.0f && std::isfinite(amax) ? sf : prev;
-  std::rotate(h, h + 1, h + len);  // torch.roll(h, -1): h[i] = h[i + 1], the newest to the end
-  h[0] = 0.0f;
+// t [rows, C] with zero rows appended up to a multiple of m. The zeros change no amax (tensor,
+// 128x1 tile) and add zero codes, so the wgrad over the padded rows equals the unpadded one.
+Tensor zero_padded_rows(const Tensor& t, int64_t m) {
+  const int64_t rows = t.size(0), padded = (rows + m - 1) / m * m;
+  Tensor p = Tensor::zeros({padded, t.size(1)}, t.dtype(), t.device());
+  Tensor top = p.slice(0, 0, rows);
+  top.copy_from(t);
+  return p;
 }
 }  // namespace
 
@@ -33,31 +32,39 @@ bool is_fp8_scaling_state(const std::string& name) {
 
 void Fp8Context::finish_step(comm::Communicator* tp, comm::Communicator* dp_cp) {
   if (cfg_.recipe != Fp8Config::Recipe::Delayed || states_.empty()) return;
-  const int64_t len = cfg_.amax_history_len;
-  std::vector<float> newest;
+  // Everything on the histories' device: the newest amaxes gathered, reduced (Max), written back
+  // and the update run there (ops/fp8_quant.h), no value read on the host.
+  int64_t rows = 0;
+  for (const State& s : states_) rows += s.history->master.size(0);
+  Tensor newest = Tensor::empty({rows}, DType::F32, states_.front().history->master.device());
+  int64_t at = 0;
   for (const State& s : states_) {
-    const float* h = s.history->master.data<float>();
-    for (int64_t r = 0; r < s.history->master.size(0); ++r) newest.push_back(h[r * len]);
+    Tensor part = newest.slice(0, at, at + s.history->master.size(0));
+    ops::history_newest(s.history->master, part);
+    at += s.history->master.size(0);
   }
-  Tensor t = Tensor::from_vector(newest, {static_cast<int64_t>(newest.size())});
-  if (tp && tp->size() > 1) tp->all_reduce(t, comm::ReduceOp::Max);
-  if (dp_cp && dp_cp->size() > 1) dp_cp->all_reduce(t, comm::ReduceOp::Max);
-  const float* reduced = t.data<float>();
-  const float e4m3 = ops::fp8_max(Fp8Format::E4M3), grad = ops::fp8_max(cfg_.hybrid ? Fp8Format::E5M2 : Fp8Format::E4M3);
-  size_t i = 0;
+  if (tp && tp->size() > 1) tp->all_reduce(newest, comm::ReduceOp::Max);
+  if (dp_cp && dp_cp->size() > 1) dp_cp->all_reduce(newest, comm::ReduceOp::Max);
+  ops::DelayedScalingUpdate u;
+  u.x_w_fp8_max = ops::fp8_max(Fp8Format::E4M3);
+  u.grad_fp8_max = ops::fp8_max(cfg_.hybrid ? Fp8Format::E5M2 : Fp8Format::E4M3);
+  u.amax_compute_max = cfg_.amax_compute_max;
+  u.margin = cfg_.margin;
+  at = 0;
   for (const State& s : states_) {
-    float* h = s.history->master.data<float>();
-    float* sc = s.scale->master.data<float>();
-    for (int64_t r = 0; r < s.history->master.size(0); ++r, ++i) {
-      h[r * len] = reduced[i];
-      update_delayed(h + r * len, len, sc[r], r % 3 == 2 ? grad : e4m3, cfg_);
-    }
+    const int64_t n = s.history->master.size(0);
+    ops::delayed_scaling_update(s.history->master, s.scale->master, newest.slice(0, at, at + n), u);
+    at += n;
   }
 }
 
 Fp8Linear::Fp8Linear(Fp8Context& ctx, ParamStore& store, const std::string& name, int64_t sets,
-                     comm::Communicator* amax_group)
+                     comm::Communicator* amax_group, int64_t in, int64_t out)
     : ctx_(&ctx), amax_group_(amax_group) {
+  MC_CHECK(!store.device().is_cuda() || (in % kCudaFp8KMultiple == 0 && out % kCudaFp8KMultiple == 0),
+           "FP8 training on ", store.device().str(), ": '", name, "' has ", in, " input and ", out,
+           " output features on this rank; cuBLASLt's FP8 GEMMs need multiples of ", kCudaFp8KMultiple,
+           ": change the model's sizes, train in bf16, or add --device cpu");
   if (ctx.config().recipe != Fp8Config::Recipe::Delayed) return;
   history_ = &store.add_buffer(name + ".fp8_amax_history", {3 * sets, ctx.config().amax_history_len});
   scale_ = &store.add_buffer(name + ".fp8_scale", {3 * sets});
@@ -66,36 +73,28 @@ Fp8Linear::Fp8Linear(Fp8Context& ctx, ParamStore& store, const std::string& name
 
 Fp8Format Fp8Linear::grad_format() const { return ctx_->config().hybrid ? Fp8Format::E5M2 : Fp8Format::E4M3; }
 
-float Fp8Linear::tensor_scale(const Tensor& t, Role role, int64_t set, Fp8Format f) const {
+Fp8Tensor Fp8Linear::quantize_per_tensor(const Tensor& t, Role role, int64_t set, Fp8Format f) const {
   if (ctx_->config().recipe == Fp8Config::Recipe::Tensorwise) {
-    float a = ops::amax(t);
-    if (amax_group_ && amax_group_->size() > 1) {
-      Tensor m = Tensor::from_vector(std::vector<float>{a}, {1}, t.device());
-      amax_group_->all_reduce(m, comm::ReduceOp::Max);
-      a = m.data<float>()[0];
-    }
-    return ops::fp8_scale_from_amax(a, f, false);
+    Tensor a = ops::amax_tensor(t);
+    if (amax_group_ && amax_group_->size() > 1) amax_group_->all_reduce(a, comm::ReduceOp::Max);
+    return ops::quantize_per_tensor(t, a, ops::Fp8ScaleFrom::Amax, f);
   }
   const int64_t row = 3 * set + role;
-  if (ctx_->recording()) {
-    float& newest = history_->master.data<float>()[row * ctx_->config().amax_history_len];
-    newest = max_nan(newest, ops::amax(t));
-  }
-  const float s = scale_->master.data<float>()[row];
-  return s == 0.0f ? 1.0f : s;
+  if (ctx_->recording()) ops::record_amax(t, history_->master, row);
+  return ops::quantize_per_tensor(t, scale_->master.slice(0, row, row + 1), ops::Fp8ScaleFrom::Stored, f);
 }
 
 Fp8Tensor Fp8Linear::weight_operand(const Tensor& w, int64_t set, bool transposed) const {
   Fp8Tensor q = ctx_->config().recipe == Fp8Config::Recipe::Blockwise
                     ? ops::quantize_blocks(w, Fp8Format::E4M3)
-                    : ops::quantize_per_tensor(w, tensor_scale(w, kWeight, set, Fp8Format::E4M3), Fp8Format::E4M3);
+                    : quantize_per_tensor(w, kWeight, set, Fp8Format::E4M3);
   return transposed ? ops::fp8_transpose(q) : q;
 }
 
 Fp8Tensor Fp8Linear::activation_operand(const Tensor& t, Role role, int64_t set, bool transposed) const {
   const Fp8Format f = role == kGrad ? grad_format() : Fp8Format::E4M3;
   if (ctx_->config().recipe == Fp8Config::Recipe::Blockwise) return ops::quantize_tiles(t, f, transposed);
-  Fp8Tensor q = ops::quantize_per_tensor(t, tensor_scale(t, role, set, f), f);
+  Fp8Tensor q = quantize_per_tensor(t, role, set, f);
   return transposed ? ops::fp8_transpose(q) : q;
 }
 
@@ -108,6 +107,11 @@ void Fp8Linear::dgrad(const Tensor& dy, const Tensor& w, Tensor& dx, float beta,
 }
 
 void Fp8Linear::wgrad(const Tensor& dy, const Tensor& x, Tensor& dw, float beta, int64_t set) const {
+  if (dy.device().is_cuda() && dy.size(0) % kCudaFp8KMultiple != 0) {  // e.g. an expert's rows
+    const Tensor dy_p = zero_padded_rows(dy, kCudaFp8KMultiple), x_p = zero_padded_rows(x, kCudaFp8KMultiple);
+    ops::fp8_gemm(activation_operand(dy_p, kGrad, set, true), activation_operand(x_p, kInput, set, true), dw, beta);
+    return;
+  }
   ops::fp8_gemm(activation_operand(dy, kGrad, set, true), activation_operand(x, kInput, set, true), dw, beta);
 }
 

@@ -35,6 +35,11 @@
 //               (ops/fp8_quant.h): no amax state, no communication.
 // The linear's input is kept in the compute dtype and quantised again for the wgrad (the same
 // codes as in the forward: the scales are fixed during a step, or recomputed from the same values).
+// On a GPU (--device cuda) the GEMMs are cuBLASLt's and every amax, history and scale stays on the
+// device (ops/fp8_quant.h, "Per-tensor scaling state"): the tensorwise amax is a 1-element device
+// all-reduce (Max), the delayed recipe records and updates with kernels; the CPU runs the same ops
+// with the host arithmetic. cuBLASLt wants K a multiple of 16, so a wgrad over rows that are not
+// (an expert's share of the tokens) pads dy and x with zero rows first (same result).
 #pragma once
 
 #include <cstdint>
@@ -85,9 +90,11 @@ class Fp8Context {
 class Fp8Linear {
  public:
   Fp8Linear() = default;
-  // amax_group: the group over which a tensorwise amax is the maximum (null: this rank's).
+  // amax_group: the group over which a tensorwise amax is the maximum (null: this rank's). in, out:
+  // the linear's features on this rank (on a GPU both must be multiples of 16, cuBLASLt's FP8
+  // alignment: refused here by name otherwise).
   Fp8Linear(Fp8Context& ctx, ParamStore& store, const std::string& name, int64_t sets,
-            comm::Communicator* amax_group);
+            comm::Communicator* amax_group, int64_t in, int64_t out);
   bool on() const { return ctx_ != nullptr; }
   // y [rows, out] = x [rows, in] . w [out, in]^T
   void forward(const Tensor& x, const Tensor& w, Tensor& y, int64_t set = 0) const;
@@ -98,8 +105,9 @@ class Fp8Linear {
 
  private:
   enum Role { kInput = 0, kWeight = 1, kGrad = 2 };
-  // Per-tensor operands (tensorwise, delayed): the scale for role's tensor t (records its amax).
-  float tensor_scale(const Tensor& t, Role role, int64_t set, ops::Fp8Format f) const;
+  // Per-tensor operands (tensorwise, delayed): role's tensor t quantised with its scale, kept on
+  // t's device (the delayed recipe records t's amax first while recording).
+  ops::Fp8Tensor quantize_per_tensor(const Tensor& t, Role role, int64_t set, ops::Fp8Format f) const;
   ops::Fp8Tensor weight_operand(const Tensor& w, int64_t set, bool transposed) const;
   ops::Fp8Tensor activation_operand(const Tensor& t, Role role, int64_t set, bool transposed) const;
   ops::Fp8Format grad_format() const;

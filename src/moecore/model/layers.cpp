@@ -50,7 +50,7 @@ Linear::Linear(ParamStore& store, const std::string& name, int64_t in_full, int6
     }
   }
   if (store.fp8() && fp8_eligible)
-    fp8 = Fp8Linear(*store.fp8(), store, name, 1, n > 1 ? store.fp8()->tensor_parallel_group() : nullptr);
+    fp8 = Fp8Linear(*store.fp8(), store, name, 1, n > 1 ? store.fp8()->tensor_parallel_group() : nullptr, in, out);
 }
 
 Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {

@@ -126,8 +126,12 @@ TokenRows AllToAllDispatcher::token_dispatch(const TokenRows& local, Ctx& ctx) c
       bytes += static_cast<int64_t>(q.scale_inv.nbytes());
     } else {
       const std::vector<int64_t> one(static_cast<size_t>(ep_size_), 1);
-      const std::vector<float> each(static_cast<size_t>(ep_size_), q.scale_inv.to_vector<float>()[0]);
-      factors = all_to_all_rows(Tensor::from_vector(each, {ep_size_}, ep_->device()), one, one);
+      Tensor each = Tensor::empty({ep_size_}, DType::F32, q.scale_inv.device());  // copied on the device
+      for (int64_t r = 0; r < ep_size_; ++r) {
+        Tensor slot = each.slice(0, r, r + 1);
+        slot.copy_from(q.scale_inv);
+      }
+      factors = all_to_all_rows(each, one, one);
       bytes += ep_size_ * static_cast<int64_t>(sizeof(float));
     }
     bytes += static_cast<int64_t>(q.codes.nbytes());

@@ -14,7 +14,9 @@ namespace {
 using ops::expert_matrix;
 
 // fn(e, rows) for each local expert e in order, rows: its slice [begin, end) of the permuted rows
-// (empty for an expert without rows).
+// (empty for an expert without rows). The FP8 path reads the per-expert counts on the host (its
+// experts report device_rows() false), on a GPU too: this first GPU version runs one cuBLASLt FP8
+// GEMM per expert; a grouped FP8 GEMM reading the offsets on the device is later work.
 template <class Fn>
 void for_each_expert(const ops::ExpertRows& groups, Fn&& fn) {
   int64_t r0 = 0;
@@ -71,8 +73,9 @@ GroupedExperts::GroupedExperts(ParamStore& store, const std::string& prefix, con
   fc2_ = &store.add_expert(prefix + ".experts.linear_fc2.weight", {local_experts, h, fl}, e, first_expert, out_std, etp,
                            etp_rank, 2);
   if (store.fp8()) {  // delayed state for all E experts on every rank (filled by the step's max over the ranks)
-    fp8_fc1_ = Fp8Linear(*store.fp8(), store, prefix + ".experts.linear_fc1", e, etp > 1 ? etp_group : nullptr);
-    fp8_fc2_ = Fp8Linear(*store.fp8(), store, prefix + ".experts.linear_fc2", e, etp > 1 ? etp_group : nullptr);
+    fp8_fc1_ = Fp8Linear(*store.fp8(), store, prefix + ".experts.linear_fc1", e, etp > 1 ? etp_group : nullptr, h,
+                         swiglu_ ? 2 * fl : fl);
+    fp8_fc2_ = Fp8Linear(*store.fp8(), store, prefix + ".experts.linear_fc2", e, etp > 1 ? etp_group : nullptr, fl, h);
   }
 }
 

@@ -84,10 +84,8 @@ Fp8Rows quantize_dispatch_rows(const Tensor& rows, Fp8Dispatch mode) {
     ops::Fp8Tensor q = ops::quantize_tiles(rows, ops::Fp8Format::E4M3);
     return {q.data, q.scale_inv};
   }
-  const float scale = n == 0 ? 1.0f
-                             : ops::fp8_scale_from_amax(ops::amax(rows), ops::Fp8Format::E4M3, false);
-  if (n == 0) return {Tensor::empty({0, hidden}, DType::FP8E4M3, dev), Tensor::from_vector(std::vector<float>{1.0f / scale}, {1}, dev)};
-  ops::Fp8Tensor q = ops::quantize_per_tensor(rows, scale, ops::Fp8Format::E4M3);
+  // The scale from the rows' amax on their device (no rows: amax 0, scale 1).
+  ops::Fp8Tensor q = ops::quantize_per_tensor(rows, ops::amax_tensor(rows), ops::Fp8ScaleFrom::Amax, ops::Fp8Format::E4M3);
   return {q.data, q.scale_inv.view({1})};
 }
 

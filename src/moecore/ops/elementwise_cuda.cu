@@ -112,6 +112,11 @@ void fill(Tensor& t, double value) {
   const int64_t n = t.numel();
   if (n == 0) return;
   cudaStream_t s = prepare(t);
+  if (t.dtype() == DType::F64) {  // f64 state (step counters, MoE statistics): the value as given, not via float
+    fill_kernel<double><<<grid_for(n), 256, 0, s>>>(t.data<double>(), value, n);
+    MC_CUDA_CHECK_LAUNCH();
+    return;
+  }
   dispatch_cuda_floating(t.dtype(), "fill", [&](auto tag) {
     using T = decltype(tag);
     if (packable({{t.data_ptr(), sizeof(T)}})) {

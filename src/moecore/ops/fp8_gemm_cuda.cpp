@@ -12,10 +12,13 @@
 //              blocks as [ceil(R/128), round_up(ceil(K/128), 4)]; tests/gpu/test_gpu_fp8.cpp holds
 //              the result to the CPU emulation, which checks that layout on the device.
 // FAST_ACCUM stays off (every product promoted in fp32, as the emulation). Descriptors are made per
-// call and the heuristic asked per call: correctness first, a tuned path is later work.
+// call; the heuristic's algorithm is kept per shape, types, scale modes and pointer alignments (the
+// real alignments are declared: an output may be one expert's row slice). The block factors are
+// repacked on the device. A tuned path is later work.
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <tuple>
 
 #include "moecore/core/allocator.h"
 #include "moecore/core/cuda_check.h"
@@ -54,30 +57,62 @@ cudaDataType_t code_type(const Fp8Tensor& t) { return t.format() == Fp8Format::E
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// The largest power of two (at most 256, cuBLASLt's default assumption) dividing the address.
+uint32_t alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t low = a & (~a + 1);
+  return static_cast<uint32_t>(a == 0 || low > 256 ? 256 : low);
+}
+
+struct AlgoKey {
+  int device;
+  uint64_t m, n, k;
+  cudaDataType_t first, second, out;
+  int32_t mode_first, mode_second;
+  uint32_t align_first, align_second, align_out;
+  auto tie() const {
+    return std::tie(device, m, n, k, first, second, out, mode_first, mode_second, align_first, align_second, align_out);
+  }
+  bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
+};
+
+std::mutex& algo_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<AlgoKey, cublasLtMatmulAlgo_t>& algo_cache() {
+  static std::map<AlgoKey, cublasLtMatmulAlgo_t> cache;
+  return cache;
+}
+bool cached_algo(const AlgoKey& key, cublasLtMatmulAlgo_t& algo) {
+  std::lock_guard<std::mutex> lock(algo_mutex());
+  const auto it = algo_cache().find(key);
+  if (it == algo_cache().end()) return false;
+  algo = it->second;
+  return true;
+}
+void cache_algo(const AlgoKey& key, const cublasLtMatmulAlgo_t& algo) {
+  std::lock_guard<std::mutex> lock(algo_mutex());
+  algo_cache()[key] = algo;
+}
+
 // The operand's factors in cuBLASLt's layout (above) and its scale mode.
 Tensor cublas_factors(const Fp8Tensor& t, int32_t& mode) {
   if (t.scaling == Fp8Scaling::PerTensor) {
     mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
     return t.scale_inv;
   }
-  const Tensor host = t.scale_inv.to(Device::cpu());
-  const int64_t sr = host.size(0), sc = host.size(1);
-  const float* s = host.data<float>();
+  const int64_t sr = t.scale_inv.size(0), sc = t.scale_inv.size(1);
   Tensor packed;
   if (t.scaling == Fp8Scaling::Tile1x128) {  // [R, KB] -> [KB, round_up(R, 4)]
     mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    const int64_t ld = round_up(sr, 4);
-    packed = Tensor::zeros({sc, ld}, DType::F32);
-    for (int64_t r = 0; r < sr; ++r)
-      for (int64_t k = 0; k < sc; ++k) packed.data<float>()[k * ld + r] = s[r * sc + k];
+    packed = Tensor::zeros({sc, round_up(sr, 4)}, DType::F32, t.data.device());
   } else {  // [RB, KB] -> [RB, round_up(KB, 4)]
     mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-    const int64_t ld = round_up(sc, 4);
-    packed = Tensor::zeros({sr, ld}, DType::F32);
-    for (int64_t r = 0; r < sr; ++r)
-      for (int64_t k = 0; k < sc; ++k) packed.data<float>()[r * ld + k] = s[r * sc + k];
+    packed = Tensor::zeros({sr, round_up(sc, 4)}, DType::F32, t.data.device());
   }
-  return packed.to(t.data.device());
+  pack_cublas_factors(t, packed);  // on the device: no host round trip
+  return packed;
 }
 }  // namespace
 
@@ -109,21 +144,41 @@ void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta) {
   MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.first, code_type(b), K, N, static_cast<int64_t>(K)));
   MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.second, code_type(a), K, M, static_cast<int64_t>(K)));
   MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.out, out_type, N, M, static_cast<int64_t>(N)));
-  MC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
-  const size_t ws = kWorkspaceBytes;
-  MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   cublasLtHandle_t handle = fp8_lt_handle(dev.index);
-  cublasLtMatmulHeuristicResult_t result{};
-  int count = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.first, d.second, d.out, d.out, d.pref, 1, &result, &count);
-  MC_CHECK(st == CUBLAS_STATUS_SUCCESS && count > 0, "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", M, " N=", N,
-           " K=", K, " (", fp8_format_name(b.format()), " x ", fp8_format_name(a.format()), ", scale modes ",
-           mode_first, "/", mode_second, "): ", cublasGetStatusName(st));
+  // The heuristic's choice per shape, types, scale modes and pointer alignments (C may be a row
+  // slice of a larger output, e.g. one expert's rows: its real alignment is declared).
+  const uint32_t align_first = alignment(b.data.data_ptr()), align_second = alignment(a.data.data_ptr()),
+                 align_out = alignment(c.data_ptr());
+  const AlgoKey key{dev.index, M, N, K, code_type(b), code_type(a), out_type, mode_first, mode_second,
+                    align_first, align_second, align_out};
+  cublasLtMatmulAlgo_t algo{};
+  if (!cached_algo(key, algo)) {
+    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+    const size_t ws = kWorkspaceBytes;
+    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_first,
+                                                         sizeof align_first));
+    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                         &align_second, sizeof align_second));
+    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_out,
+                                                         sizeof align_out));
+    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_out,
+                                                         sizeof align_out));
+    cublasLtMatmulHeuristicResult_t result{};
+    int count = 0;
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.first, d.second, d.out, d.out, d.pref, 1, &result, &count);
+    MC_CHECK(st == CUBLAS_STATUS_SUCCESS && count > 0, "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", M, " N=", N,
+             " K=", K, " (", fp8_format_name(b.format()), " x ", fp8_format_name(a.format()), ", scale modes ",
+             mode_first, "/", mode_second, ", alignments ", align_first, "/", align_second, "/", align_out,
+             "): ", cublasGetStatusName(st));
+    algo = result.algo;
+    cache_algo(key, algo);
+  }
   Tensor workspace = Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::U8, dev);
   const float alpha = 1.0f;
   MC_CUBLAS_CHECK(cublasLtMatmul(handle, d.op, &alpha, b.data.data_ptr(), d.first, a.data.data_ptr(), d.second, &beta,
-                                 c.data_ptr(), d.out, c.data_ptr(), d.out, &result.algo, workspace.data_ptr(),
+                                 c.data_ptr(), d.out, c.data_ptr(), d.out, &algo, workspace.data_ptr(),
                                  kWorkspaceBytes, stream));
 }
 

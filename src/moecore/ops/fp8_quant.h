@@ -92,6 +92,37 @@ Tensor dequantize(const Fp8Tensor& t);
 // C [M, N] (f32 or bf16) = A [M, K] . B [N, K]^T (+ beta C); see above.
 void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta = 0.0f);
 
+// ---- Per-tensor scaling state on the device (tensorwise and delayed recipes) ----------------------
+// The recipes' amaxes, histories and scales stay where the tensors are: nothing here reads a
+// device value on the host, and on the CPU each op computes exactly what the host code did.
+enum class Fp8ScaleFrom {
+  Amax,    // src holds an amax: scale = fp8_scale_from_amax(src, f, false) (tensorwise)
+  Stored,  // src holds a stored scale, 0 meaning "none yet" = 1 (delayed)
+};
+// max |x| as an f32 [1] tensor on x's device (NaN if x holds one), e.g. to all-reduce (Max).
+Tensor amax_tensor(const Tensor& x);
+// x [R, C] per tensor with the scale taken on the device from src (f32, one element, x's device):
+// the codes and factor of quantize_per_tensor(x, that scale, f). On the CPU a stored scale that is
+// negative or not finite is refused as quantize_per_tensor refuses it; a CUDA kernel cannot
+// refuse, and quantises with it.
+Fp8Tensor quantize_per_tensor(const Tensor& x, const Tensor& src, Fp8ScaleFrom from, Fp8Format f);
+// Delayed recipe, history [rows, len] f32 on x's device: history[row, 0] = max(history[row, 0],
+// max |x|), a NaN propagating.
+void record_amax(const Tensor& x, Tensor& history, int64_t row);
+// out [rows] = history[:, 0] (the newest amaxes, to reduce over the ranks).
+void history_newest(const Tensor& history, Tensor& out);
+// Transformer Engine's delayed-scaling update of every row r of history [rows, len] and scale
+// [rows] after the step: history[r, 0] = newest[r]; amax = max(history[r]) (amax_compute_max) or
+// history[r, 0]; scale[r] = fp8_max / amax / 2^margin, kept (0 read as 1) when amax is 0 or not
+// finite; history[r] rolled by one (torch.roll(h, -1)) and history[r, 0] = 0. fp8_max is
+// grad_fp8_max on the rows r % 3 == 2 (the gradients of a linear's x, W, dy sets), else x_w_fp8_max.
+struct DelayedScalingUpdate {
+  float x_w_fp8_max = 448.0f, grad_fp8_max = 448.0f;
+  bool amax_compute_max = false;
+  int64_t margin = 0;
+};
+void delayed_scaling_update(Tensor& history, Tensor& scale, const Tensor& newest, const DelayedScalingUpdate& u);
+
 // The backends, arguments checked (fp8_quant_cuda.cu: the same codes and factors as the CPU).
 namespace cpu {
 float amax(const Tensor& x);
@@ -112,6 +143,15 @@ void dequantize(const Fp8Tensor& t, Tensor& out);
 // cuBLASLt FP8 (fp8_gemm_cuda.cpp): per-tensor factors through the A/B scale pointers, 1x128 and
 // 128x128 factors through the VEC128_32F / BLK128x128_32F scale modes (Hopper, CUDA 12.9+).
 void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta);
+// The device-scale ops above (fp8_quant_cuda.cu); out [1] of amax_tensor zeroed by the caller.
+void amax_into(const Tensor& x, Tensor& out);
+void quantize_per_tensor(const Tensor& x, const Tensor& src, bool from_amax, Fp8Tensor& out);
+void record_amax(const Tensor& x, Tensor& history, int64_t row);
+void history_newest(const Tensor& history, Tensor& out);
+void delayed_scaling_update(Tensor& history, Tensor& scale, const Tensor& newest, const DelayedScalingUpdate& u);
+// A Tile1x128 / Block128 operand's factors in the layout cuBLASLt reads (fp8_gemm_cuda.cpp), on
+// the device: packed is zeroed by the caller.
+void pack_cublas_factors(const Fp8Tensor& t, Tensor& packed);
 }  // namespace cuda
 
 }  // namespace moecore::ops

@@ -1,8 +1,12 @@
 // CUDA FP8 quantisation: the same codes and factors as the CPU (fp8_quant_cpu.cpp) bit for bit
 // (core/float_formats.h conversions, fp8_scale_from_amax with correctly rounded divisions),
 // tests/gpu/test_gpu_fp8.cpp holds them equal. Plain kernels, not tuned: one warp per 1x128 tile,
-// one block per 128x128 block; the transposed tiles read x with a stride.
+// one block per 128x128 block; the transposed tiles read x with a stride. Also the per-tensor
+// scaling state kept on the device (amax, a quantiser reading its scale there, the delayed
+// recipe's history and update) and the repacking of block factors for cuBLASLt.
 #include <cuda_runtime.h>
+
+#include <cmath>
 
 #include "moecore/ops/cuda_common.cuh"
 #include "moecore/ops/fp8_quant.h"
@@ -114,6 +118,53 @@ __global__ void dequantize_kernel(const uint8_t* q, const float* s, int64_t rows
   }
 }
 
+// Per tensor with the scale read on the device: an amax (tensorwise) or a stored scale, 0 = 1.
+template <typename T>
+__global__ void per_tensor_src_kernel(const T* x, int64_t n, const float* src, bool from_amax, bool e4m3,
+                                      uint8_t* q, float* scale_inv) {
+  const float v = *src;
+  const float scale = from_amax ? fp8_scale_from_amax(v, e4m3 ? Fp8Format::E4M3 : Fp8Format::E5M2, false)
+                                : (v == 0.0f ? 1.0f : v);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = __frcp_rn(scale);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    q[i] = encode(value(x, i) * scale, e4m3);
+}
+
+__global__ void history_newest_kernel(const float* h, int64_t rows, int64_t len, float* out) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r < rows) out[r] = h[r * len];
+}
+
+// One thread per row: the host code's arithmetic (correctly rounded divisions), then the roll.
+__global__ void delayed_update_kernel(float* h, float* scale, const float* newest, int64_t rows, int64_t len,
+                                      float x_w_max, float grad_max, bool compute_max, float margin_pow) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  float* hr = h + r * len;
+  hr[0] = newest[r];
+  float amax = hr[0];
+  if (compute_max)
+    for (int64_t i = 1; i < len; ++i) amax = max_nan(amax, hr[i]);
+  const float prev = scale[r] == 0.0f ? 1.0f : scale[r];
+  const float sf = __fdiv_rn(__fdiv_rn(r % 3 == 2 ? grad_max : x_w_max, amax), margin_pow);
+  scale[r] = amax > 0.0f && isfinite(amax) ? sf : prev;
+  const float first = hr[0];
+  for (int64_t i = 0; i + 1 < len; ++i) hr[i] = hr[i + 1];
+  hr[len - 1] = first;
+  hr[0] = 0.0f;
+}
+
+// cuBLASLt's factor layouts (fp8_gemm_cuda.cpp): tiles [R, KB] -> [KB, ld] (rows contiguous),
+// blocks [RB, KB] -> [RB, ld].
+__global__ void pack_factors_kernel(const float* s, int64_t sr, int64_t sc, bool tiles, int64_t ld, float* out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < sr * sc;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / sc, k = i % sc;
+    out[tiles ? k * ld + r : r * ld + k] = s[i];
+  }
+}
+
 uint8_t* codes(const Fp8Tensor& t) { return static_cast<uint8_t*>(t.data.data_ptr()); }
 bool is_e4m3(const Fp8Tensor& t) { return t.format() == Fp8Format::E4M3; }
 
@@ -136,6 +187,7 @@ float amax(const Tensor& x) {
   MC_CUDA_CHECK(cudaGetLastError());
   unsigned bits = 0;
   MC_CUDA_CHECK(cudaMemcpyAsync(&bits, out.data_ptr(), 4, cudaMemcpyDeviceToHost, s));
+  count_host_synchronization();  // a host read (the model uses amax_into instead)
   MC_CUDA_CHECK(cudaStreamSynchronize(s));
   return bits_float(bits);
 }
@@ -189,6 +241,62 @@ void dequantize(const Fp8Tensor& t, Tensor& out) {
   const int64_t s_cols = t.scaling == Fp8Scaling::PerTensor ? 1 : t.scale_inv.size(1);
   dequantize_kernel<<<grid_for(n), 256, 0, s>>>(codes(t), t.scale_inv.data<float>(), t.rows(), t.cols(), scaling,
                                                 s_cols, is_e4m3(t), out.data<float>());
+  MC_CUDA_CHECK(cudaGetLastError());
+}
+
+void amax_into(const Tensor& x, Tensor& out) {
+  cudaStream_t s = prepare(x);
+  with_input(x, [&](auto* p) {
+    amax_kernel<<<grid_for(x.numel()), 256, 0, s>>>(p, x.numel(), static_cast<unsigned*>(out.data_ptr()));
+  });
+  MC_CUDA_CHECK(cudaGetLastError());
+}
+
+void quantize_per_tensor(const Tensor& x, const Tensor& src, bool from_amax, Fp8Tensor& out) {
+  cudaStream_t s = prepare(x);
+  with_input(x, [&](auto* p) {
+    per_tensor_src_kernel<<<grid_for(x.numel()), 256, 0, s>>>(p, x.numel(), src.data<float>(), from_amax,
+                                                               is_e4m3(out), codes(out), out.scale_inv.data<float>());
+  });
+  MC_CUDA_CHECK(cudaGetLastError());
+}
+
+// history[row, 0] holds an amax (>= +0 or NaN), so the atomic maximum of the bits of |x| is the
+// maximum of the values, a NaN winning (amax_kernel).
+void record_amax(const Tensor& x, Tensor& history, int64_t row) {
+  cudaStream_t s = prepare(x);
+  auto* slot = reinterpret_cast<unsigned*>(history.data<float>() + row * history.size(1));
+  with_input(x, [&](auto* p) { amax_kernel<<<grid_for(x.numel()), 256, 0, s>>>(p, x.numel(), slot); });
+  MC_CUDA_CHECK(cudaGetLastError());
+}
+
+void history_newest(const Tensor& history, Tensor& out) {
+  cudaStream_t s = prepare(history);
+  const int64_t rows = history.size(0);
+  if (rows == 0) return;
+  history_newest_kernel<<<grid_for(rows), 256, 0, s>>>(history.data<float>(), rows, history.size(1),
+                                                       out.data<float>());
+  MC_CUDA_CHECK(cudaGetLastError());
+}
+
+void delayed_scaling_update(Tensor& history, Tensor& scale, const Tensor& newest, const DelayedScalingUpdate& u) {
+  cudaStream_t s = prepare(history);
+  const int64_t rows = history.size(0);
+  if (rows == 0) return;
+  const float margin_pow = std::ldexp(1.0f, static_cast<int>(u.margin));  // exact: a power of two
+  delayed_update_kernel<<<grid_for(rows), 256, 0, s>>>(history.data<float>(), scale.data<float>(),
+                                                       newest.data<float>(), rows, history.size(1), u.x_w_fp8_max,
+                                                       u.grad_fp8_max, u.amax_compute_max, margin_pow);
+  MC_CUDA_CHECK(cudaGetLastError());
+}
+
+void pack_cublas_factors(const Fp8Tensor& t, Tensor& packed) {
+  cudaStream_t s = prepare(t.data);
+  const int64_t sr = t.scale_inv.size(0), sc = t.scale_inv.size(1);
+  if (sr * sc == 0) return;
+  pack_factors_kernel<<<grid_for(sr * sc), 256, 0, s>>>(t.scale_inv.data<float>(), sr, sc,
+                                                        t.scaling == Fp8Scaling::Tile1x128, packed.size(1),
+                                                        packed.data<float>());
   MC_CUDA_CHECK(cudaGetLastError());
 }
 

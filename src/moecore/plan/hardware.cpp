@@ -57,7 +57,9 @@ void apply_profile_file(HardwareProfile& p, const std::string& path) {
       {"grouped_gemm_efficiency", &p.grouped_gemm_efficiency},
       {"attention_efficiency", &p.attention_efficiency}, {"memory_gb", &p.memory_gb},               {"reserved_gb", &p.reserved_gb},
       {"hbm_gbps", &p.hbm_gbps},                 {"nvlink_gbps", &p.nvlink_gbps},
-      {"network_gbps", &p.network_gbps},         {"collective_efficiency", &p.collective_efficiency}};
+      {"network_gbps", &p.network_gbps},         {"collective_efficiency", &p.collective_efficiency},
+      {"grouped_gemm_reference_rows", &p.grouped_gemm_reference_rows},
+      {"small_kernel_efficiency", &p.small_kernel_efficiency}};
   for (const auto& [key, value] : j.items()) {
     if (key == "name") {
       MC_CHECK(value.is_string(), "--profile '", path, "': \"name\" must be a string");
@@ -70,14 +72,39 @@ void apply_profile_file(HardwareProfile& p, const std::string& path) {
       p.gpus_per_node = value.get<int>();
       continue;
     }
+    if (key == "measured") {  // the calibration's timings, for the record
+      MC_CHECK(value.is_object(), "--profile '", path, "': \"measured\" must be an object");
+      continue;
+    }
     const auto it = numbers.find(key);
-    std::string known = "name, gpus_per_node";
+    std::string known = "name, gpus_per_node, measured";
     for (const auto& [k, v] : numbers) known += ", " + k;
     MC_CHECK(it != numbers.end(), "--profile '", path, "': unknown field \"", key, "\"; expected one of ", known);
     MC_CHECK(value.is_number() && value.get<double>() >= 0, "--profile '", path, "': \"", key,
              "\" must be a number >= 0");
+    MC_CHECK(key.find("efficiency") == std::string::npos || key == "fp8_gemm_efficiency" || value.get<double>() > 0,
+             "--profile '", path, "': \"", key, "\" must be > 0 (a fraction of the peak the kernels reach)");
     *it->second = value.get<double>();
   }
+}
+
+nlohmann::json profile_json(const HardwareProfile& p) {
+  return {{"name", p.name},
+          {"peak_bf16_tflops", p.peak_bf16_tflops},
+          {"peak_fp8_tflops", p.peak_fp8_tflops},
+          {"gemm_efficiency", p.gemm_efficiency},
+          {"fp8_gemm_efficiency", p.fp8_gemm_efficiency},
+          {"grouped_gemm_efficiency", p.grouped_gemm_efficiency},
+          {"grouped_gemm_reference_rows", p.grouped_gemm_reference_rows},
+          {"attention_efficiency", p.attention_efficiency},
+          {"small_kernel_efficiency", p.small_kernel_efficiency},
+          {"memory_gb", p.memory_gb},
+          {"reserved_gb", p.reserved_gb},
+          {"hbm_gbps", p.hbm_gbps},
+          {"nvlink_gbps", p.nvlink_gbps},
+          {"network_gbps", p.network_gbps},
+          {"gpus_per_node", p.gpus_per_node},
+          {"collective_efficiency", p.collective_efficiency}};
 }
 
 }  // namespace moecore::plan

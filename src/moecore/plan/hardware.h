@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace moecore::plan {
 
 struct HardwareProfile {
@@ -27,6 +29,15 @@ struct HardwareProfile {
   int gpus_per_node = 8;
   double collective_efficiency = 0.8;  // the fraction of the bandwidth collectives reach
   bool cpu = false;              // the CPU profile: memory checks against this machine, no bf16 peak
+  // The rows per expert at which grouped_gemm_efficiency holds; at other counts it follows the
+  // row tiles and the weights' reads (step_time.h: grouped_gemm_efficiency_at). Calibration
+  // writes the rows it measured at.
+  double grouped_gemm_reference_rows = 4096;
+  // The fraction of the HBM bandwidth the per-layer small kernels (norms, router, permutation,
+  // SwiGLU, residuals, RoPE) reach on the bytes step_time.h counts for them (a guess until
+  // calibrated: elementwise kernels reach most of the bandwidth on large tensors, the count leaves
+  // out fp32 intermediates and the gaps between launches).
+  double small_kernel_efficiency = 0.5;
 };
 
 // The built-in names, for messages.
@@ -34,7 +45,10 @@ std::vector<std::string> hardware_profile_names();
 // A built-in profile by name; an Error naming --gpu and the known names otherwise.
 HardwareProfile builtin_hardware_profile(const std::string& name);
 // Overrides the fields a JSON object file gives; an Error naming the file and the field for an
-// unknown field or a value of the wrong type.
+// unknown field or a value of the wrong type. A "measured" object (what --calibrate timed, for
+// the record) is read past.
 void apply_profile_file(HardwareProfile& p, const std::string& path);
+// Every field of a profile as the JSON object apply_profile_file reads.
+nlohmann::json profile_json(const HardwareProfile& p);
 
 }  // namespace moecore::plan

@@ -24,6 +24,11 @@ namespace moecore::plan {
 struct PlanOptions {
   bool fp8 = false;          // --fp8-recipe blockwise (a prediction: training runs FP8 on the CPU only)
   bool ep_overlap = false;   // --overlap-moe-expert-parallel-comm (a prediction: not in training yet)
+  bool flex_dispatch = false;  // --moe-token-dispatcher-type flex (a prediction: DeepEP-style, not in training)
+  // --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (Megatron's;
+  // a prediction): the first / last of num_layers is the embedding's / the loss's slot, not a
+  // layer. The step model skips them; the memory model counts them as layers (an upper bound).
+  bool embedding_slot = false, loss_slot = false;
   bool whole_run_peak = false;  // the CPU allocator's peak counts the set-up too (a GPU's is per step)
   bool offload_copies_synchronous = false;  // --offload-modules on the CPU: a layer's device tensors go at once
   // A GPU profile: the fused output layer's peak is one chunk of logits (cuBLASLt multiplies bf16

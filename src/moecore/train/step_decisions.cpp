@@ -60,7 +60,7 @@ void StepDecisions::decide_on_device(const TrainArgs& args, const Tensor& grad_s
 
 void StepDecisions::resolved() {
   if (unresolved_ == 0) return;
-  skips_.copy_from(Tensor::zeros({1}, DType::F64, skips_.device()));  // (ops::fill takes no f64 on a GPU)
+  ops::fill(skips_, 0.0);
   unresolved_ = 0;
 }
 
