@@ -264,9 +264,12 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("manual-gc", &a.manual_gc, "Python's garbage collector: moecore has none (refused: drop the flag)");
   f.add_bool("no-masked-softmax-fusion", &a.no_masked_softmax_fusion,
              "accepted: moecore's attention has no masked-softmax kernel to turn off");
-  f.add_string("cuda-graph-impl", &a.cuda_graph_impl, "not available: CUDA graphs (refused)");
-  f.add_list("cuda-graph-scope", &a.cuda_graph_scope, "not available: CUDA graphs (refused)");
-  f.add_bool("external-cuda-graph", &a.external_cuda_graph, "not available: CUDA graphs (refused)");
+  f.add_string("cuda-graph-impl", &a.cuda_graph_impl,
+               "CUDA graphs: local (with --cuda-graph-scope full_iteration, one GPU) or none (default)");
+  f.add_list("cuda-graph-scope", &a.cuda_graph_scope,
+             "what a CUDA graph captures: full_iteration (the whole training step; Megatron's per-module scopes are refused)");
+  f.add_int("cuda-graph-warmup-steps", &a.cuda_graph_warmup_steps, "eager steps before the CUDA graph's capture (default 3)");
+  f.add_bool("external-cuda-graph", &a.external_cuda_graph, "not available: graphs captured by the caller (refused)");
   f.add_bool("te-rng-track", &a.te_rng_track, "not available: Transformer Engine's RNG tracker (refused)");
   f.add_bool("overlap-p2p-comm", &a.overlap_p2p_comm, "not available: pipeline sends overlapped with compute (refused)");
   f.add_string("pipeline-model-parallel-layout", &a.pipeline_layout,
@@ -771,13 +774,8 @@ void check_feature_flags(TrainArgs& a) {
            "in safetensors, read and written by every parallel layout); drop the flag");
   MC_CHECK(!a.auto_detect_ckpt_format, "--auto-detect-ckpt-format: moecore has one checkpoint format (HF checkpoints "
            "come in through moecore convert); drop the flag");
-  MC_CHECK(a.cuda_graph_impl.empty() && a.cuda_graph_scope.empty() && !a.external_cuda_graph,
-           a.cuda_graph_impl.empty() ? (a.external_cuda_graph ? "--external-cuda-graph" : "--cuda-graph-scope")
-                                     : "--cuda-graph-impl",
-           ": CUDA graphs are not available in this version (a step makes one host wait, for the gradient norm; "
-           "docs/performance.md); drop the flag");
-  MC_CHECK(!a.te_rng_track, "--te-rng-track: Transformer Engine's RNG tracker does not exist in moecore (it goes with "
-           "CUDA graphs, not available in this version); drop the flag");
+  MC_CHECK(!a.te_rng_track, "--te-rng-track: Transformer Engine's RNG tracker does not exist in moecore (its CUDA "
+           "graphs need none: every random stream derives from --seed and the step); drop the flag");
   MC_CHECK(!a.overlap_p2p_comm, "--overlap-p2p-comm is not available in this version: pipeline sends and receives "
            "are not overlapped with computation; drop the flag");
   MC_CHECK(a.pipeline_layout.empty(), "--pipeline-model-parallel-layout is not available in this version; give uneven "
@@ -827,6 +825,51 @@ void check_feature_flags(TrainArgs& a) {
   MC_CHECK(a.token_dispatcher != "flex", "--moe-token-dispatcher-type flex (DeepEP kernels) is not available in "
            "this version; use alltoall or allgather");
   a.dispatcher = a.token_dispatcher == "alltoall" ? DispatcherType::AllToAll : DispatcherType::AllGather;
+}
+
+// --cuda-graph-impl local --cuda-graph-scope full_iteration (train/train_graph.h): one GPU's whole
+// step; what the graph cannot do yet is refused by name. After resolve_device and the FP8 flags.
+void check_cuda_graph_flags(TrainArgs& a) {
+  MC_CHECK(!a.external_cuda_graph, "--external-cuda-graph (graphs captured by the calling script) is not available: "
+           "moecore captures its own with --cuda-graph-impl local --cuda-graph-scope full_iteration");
+  MC_CHECK(a.cuda_graph_impl.empty() || a.cuda_graph_impl == "none" || a.cuda_graph_impl == "local",
+           "--cuda-graph-impl ", a.cuda_graph_impl, ": expected local or none (Transformer Engine's graphs do not "
+           "exist in moecore)");
+  const bool on = a.cuda_graph_impl == "local";
+  MC_CHECK(on || a.cuda_graph_scope.empty(), "--cuda-graph-scope needs --cuda-graph-impl local");
+  if (!on) return;
+  MC_CHECK(!a.cuda_graph_scope.empty(), "--cuda-graph-impl local needs --cuda-graph-scope full_iteration (the whole "
+           "training step; per-layer graphs are not available in this version)");
+  for (const std::string& scope : a.cuda_graph_scope) {
+    const bool megatron = scope == "attn" || scope == "mlp" || scope == "moe" || scope == "moe_router" ||
+                          scope == "moe_preprocess" || scope == "mamba";
+    MC_CHECK(!megatron, "--cuda-graph-scope ", scope, ": per-module graphs are not available in this version; use "
+             "--cuda-graph-scope full_iteration (the whole training step on one GPU)");
+    MC_CHECK(scope == "full_iteration", "--cuda-graph-scope ", scope, ": expected full_iteration");
+  }
+  MC_CHECK(a.cuda_graph_warmup_steps >= 1, "--cuda-graph-warmup-steps ", a.cuda_graph_warmup_steps,
+           ": expected at least 1 (the first step initialises what the graph then reuses)");
+  const char* flag = "--cuda-graph-impl local: ";
+  MC_CHECK(a.world == 1 && !a.emulated(), flag, "the whole-step graph runs on one GPU only, not ", a.world,
+           " ranks (tensor, pipeline, expert, context or data parallelism); drop the flag");
+  MC_CHECK(!a.fp8, flag, "FP8 training (", a.fp8_format, ") is not available with CUDA graphs (its amax history and "
+           "scales are kept on the host); drop one of them");
+  MC_CHECK(!a.optimizer_cpu_offload, flag, "--optimizer-cpu-offload updates on the host, which a graph cannot "
+           "capture; drop one of them");
+  MC_CHECK(!a.fine_grained_activation_offloading, flag, "--fine-grained-activation-offloading is not available "
+           "with CUDA graphs; drop one of them");
+  MC_CHECK(a.model.mtp_num_layers == 0, flag, "--mtp-num-layers ", a.model.mtp_num_layers, ": multi-token "
+           "prediction is not available with CUDA graphs yet; drop one of them");
+  MC_CHECK(a.model.moe.input_jitter_eps == 0.0, flag, "--moe-input-jitter-eps draws a new seed each step, which a "
+           "graph would freeze; drop one of them");
+  MC_CHECK(a.model.moe.capacity_factor <= 0.0, flag, "--moe-expert-capacity-factor: the capacity layer reads the "
+           "expert counts on the host, which a graph cannot capture; use dropless MoE or drop the flag");
+  MC_CHECK(a.model.position_embedding_type != "learned_absolute", flag, "--position-embedding-type learned_absolute "
+           "uploads the positions from pageable host memory each step, which a graph cannot replay; use rope or none");
+  MC_CHECK(a.timing_log_level == 0, flag, "--timing-log-level ", a.timing_log_level, " reads events each step, "
+           "which replayed steps do not record; use --timing-log-level 0 with CUDA graphs");
+  MC_CHECK(a.device.is_cuda(), flag, "CUDA graphs need a GPU, and this run is on ", a.device.str(),
+           "; use --device cuda or drop the flag");
 }
 
 // The device of this rank, host threads, device limits; the resolved values a checkpoint records.
@@ -1031,6 +1074,7 @@ void finalize_train_args(TrainArgs& a, const comm::LaunchEnv* launched) {
   check_feature_flags(a);
   resolve_device(a, env);
   check_fp8_flags(a);
+  check_cuda_graph_flags(a);
   if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";
 }
 

@@ -12,6 +12,9 @@
 # binary twice compares an option's cost, e.g. activation offloading's step time and peak:
 #   AB_FLAGS_B="--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act" \
 #     scripts/ab-train.sh build/moecore build/moecore
+# or CUDA graphs (steps 5-9 and 11-19 replay the graph captured at step 4; the timed steps 11-20
+# are nine replays and the eager log step):
+#   AB_FLAGS_B="--cuda-graph-impl local --cuda-graph-scope full_iteration" scripts/ab-train.sh build/moecore build/moecore
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BIN_A BIN_B [ROUNDS] [PRESET...]" >&2; exit 2; }
 bin_a=$1; bin_b=$2; shift 2

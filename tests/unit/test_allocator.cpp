@@ -3,8 +3,10 @@
 
 #include <cstdlib>
 #include <set>
+#include <vector>
 
 #include "moecore/core/allocator.h"
+#include "moecore/core/allocator_pools.h"
 #include "moecore/core/error.h"
 
 #include <map>
@@ -125,4 +127,45 @@ TEST(CachingAllocator, WithoutCachingFreesImmediately) {
   EXPECT_EQ(dev.frees, 1);
   EXPECT_EQ(a.stats().reserved_bytes, 0);
   EXPECT_THROW(a.deallocate(reinterpret_cast<void*>(0x1234)), Error);
+}
+
+// CUDA graphs' memory (train/train_graph.h): the blocks a capture uses -- its own allocations and
+// whatever is freed during it -- are never handed to allocations outside the pool, even when freed
+// after the capture, until the pool is released.
+TEST(CachingAllocator, PrivatePoolKeepsItsBlocksUntilReleased) {
+  FakeDevice dev{1 << 30};
+  CachingAllocator a(dev.backend());
+  void* before = a.allocate(3 * MiB);  // allocated before the capture, freed during it
+  void* spare = a.allocate(5 * MiB);
+  a.deallocate(spare);                 // a free general block: the capture may take it
+  begin_private_pool(a, 1);
+  void* temp = a.allocate(3 * MiB);    // a fresh block of the pool
+  a.deallocate(temp);
+  void* again = a.allocate(3 * MiB);   // reused inside the pool (the graph's order is the replay's)
+  EXPECT_EQ(again, temp);
+  void* taken = a.allocate(5 * MiB);   // from the general cache into the pool
+  EXPECT_EQ(taken, spare);
+  void* kept = a.allocate(1 * MiB);    // outlives the capture (an output the host reads)
+  a.deallocate(before);
+  a.deallocate(again);
+  a.deallocate(taken);
+  end_private_pool(a);
+  EXPECT_EQ(private_pool_bytes(a, 1), static_cast<int64_t>(4 * MiB + 6 * MiB + 1 * MiB + 4 * MiB));
+  a.deallocate(kept);
+  // Nothing of the pool serves requests outside it.
+  std::set<void*> pool = {before, temp, taken, kept};
+  std::vector<void*> outside;
+  for (size_t mib : {1, 3, 5}) {
+    outside.push_back(a.allocate(mib * MiB));
+    EXPECT_EQ(pool.count(outside.back()), 0u) << mib << " MiB came from the private pool";
+  }
+  // Released: its blocks serve everyone again.
+  release_private_pool(a, 1);
+  EXPECT_EQ(private_pool_bytes(a, 1), 0);
+  void* p = a.allocate(3 * MiB);
+  EXPECT_EQ(pool.count(p), 1u);
+  a.deallocate(p);
+  for (void* q : outside) a.deallocate(q);
+  a.empty_cache();
+  EXPECT_EQ(dev.used, 0) << "every block went back to the backend";
 }

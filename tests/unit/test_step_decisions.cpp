@@ -104,7 +104,9 @@ void apply_device(Masters& s, const Tensor& g, const Tensor& step, Kind kind) {
 }
 
 // Twelve steps both ways; the device's steps are resolved at the "log steps" 4, 9 and 12 only.
-void expect_same_run(Kind kind) {
+// fixed_rows > 0: the other steps decide as a CUDA graph's do (train/train_graph.h: prepare into the
+// fixed table of that many rows, then decide_on_device), the log steps as eager ones.
+void expect_same_run(Kind kind, int64_t fixed_rows = 0) {
   TrainArgs args = schedule();
   args.adam_beta2 = 0.95;
   Masters host, device;
@@ -128,11 +130,17 @@ void expect_same_run(Kind kind) {
     }
     // On the device (here: CPU tensors), resolved at the log steps only.
     const Tensor loss_t = Tensor::from_vector(std::vector<float>{static_cast<float>(loss)}, {1});
-    decisions.decide(args, state, it, parts, loss_t, Device::cpu());
+    const bool log_step = it == 4 || it == 9 || it == 12;
+    if (fixed_rows > 0 && !log_step) {
+      decisions.prepare(args, state, it, Device::cpu(), fixed_rows);
+      decisions.decide_on_device(args, parts, loss_t);
+    } else {
+      decisions.decide(args, state, it, parts, loss_t, Device::cpu());
+    }
     apply_device(device, g, decisions.device_step(), kind);
     reports.push_back(decisions.report().to_vector<double>());
     EXPECT_EQ(std::memcmp(&reports.back()[1], &grad_sq, sizeof(double)), 0) << "the reported grad_sq, iteration " << it;
-    if (it == 4 || it == 9 || it == 12) {
+    if (log_step) {
       for (const std::vector<double>& r : reports) state.skipped_iterations += r[2] != 0.0 ? 1 : 0;
       reports.clear();
       decisions.resolved();
@@ -166,6 +174,12 @@ ops::AdamWDeviceStep decided(double grad_sq, double loss, double clip_grad, std:
 TEST(StepDecisions, PlainAdamWMatchesTheHostDecisionBitForBit) { expect_same_run(Kind::kPlain); }
 TEST(StepDecisions, SplitMastersMatchTheHostDecisionBitForBit) { expect_same_run(Kind::kSplit); }
 TEST(StepDecisions, HostOffloadAdamWMatchesTheHostDecisionBitForBit) { expect_same_run(Kind::kHost); }
+// The CUDA graph's way (a fixed candidate table of more rows than unresolved steps) between eager
+// log steps: the same run.
+TEST(StepDecisions, FixedCandidateTableMatchesTheHostDecisionBitForBit) {
+  expect_same_run(Kind::kPlain, 6);
+  expect_same_run(Kind::kSplit, 11);
+}
 
 TEST(StepDecisions, ClipCoefficientBelowAndAboveTheThreshold) {
   const ops::AdamWDeviceStep below = decided(0.25, 2.0, 1.0);  // norm 0.5

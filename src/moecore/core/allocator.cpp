@@ -1,11 +1,14 @@
 #include "moecore/core/allocator.h"
 
 #include <algorithm>
+#include <atomic>
+#include <iterator>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <vector>
 
+#include "moecore/core/allocator_pools.h"
 #include "moecore/core/device.h"
 #include "moecore/core/error.h"
 
@@ -25,6 +28,47 @@ std::string mib(int64_t bytes) {
   std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
   return buf;
 }
+
+// Private pools (allocator_pools.h), kept beside the allocators: one allocator's pools, guarded by
+// g_pools_mutex (taken after the allocator's own mutex, never before it).
+using FreeList = std::multimap<std::pair<void*, size_t>, void*>;  // (stream, size) -> ptr
+struct PrivatePools {
+  int capturing = 0;                        // the pool capturing now (0: none)
+  std::map<int, FreeList> free;             // each pool's free blocks
+  std::map<int, int64_t> bytes;             // each pool's blocks' bytes
+  std::unordered_map<void*, int> owner;     // block -> its pool
+  FreeList released;                        // released pools' free blocks, for the general cache
+};
+std::mutex g_pools_mutex;
+std::atomic<int> g_pools_in_use{0};         // allocators with pools: the others skip the lookups
+std::unordered_map<const CachingAllocator*, PrivatePools> g_pools;
+
+PrivatePools* pools_of(const CachingAllocator* a) {
+  if (g_pools_in_use.load(std::memory_order_acquire) == 0) return nullptr;
+  auto it = g_pools.find(a);
+  return it == g_pools.end() ? nullptr : &it->second;
+}
+
+// The first block of `list` that serves `size` on `stream` (the general cache's rule), or null.
+void* take_block(FreeList& list, void* stream, size_t size, size_t* got) {
+  auto it = list.lower_bound({stream, size});
+  const size_t slack = size <= kSmallLimit ? 0 : size / 8;
+  if (it == list.end() || it->first.first != stream || it->first.second > size + slack) return nullptr;
+  void* ptr = it->second;
+  *got = it->first.second;
+  list.erase(it);
+  return ptr;
+}
+
+// A released pool's free blocks join the general cache `free`.
+void drain_released(const CachingAllocator* a, FreeList& free) {
+  if (g_pools_in_use.load(std::memory_order_acquire) == 0) return;
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  PrivatePools* p = pools_of(a);
+  if (!p || p->released.empty()) return;
+  free.insert(p->released.begin(), p->released.end());
+  p->released.clear();
+}
 }  // namespace
 
 CachingAllocator::CachingAllocator(Backend backend) : backend_(std::move(backend)) {}
@@ -32,6 +76,7 @@ CachingAllocator::CachingAllocator(Backend backend) : backend_(std::move(backend
 CachingAllocator::~CachingAllocator() {
   // Process exit: return cached blocks; live blocks belong to tensors that outlive us (statics).
   std::lock_guard<std::mutex> lock(mutex_);
+  drain_released(this, free_);
   release_cached_locked();
 }
 
@@ -44,17 +89,30 @@ size_t CachingAllocator::round_size(size_t bytes) {
 void* CachingAllocator::allocate(size_t bytes, void* stream) {
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
+  drain_released(this, free_);
   stats_.num_allocs++;
   void* ptr = nullptr;
   size_t got = size;
+  // A capture into a private pool: the pool's free blocks first, then the general cache's and new
+  // ones, which join the pool.
+  std::unique_lock<std::mutex> pools_lock(g_pools_mutex, std::defer_lock);
+  PrivatePools* pools = nullptr;
+  if (g_pools_in_use.load(std::memory_order_acquire) != 0) {
+    pools_lock.lock();
+    pools = pools_of(this);
+    if (pools && pools->capturing == 0) pools = nullptr;
+    if (!pools) pools_lock.unlock();
+  }
   if (backend_.cache) {
-    auto it = free_.lower_bound({stream, size});
-    const size_t slack = size <= kSmallLimit ? 0 : size / 8;
-    if (it != free_.end() && it->first.first == stream && it->first.second <= size + slack) {
-      ptr = it->second;
-      got = it->first.second;
-      free_.erase(it);
+    if (pools) ptr = take_block(pools->free[pools->capturing], stream, size, &got);
+    if (ptr) {
       stats_.num_cache_hits++;
+    } else {
+      ptr = take_block(free_, stream, size, &got);
+      if (ptr) {
+        stats_.num_cache_hits++;
+        if (pools) pools->bytes[pools->capturing] += static_cast<int64_t>(got);
+      }
     }
   }
   if (!ptr) {
@@ -70,7 +128,9 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
     stats_.num_backend_allocs++;
     stats_.reserved_bytes += static_cast<int64_t>(size);
     stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+    if (pools) pools->bytes[pools->capturing] += static_cast<int64_t>(size);
   }
+  if (pools) pools->owner[ptr] = pools->capturing;
   Block& block = live_[ptr] = Block{got, stream, bytes, memory_tag(MemoryCategory::kUntagged)};
   stats_.allocated_bytes += static_cast<int64_t>(got);
   stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
@@ -87,7 +147,25 @@ void CachingAllocator::deallocate(void* ptr) {
   live_.erase(it);
   stats_.num_frees++;
   stats_.allocated_bytes -= static_cast<int64_t>(b.size);
-  if (backend_.cache) {
+  bool pooled = false;
+  if (backend_.cache && g_pools_in_use.load(std::memory_order_acquire) != 0) {
+    std::lock_guard<std::mutex> pools_lock(g_pools_mutex);
+    if (PrivatePools* p = pools_of(this)) {
+      auto owner = p->owner.find(ptr);
+      int pool = owner == p->owner.end() ? 0 : owner->second;
+      if (pool == 0 && p->capturing != 0) {  // freed during a capture: the graph's from now on
+        pool = p->owner[ptr] = p->capturing;
+        p->bytes[pool] += static_cast<int64_t>(b.size);
+      }
+      if (pool != 0) {
+        p->free[pool].insert({{b.stream, b.size}, ptr});
+        pooled = true;
+      }
+    }
+  }
+  if (pooled) {
+  } else if (backend_.cache) {
+    drain_released(this, free_);
     free_.insert({{b.stream, b.size}, ptr});
   } else {
     backend_.raw_free(ptr);
@@ -127,6 +205,7 @@ void CachingAllocator::release_cached_locked() {
 
 void CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
+  drain_released(this, free_);
   release_cached_locked();
 }
 
@@ -246,6 +325,44 @@ CachingAllocator& pinned_allocator() {
 #else
   return unpinned_host_allocator();
 #endif
+}
+
+// ---- private pools (allocator_pools.h) ---------------------------------------------
+void begin_private_pool(CachingAllocator& a, int id) {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  MC_CHECK(id > 0, a.name(), " allocator: private pool ids are positive, got ", id);
+  auto [it, inserted] = g_pools.try_emplace(&a);
+  if (inserted) g_pools_in_use.fetch_add(1, std::memory_order_acq_rel);
+  PrivatePools& p = it->second;
+  MC_CHECK(p.capturing == 0, a.name(), " allocator: private pool ", id, " begun while pool ", p.capturing, " captures");
+  p.capturing = id;
+  p.free[id];  // the pool exists from now on
+}
+
+void end_private_pool(CachingAllocator& a) {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  if (PrivatePools* p = pools_of(&a)) p->capturing = 0;
+}
+
+void release_private_pool(CachingAllocator& a, int id) {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  PrivatePools* p = pools_of(&a);
+  if (!p) return;
+  MC_CHECK(p->capturing != id, a.name(), " allocator: private pool ", id, " released while it captures");
+  auto it = p->free.find(id);
+  if (it == p->free.end()) return;
+  p->released.insert(it->second.begin(), it->second.end());  // the general cache's at the next call
+  p->free.erase(it);
+  p->bytes.erase(id);
+  for (auto o = p->owner.begin(); o != p->owner.end();) o = o->second == id ? p->owner.erase(o) : std::next(o);
+}
+
+int64_t private_pool_bytes(const CachingAllocator& a, int id) {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  PrivatePools* p = pools_of(&a);
+  if (!p) return 0;
+  auto it = p->bytes.find(id);
+  return it == p->bytes.end() ? 0 : it->second;
 }
 
 CachingAllocator& allocator_for(Device device, bool pinned) {

@@ -67,16 +67,28 @@ Tensor PinnedUploader::upload(const Tensor& host, Device device) {
   MC_CHECK(host.defined() && host.device().is_cpu() && host.is_contiguous(),
            "PinnedUploader::upload needs a contiguous host tensor, got ", host.defined() ? host.describe() : "nothing");
   if (device.is_cpu()) return host.clone();
+  Tensor out = Tensor::empty(host.shape(), host.dtype(), device);
+  upload_into(host, out);
+  return out;
+}
+
+void PinnedUploader::upload_into(const Tensor& host, Tensor& dst) {
+  MC_CHECK(host.defined() && host.device().is_cpu() && host.is_contiguous(),
+           "PinnedUploader::upload needs a contiguous host tensor, got ", host.defined() ? host.describe() : "nothing");
+  MC_CHECK(dst.defined() && dst.is_contiguous() && dst.shape() == host.shape() && dst.dtype() == host.dtype(),
+           "PinnedUploader::upload_into: ", host.describe(), " into ", dst.defined() ? dst.describe() : "nothing");
+  if (dst.device().is_cpu()) {
+    dst.copy_from(host);
+    return;
+  }
   while (!in_flight_.empty() && in_flight_.front().copied->ready()) in_flight_.pop_front();
   Staged s;
   s.buffer = Tensor::empty_pinned(host.shape(), host.dtype());
   if (host.nbytes() > 0) std::memcpy(s.buffer.data_ptr(), host.data_ptr(), host.nbytes());
-  Tensor out = Tensor::empty(host.shape(), host.dtype(), device);
-  out.copy_from(s.buffer);  // asynchronous from pinned memory
-  s.copied = std::make_shared<Event>(device);
+  dst.copy_from(s.buffer);  // asynchronous from pinned memory
+  s.copied = std::make_shared<Event>(dst.device());
   s.copied->record();
   in_flight_.push_back(std::move(s));
-  return out;
 }
 
 }  // namespace moecore

@@ -49,6 +49,8 @@ class PinnedUploader {
   PinnedUploader& operator=(const PinnedUploader&) = delete;
   // A copy of the contiguous host tensor `host` on `device`.
   Tensor upload(const Tensor& host, Device device);
+  // The same into the contiguous device tensor `dst` of the same shape and dtype (a fixed buffer).
+  void upload_into(const Tensor& host, Tensor& dst);
 
  private:
   struct Staged {

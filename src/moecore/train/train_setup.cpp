@@ -176,6 +176,15 @@ Batch TrainingRun::checked_upload(Batch host) {
   return up;
 }
 
+int64_t TrainingRun::checked_upload_into(const Batch& host, Batch& fixed) {
+  MC_CHECK(args.cp == 1 && cfg.mtp_num_layers == 0, "checked_upload_into: one rank without MTP only");
+  const int64_t labelled = check_batch_on_host(host.tokens, host.labels, cfg.vocab_size);
+  uploader_.upload_into(host.tokens.contiguous(), fixed.tokens);
+  uploader_.upload_into(host.labels.contiguous(), fixed.labels);
+  fixed.num_labels = labelled;
+  return labelled;
+}
+
 void print_run_summary(const TrainingRun& run) {
   const TrainArgs& args = run.args;
   const ModelConfig& cfg = run.cfg;

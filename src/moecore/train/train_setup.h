@@ -78,6 +78,10 @@ class TrainingRun {
   // checked_num_labels). With multi-token prediction the stage with the output layer also gets
   // each depth's shifted tokens and labels, made from the whole sequences before the CP split.
   Batch checked_upload(Batch host);
+  // The same into fixed device buffers (a CUDA graph's, train/train_graph.h; one rank, no MTP):
+  // `host` checked, its tokens and labels copied into fixed.tokens / fixed.labels; returns its
+  // labelled tokens.
+  int64_t checked_upload_into(const Batch& host, Batch& fixed);
 
  private:
   void open_groups();

@@ -18,13 +18,15 @@ namespace {
 
 // Every micro-batch's forward and backward (the loss of each into `losses`), through the pipeline
 // schedule when there are stages.
-void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses, std::vector<LossAccumulator>* mtp_losses) {
+void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses, std::vector<LossAccumulator>* mtp_losses,
+                      const StepGraphHooks* hooks) {
   const TrainArgs& args = run.args;
   const int64_t micro = run.micro, dp_size = run.dp_size, dp_rank = run.dp_rank;
   Optimizer& optimizer = *run.optimizer;
   // Megatron's order: micro-batch m of the step is [dp rank 0's samples | dp rank 1's | ...];
   // its seed is the same on every pipeline stage and equals the single-rank run's.
   auto batch_of = [&](int64_t m) {
+    if (hooks) return hooks->batch(m);  // fixed buffers, filled before the graph's launch
     const MemoryCategoryScope module(ActivationModule::kBatch);
     return run.checked_upload(run.data.train->batch(
         run.state.consumed_samples + (m * dp_size + dp_rank) * args.micro_batch_size, args.micro_batch_size,
@@ -79,7 +81,7 @@ void add_balancing_losses(const std::vector<MoeStepStats>& layer_stats, int64_t 
 // step (expert bias) applied there, and a read of them started (pending.moe).
 void moe_statistics_on_device(const std::vector<MoeLayer*>& moe_layers, comm::Communicator* token_group,
                               comm::Communicator* dp, std::optional<TimedRegion>& phase, Device dev,
-                              PendingStepValues& pending) {
+                              PendingStepValues& pending, StepGraphHooks* hooks) {
   phase.emplace("moe-statistics", 1, dev);
   std::vector<Tensor> packed;
   for (MoeLayer* l : moe_layers) packed.push_back(l->pack_step_stats(token_group, dp, dev));
@@ -88,7 +90,12 @@ void moe_statistics_on_device(const std::vector<MoeLayer*>& moe_layers, comm::Co
   for (size_t l = 0; l < moe_layers.size(); ++l) {
     pending.moe_micro_batches.push_back(moe_layers[l]->step_micro_batches());
     moe_layers[l]->finish_step_on_device(packed[l], dp);
-    pending.moe[l].start(packed[l]);
+    if (hooks) {  // read after the graph's launch
+      hooks->outputs.moe.push_back(packed[l]);
+      hooks->outputs.moe_micro_batches.push_back(pending.moe_micro_batches.back());
+    } else {
+      pending.moe[l].start(packed[l]);
+    }
   }
 }
 
@@ -105,7 +112,7 @@ std::vector<MoeStepStats> reduce_moe_statistics(const std::vector<MoeLayer*>& mo
   return layer_stats;
 }
 
-StepResult train_step(TrainingRun& run, int64_t it) {
+StepResult train_step(TrainingRun& run, int64_t it, StepGraphHooks* hooks) {
   const TrainArgs& args = run.args;
   const Device dev = run.dev;
   const int64_t micro = run.micro;
@@ -123,7 +130,8 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   // modules is workspace, the gradient reduction's buffers communication.
   std::optional<MemoryCategoryScope> memory(std::in_place, MemoryCategory::kWorkspace);
   if (run.fp8) run.fp8->set_recording(true);  // FP8 delayed scaling records the training passes' amaxes
-  forward_backward(run, it, losses, has_head && !mtp_losses.empty() ? &mtp_losses : nullptr);
+  MC_CHECK(!hooks || (!run.pp && mtp_losses.empty()), "train_step: a CUDA graph's step has no pipeline stages or MTP");
+  forward_backward(run, it, losses, has_head && !mtp_losses.empty() ? &mtp_losses : nullptr, hooks);
   if (run.fp8) {
     run.fp8->set_recording(false);
     run.fp8->finish_step(run.groups->tp(), run.groups->dp_cp());
@@ -154,7 +162,7 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   if (run.pp) {
     r.layer_stats = reduce_moe_statistics(run.moe_layers, run.groups->token_group(), dp, phase, dev);
   } else {  // on the device, read with the step's other values (resolve_step)
-    moe_statistics_on_device(run.moe_layers, run.groups->token_group(), dp, phase, dev, *pending);
+    moe_statistics_on_device(run.moe_layers, run.groups->token_group(), dp, phase, dev, *pending, hooks);
   }
   phase.emplace("loss-and-checks", 1, dev);
   std::vector<double> sums = {0.0, 0.0, 0.0, static_cast<double>(run.moe_layers.size())};
@@ -176,8 +184,13 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   state.iteration = it;
   phase.emplace("optimizer", 1, dev);
   // Clipping and the NaN/Inf skip decided on the device (step_decisions.h): no host wait.
-  run.decisions.decide(args, state, it, grad_sq_parts, decided_loss, dev);
-  pending->report.start(run.decisions.report());
+  if (hooks) {  // the candidates are in the fixed table (prepared before the launch)
+    run.decisions.decide_on_device(args, grad_sq_parts, decided_loss);
+    hooks->outputs.report = run.decisions.report();
+  } else {
+    run.decisions.decide(args, state, it, grad_sq_parts, decided_loss, dev);
+    pending->report.start(run.decisions.report());
+  }
   const AdamHyper hyper{args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay};
   optimizer.step(hyper, run.decisions.device_step());
   phase.reset();
@@ -185,6 +198,17 @@ StepResult train_step(TrainingRun& run, int64_t it) {
   r.z = sums[3] > 0 ? sums[2] / sums[3] : 0.0;
   r.pending = std::move(pending);
   return r;
+}
+
+std::unique_ptr<PendingStepValues> start_step_reads(const StepGraphHooks::Outputs& outputs) {
+  auto pending = std::make_unique<PendingStepValues>();
+  pending->mtp = std::vector<PendingRead>(outputs.mtp.size());
+  for (size_t k = 0; k < outputs.mtp.size(); ++k) pending->mtp[k].start(outputs.mtp[k]);
+  pending->moe = std::vector<PendingRead>(outputs.moe.size());
+  for (size_t l = 0; l < outputs.moe.size(); ++l) pending->moe[l].start(outputs.moe[l]);
+  pending->moe_micro_batches = outputs.moe_micro_batches;
+  pending->report.start(outputs.report);
+  return pending;
 }
 
 void resolve_step(TrainingRun& run, StepResult& r) {

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -51,8 +52,25 @@ struct StepResult {
   std::vector<MoeStepStats> layer_stats;  // each MoE layer's statistics, reduced over the ranks (resolved)
 };
 
-// Step `it` (1-based). Updates run.state (consumed samples, iteration).
-StepResult train_step(TrainingRun& run, int64_t it);
+// What a step captured into a CUDA graph does differently (train/train_graph.h; one rank, no
+// pipeline stages): its micro-batches come from `batch` (fixed device buffers the host filled
+// before the launch), run.decisions.prepare() has run (the candidates in the fixed table), and
+// the device values the host reads after the step are left in `outputs` instead of read (the
+// graph's caller starts the reads after each launch).
+struct StepGraphHooks {
+  std::function<Batch(int64_t)> batch;
+  struct Outputs {
+    Tensor report;                         // StepDecisions::report()
+    std::vector<Tensor> mtp;               // each MTP depth's loss
+    std::vector<Tensor> moe;               // each MoE layer's packed statistics
+    std::vector<int64_t> moe_micro_batches;
+  } outputs;
+};
+
+// Step `it` (1-based). Updates run.state (consumed samples, iteration). hooks: under a CUDA graph.
+StepResult train_step(TrainingRun& run, int64_t it, StepGraphHooks* hooks = nullptr);
+// The reads of a step's device values (pending of a StepResult), started now on the current stream.
+std::unique_ptr<PendingStepValues> start_step_reads(const StepGraphHooks::Outputs& outputs);
 // Takes the step's pending values (waiting only if they have not arrived) and, for a skipped step,
 // prints the NaN/Inf line and counts it in run.state (skipped / NaN counts). Steps are resolved in
 // order, every decided step before run.decisions.resolved().

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <iostream>
 #include <memory>
+#include <optional>
 
 #include "moecore/core/allocator.h"
 #include "moecore/core/device.h"
@@ -16,6 +17,7 @@
 #include "moecore/train/metrics.h"
 #include "moecore/train/save_dir_guard.h"
 #include "moecore/train/train_setup.h"
+#include "moecore/train/train_graph.h"
 #include "moecore/train/train_step.h"
 
 namespace moecore {
@@ -93,6 +95,11 @@ int run_training(const TrainArgs& args) {
       if (flag == "tokenizer-model") value = "tokenizer/" + name;
   }
   auto save = [&] { save_training_checkpoint(args, run.chunk_stages, run.state, *run.optimizer, *run.groups); };
+  // --cuda-graph-impl local (train_graph.h): every step, evaluation and save on the graph's stream.
+  std::unique_ptr<TrainStepGraph> graph;
+  if (args.cuda_graph_full_iteration()) graph = std::make_unique<TrainStepGraph>(run);
+  std::optional<StreamGuard> on_graph_stream;
+  if (graph) on_graph_stream.emplace(graph->stream());
 
   set_timing_level(static_cast<int>(args.timing_log_level));
   // The host waits for the GPU at a log step only (and each step with --timing-log-level, whose
@@ -115,7 +122,9 @@ int run_training(const TrainArgs& args) {
     const uint64_t syncs0 = host_synchronizations();
     if (run.dev.is_cuda()) cuda_allocator(run.dev.index).reset_peak();
     arm_dispatch_clocks(is_log_step(args, it));  // the EP collectives' events, read at the log step
-    const bool log_now = metrics.end_step(run, it, train_step(run, it), syncs0);
+    // With a CUDA graph, log steps run eagerly (their reads resolve the steps); the others replay it.
+    StepResult result = graph ? graph->step(it, is_log_step(args, it)) : train_step(run, it);
+    const bool log_now = metrics.end_step(run, it, std::move(result), syncs0);
 
     const bool evaluate_now =
         args.eval_interval > 0 && run.data.valid && (it % args.eval_interval == 0 || it == args.train_iters);
@@ -132,7 +141,9 @@ int run_training(const TrainArgs& args) {
       metrics.exclude_ms(ms_since(excluded_start));
     }
   }
+  if (graph && run.logger) std::cout << graph->summary() << "\n";
   save();
+  if (graph) synchronize(run.dev);  // the graph's stream's work done before the graph goes
   return 0;
 }
 
