@@ -5,11 +5,13 @@
 namespace moecore::ops {
 
 namespace {
-void check_float_tensor(const char* op, const char* name, const Tensor& t) {
+// cuda_f64: the op has an f64 CUDA kernel (fill only: f64 state such as the step decisions' counters).
+void check_float_tensor(const char* op, const char* name, const Tensor& t, bool cuda_f64 = false) {
   check_contiguous(op, name, t);
   MC_CHECK(is_floating(t.dtype()), op, ": argument '", name, "' has dtype ", dtype_name(t.dtype()),
            "; expected a floating dtype");
-  MC_CHECK(!(t.device().is_cuda() && t.dtype() == DType::F64), op, ": f64 is CPU-only (argument '", name, "')");
+  MC_CHECK(cuda_f64 || !(t.device().is_cuda() && t.dtype() == DType::F64), op, ": f64 is CPU-only (argument '", name,
+           "')");
 }
 
 void check_binary(const char* op, const Tensor& a, const Tensor& b, const Tensor& out) {
@@ -57,7 +59,7 @@ void run_activation_backward(const char* op, Activation act, const Tensor& x, co
 }  // namespace
 
 void fill(Tensor& t, double value) {
-  check_float_tensor("fill", "t", t);
+  check_float_tensor("fill", "t", t, /*cuda_f64=*/true);
   if (t.device().is_cpu()) {
     cpu::fill(t, value);
   } else {
