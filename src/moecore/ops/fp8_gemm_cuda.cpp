@@ -125,6 +125,24 @@ void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta) {
   if (M == 0 || N == 0) return;
   MC_CHECK(K > 0 && K % 16 == 0 && N % 16 == 0, "fp8_gemm: cuBLASLt FP8 needs K and N multiples of 16; got M=", M,
            " N=", N, " K=", K);
+  // cuBLASLt's block-scaled modes have no algorithm for a row count of A that is not a multiple of 16
+  // (an expert's ragged rows): the product runs on A padded with zero rows (codes 0, factors 0; a
+  // 128x128-block operand keeps its factors: ceil(M / 128) is unchanged) into a padded output, whose
+  // first M rows go to C. Padded rows add nothing to the M real ones.
+  if (a.scaling != Fp8Scaling::PerTensor && M % 16 != 0) {
+    const int64_t m = static_cast<int64_t>(M), mp = round_up(m, 16);
+    Fp8Tensor padded{Tensor::zeros({mp, static_cast<int64_t>(K)}, a.data.dtype(), dev), a.scale_inv, a.scaling};
+    padded.data.slice(0, 0, m).copy_from(a.data);
+    if (a.scaling == Fp8Scaling::Tile1x128) {
+      padded.scale_inv = Tensor::zeros({mp, a.scale_inv.size(1)}, DType::F32, dev);
+      padded.scale_inv.slice(0, 0, m).copy_from(a.scale_inv);
+    }
+    Tensor out = Tensor::zeros({mp, static_cast<int64_t>(N)}, c.dtype(), dev);
+    if (beta != 0.0f) out.slice(0, 0, m).copy_from(c);
+    cuda::fp8_gemm(padded, b, out, beta);
+    c.copy_from(out.slice(0, 0, m));
+    return;
+  }
   int32_t mode_first = 0, mode_second = 0;
   const Tensor factors_first = cublas_factors(b, mode_first), factors_second = cublas_factors(a, mode_second);
   Descriptors d;
