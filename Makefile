@@ -6,13 +6,12 @@
 #   make gpu-dist   2+ GPUs: NCCL tests, DP/EP equivalence on GPUs, multi-GPU throughput table
 #   make gpu-scaling 4 or 8 GPUs: the scaling table (EP, EDP, DP, folded TP/EP, PP=4 interleaved)
 #   make bench      build, then the benchmarks (JSON lines and a table each)
-#   make bench-offload  CUDA build of moecore only, then activation offloading's cost on one GPU
 # BUILD_DIR (default build), JOBS (default: cores), CMAKE_ARGS pass through.
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: build deps configure test demo gpu-test gpu-dist gpu-scaling bench bench-offload clean
+.PHONY: build deps configure test demo gpu-test gpu-dist gpu-scaling bench clean
 
 deps:
 	@scripts/install-deps.sh
@@ -40,12 +39,6 @@ gpu-scaling:
 
 bench: build
 	@scripts/bench.sh $(BUILD_DIR)
-
-bench-offload:
-	@PATH=$$PATH:/usr/local/cuda/bin cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DMOECORE_CUDA=ON $(CMAKE_ARGS) >/dev/null
-	@PATH=$$PATH:/usr/local/cuda/bin cmake --build $(BUILD_DIR) -j $(JOBS) --target moecore_app >$(BUILD_DIR)/bench-offload-build.log 2>&1 || \
-	  { tail -30 $(BUILD_DIR)/bench-offload-build.log; exit 1; }
-	@bench/offload_table.sh $(BUILD_DIR)/moecore
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -62,8 +62,7 @@ for s, st in enumerate(stages):
         if get(st) is None:
             continue
         measured = [get(r) or 0 for r in group]
-        # (a stage of only the model's last layer offloads nothing: 0 predicted, 0 measured)
-        herr = [get(st) / m - 1 if m else (0.0 if get(st) == 0 else float("inf")) for m in measured]
+        herr = [get(st) / m - 1 if m else float("inf") for m in measured]
         lines.append(f"{key} predicted {get(st):.0f} measured " + " ".join(str(m) for m in measured)
                      + " | " + " ".join(f"{100*e:+.1f}%" for e in herr))
         ok = ok and max(abs(e) for e in herr) <= 0.05

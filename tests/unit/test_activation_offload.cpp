@@ -2,14 +2,9 @@
 // the loss and every parameter gradient of keeping everything, bit for bit, for one micro-batch
 // and for three whose forwards and backwards interleave as in a pipeline schedule (the stash is
 // per micro-batch, the prefetch crosses to the next micro-batch); with selective recomputation
-// of the same modules; on a pipeline stage without the embedding; with 1 and 3 layers in flight
-// (MOECORE_OFFLOAD_WINDOW). The host memory is handed back after each backward. The model's last
-// layer stays on the device. The names of --offload-modules and the window's values.
+// of the same modules; on a pipeline stage without the embedding. The host memory is handed
+// back after each backward. The names of --offload-modules.
 #include <gtest/gtest.h>
-
-#include <cstdlib>
-#include <optional>
-#include <string>
 
 #include "moecore/data/mock_data.h"
 #include "moecore/model/gpt.h"
@@ -85,25 +80,6 @@ void expect_same(const Step& a, const Step& b, const std::string& what) {
 
 const std::vector<std::string> kEveryModule = {"attn_norm", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"};
 
-// MOECORE_OFFLOAD_WINDOW set for a scope (nullptr: unset), the previous value restored.
-class WindowScope {
- public:
-  explicit WindowScope(const char* value) {
-    if (const char* old = std::getenv("MOECORE_OFFLOAD_WINDOW")) old_ = old;
-    set(value);
-  }
-  ~WindowScope() { set(old_ ? old_->c_str() : nullptr); }
-  WindowScope(const WindowScope&) = delete;
-  WindowScope& operator=(const WindowScope&) = delete;
-
- private:
-  static void set(const char* v) {
-    if (v) setenv("MOECORE_OFFLOAD_WINDOW", v, 1);
-    else unsetenv("MOECORE_OFFLOAD_WINDOW");
-  }
-  std::optional<std::string> old_;
-};
-
 }  // namespace
 
 TEST(ActivationOffload, GivesThePlainGradientsBitForBit) {
@@ -125,58 +101,6 @@ TEST(ActivationOffload, PipelineStageWithoutEmbeddingOrHead) {
   middle.end_layer = 3;
   middle.has_embedding = middle.has_head = false;
   expect_same(cpu_step({}, false, 2, middle), cpu_step(kEveryModule, false, 2, middle), "layers [1, 3), 2 micro-batches");
-}
-
-TEST(ActivationOffload, WindowOfOneOrThreeLayersGivesThePlainGradients) {
-  const Step plain = cpu_step({}, false, 3);
-  for (const char* window : {"1", "3"}) {
-    const WindowScope scope(window);
-    EXPECT_EQ(offload_window(), std::atoi(window));
-    expect_same(plain, cpu_step(kEveryModule, false, 3), std::string("window ") + window + ", 3 micro-batches");
-  }
-}
-
-TEST(ActivationOffload, WindowValues) {
-  {
-    const WindowScope unset(nullptr);
-    EXPECT_EQ(offload_window(), kDefaultOffloadWindow);
-  }
-  for (const char* bad : {"0", "-1", "two", "2x", ""}) {
-    const WindowScope scope(bad);
-    try {
-      offload_window();
-      FAIL() << "MOECORE_OFFLOAD_WINDOW='" << bad << "' was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string("MOECORE_OFFLOAD_WINDOW='") + bad + "': expected an integer >= 1"),
-                std::string::npos)
-          << e.what();
-    }
-  }
-}
-
-// Megatron's rule: the last decoder layer's backward comes right after its forward, so it keeps
-// its tensors; the layers below leave the device after their forward.
-TEST(ActivationOffload, TheLastLayerStaysOnTheDevice) {
-  ModelConfig c = offload_model();
-  c.offload_modules = {"expert_fc1", "moe_act"};
-  ParamStore store(Device::cpu(), DType::F32, DType::F32, 11);
-  GPTModel model(c, store);
-  store.initialize();
-  const MockData data(c.vocab_size, c.seq_length, 5, "train");
-  const Batch b = data.batch(0, 2, Device::cpu());
-  GPTModel::Ctx ctx;
-  const int64_t host_before = offload_host_usage().now;
-  model.forward(b.tokens, b.labels, true, 3, ctx);
-  for (int64_t i = 1; i + 1 < c.num_layers; ++i)
-    EXPECT_FALSE(ctx.layers[static_cast<size_t>(i)].moe.experts.fc1_out.defined()) << "layer " << i << " kept fc1's output";
-  const MoeLayer::Ctx& last = ctx.layers[static_cast<size_t>(c.num_layers - 1)].moe;
-  EXPECT_TRUE(last.experts.fc1_out.defined() && last.experts.input.defined()) << "the last layer was offloaded";
-  // Layers 1 and 2 (layer 0 is dense): the dispatched rows, fc1's output and the rows' probabilities.
-  const int64_t layer_bytes = static_cast<int64_t>(last.experts.input.nbytes() + last.experts.fc1_out.nbytes() +
-                                                   last.experts.row_probs.nbytes());
-  EXPECT_EQ(offload_host_usage().now - host_before, 2 * layer_bytes);
-  model.backward(0.5, ctx);
-  EXPECT_EQ(offload_host_usage().now, host_before);
 }
 
 TEST(ActivationOffload, ModuleNames) {

@@ -49,12 +49,6 @@ const std::vector<EnvSwitch>& env_switches() {
        "the experts' grouped GEMM implementation (ops/grouped_gemm.h); another value is an error. Read once "
        "(set_grouped_gemm_impl overrides it)",
        EnvAgreement::PerRank},
-      {"MOECORE_OFFLOAD_WINDOW", "an integer >= 1 (offload groups)", "2",
-       "--offload-modules: offload groups (a layer's attention part, its MLP / MoE part) in flight. The forward "
-       "keeps the device tensors of up to this many groups whose copy to the host still runs (beyond it the "
-       "compute stream waits for the oldest copy); the backward brings this many (at least 2) back ahead. Larger: fewer "
-       "waits, a higher peak. Another value is an error. Read when a model is built (and by moecore plan)",
-       EnvAgreement::PerRank},
       {"MOECORE_ROUTER_GEMM", "bf16x3, fp32", "bf16x3",
        "the bf16 GPU router's GEMMs: bf16x3 (three bf16 parts per fp32 operand) or fp32 (cuBLAS, no TF32); another "
        "value is an error. Read at every router forward",

@@ -1,14 +1,11 @@
-// The offloading mechanism: host copies per (micro-batch, offload group), the copy streams and
-// their events, the in-flight window, the prefetch order and the host memory counters.
+// The offloading mechanism: host copies per (micro-batch, layer), the side stream and its events,
+// the prefetch order and the host memory counters.
 #include "moecore/model/activation_offload.h"
 
-#include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 
-#include "moecore/core/env_switches.h"
 #include "moecore/core/error.h"
 
 namespace moecore {
@@ -98,8 +95,8 @@ struct HostCopy {
   }
 };
 
-// An offload group's slots (a part of a layer): entry k restores slot `slot`, from its own copy
-// (source == k) or as a view of entry `source`'s tensor (the same bytes).
+// A layer's offloaded slots: entry k restores slot `slot`, from its own copy (source == k) or as
+// a view of entry `source`'s tensor (the same bytes).
 struct LayerGroup {
   struct Entry {
     int slot = 0, source = 0;
@@ -108,11 +105,8 @@ struct LayerGroup {
   std::vector<Entry> entries;
   std::vector<HostCopy> copies;         // per entry (empty for a view)
   std::vector<Tensor> device;           // per entry, once prefetched
-  // GPU: per entry, the device tensors while their copy to the host may run (shared with the
-  // offloader's forward_copies_; emptied when handed back or taken back for the backward).
-  std::shared_ptr<std::vector<Tensor>> sources;
   std::shared_ptr<Event> copied;        // the copies to the host (GPU)
-  std::shared_ptr<Event> reloaded;      // the copies back (GPU; none when taken back without a copy)
+  std::shared_ptr<Event> reloaded;      // the copies back (GPU)
   size_t num_slots = 0;
   bool prefetched = false;
 };
@@ -122,101 +116,65 @@ class ActivationStash {
   ~ActivationStash() {
     // A forward without its backward: the host copies must not be freed under a running copy.
     try {
-      for (auto& [group, g] : layers)
+      for (auto& [layer, g] : layers)
         for (const std::shared_ptr<Event>& e : {g.copied, g.reloaded})
           if (e && !e->ready()) e->synchronize();
     } catch (...) {  // a failed device reports on its next call; a destructor must not throw
     }
   }
-  std::map<int64_t, LayerGroup> layers;  // by group
+  std::map<int64_t, LayerGroup> layers;
 };
 
-// Host buffers (and device tensors) kept until `done` has fired.
 struct ActivationOffloader::InFlight {
   std::vector<HostCopy> copies;
-  std::vector<Tensor> device;
-  std::shared_ptr<Event> done;
+  std::shared_ptr<Event> reloaded;
 };
 
-// An offload group whose device tensors wait for their copy to the host.
-struct ActivationOffloader::ForwardCopy {
-  std::shared_ptr<std::vector<Tensor>> sources;
-  std::shared_ptr<Event> copied;
-};
-
-int64_t offload_window() {
-  const char* v = env_switch("MOECORE_OFFLOAD_WINDOW");
-  if (!v) return kDefaultOffloadWindow;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  MC_CHECK(*v != '\0' && end && *end == '\0' && n >= 1 && n <= 1000000, "MOECORE_OFFLOAD_WINDOW='", v,
-           "': expected an integer >= 1 (offload groups in flight; unset: ", kDefaultOffloadWindow, ")");
-  return static_cast<int64_t>(n);
-}
-
-int64_t offload_backward_groups(int64_t window) { return std::max<int64_t>(window, 2); }
-
-ActivationOffloader::ActivationOffloader(Device device) : device_(device), window_(offload_window()) {}
+ActivationOffloader::ActivationOffloader(Device device) : device_(device) {}
 
 ActivationOffloader::~ActivationOffloader() {
   try {
-    for (const ForwardCopy& f : forward_copies_)
-      if (!f.copied->ready()) f.copied->synchronize();
-    forward_copies_.clear();
+    if (releasing_copied_) releasing_copied_->synchronize();
+    releasing_.clear();
     poll_host_buffers(true);
-    if (streams_created_) {
-      d2h_.destroy();
-      h2d_.destroy();
-    }
+    if (side_created_) side_.destroy();
   } catch (...) {  // a failed device reports on its next call; a destructor must not throw
   }
 }
 
-void ActivationOffloader::create_streams() {
-  if (streams_created_) return;
-  d2h_ = Stream::create(device_);
-  h2d_ = Stream::create(device_);
-  streams_created_ = true;
+Stream ActivationOffloader::side_stream() {
+  if (!side_created_) {
+    side_ = Stream::create(device_);
+    side_created_ = true;
+  }
+  return side_;
 }
 
-void ActivationOffloader::release_copied_forward() {
-  // The copies run in order on one stream: the oldest first.
-  while (!forward_copies_.empty() && (forward_copies_.front().sources->empty() || forward_copies_.front().copied->ready())) {
-    forward_copies_.front().sources->clear();
-    forward_copies_.pop_front();
-  }
-  std::erase_if(forward_copies_, [](const ForwardCopy& f) { return f.sources->empty(); });  // taken back
-}
-
-void ActivationOffloader::bound_forward_copies() {
-  while (static_cast<int64_t>(forward_copies_.size()) > window_) {
-    ForwardCopy& f = forward_copies_.front();
-    // Later work of the compute stream (which may reuse the blocks) comes after the copy.
-    if (!f.copied->ready()) f.copied->wait(current_stream(device_));
-    f.sources->clear();
-    forward_copies_.pop_front();
-  }
+void ActivationOffloader::release_forward_copies() {
+  if (releasing_copied_) releasing_copied_->wait(current_stream(device_));  // later reuse comes after the copy
+  releasing_copied_.reset();
+  releasing_.clear();
 }
 
 void ActivationOffloader::poll_host_buffers(bool wait) {
-  std::erase_if(host_in_flight_, [wait](const std::unique_ptr<InFlight>& f) {
-    if (!f->done || f->done->ready()) return true;
-    if (wait) f->done->synchronize();
-    return wait;
-  });
+  while (!host_in_flight_.empty()) {
+    const std::shared_ptr<Event>& e = host_in_flight_.front()->reloaded;
+    if (e && !e->ready()) {
+      if (!wait) return;
+      e->synchronize();
+    }
+    host_in_flight_.pop_front();
+  }
 }
 
-void ActivationOffloader::offload(std::shared_ptr<ActivationStash>& stash, int64_t group,
+void ActivationOffloader::offload(std::shared_ptr<ActivationStash>& stash, int64_t layer,
                                   const std::vector<OffloadSlot>& slots) {
-  release_copied_forward();
+  release_forward_copies();
   poll_host_buffers(false);
   if (!stash) {
     stash = std::make_shared<ActivationStash>();
     order_.push_back(stash);
   }
-  // A second offload of a group before its reload would drop the first one's copies unwaited.
-  MC_CHECK(stash->layers.find(group) == stash->layers.end(), "activation offloading: group ", group,
-           " is offloaded twice before its backward");
   LayerGroup g;
   g.num_slots = slots.size();
   std::vector<Tensor> sources;
@@ -252,112 +210,87 @@ void ActivationOffloader::offload(std::shared_ptr<ActivationStash>& stash, int64
       std::memcpy(c.bytes.get(), sources[k].data_ptr(), static_cast<size_t>(c.nbytes));
     }
   } else {
-    create_streams();
+    const Stream compute = current_stream(device_), side = side_stream();
     Event produced(device_);
-    produced.record(current_stream(device_));
-    produced.wait(d2h_);
+    produced.record(compute);
+    produced.wait(side);
     {
-      const StreamGuard on_d2h(d2h_);
+      const StreamGuard on_side(side);
       for (size_t k = 0; k < g.entries.size(); ++k) {
         HostCopy& c = g.copies[k];
         if (c.nbytes == 0) continue;
-        c.pinned = Tensor::empty_pinned(c.shape, c.dtype);  // the pinned allocator's cache after the first step
-        c.pinned.copy_from(sources[k]);                      // asynchronous: the destination is pinned
+        c.pinned = Tensor::empty_pinned(c.shape, c.dtype);
+        c.pinned.copy_from(sources[k]);  // asynchronous: the destination is pinned
       }
     }
     g.copied = std::make_shared<Event>(device_);
-    g.copied->record(d2h_);
-    g.sources = std::make_shared<std::vector<Tensor>>(std::move(sources));
-    forward_copies_.push_back({g.sources, g.copied});
+    g.copied->record(side);
+    releasing_copied_ = g.copied;
+    releasing_ = sources;  // handed back once the compute stream has waited for the copies
   }
   for (const LayerGroup::Entry& e : g.entries) *slots[static_cast<size_t>(e.slot)].tensor = Tensor();
-  stash->layers[group] = std::move(g);
-  bound_forward_copies();
+  // A second offload of a layer before its reload would drop the first group's copies unwaited.
+  MC_CHECK(stash->layers.find(layer) == stash->layers.end(), "activation offloading: layer ", layer,
+           " is offloaded twice before its backward");
+  stash->layers[layer] = std::move(g);
 }
 
-void ActivationOffloader::finish_forward() {
-  release_copied_forward();
-  poll_host_buffers(false);
-}
+void ActivationOffloader::finish_forward() { release_forward_copies(); }
 
-// Device tensors for a group's copies. On a GPU: the device tensors still kept for a running copy
-// to the host are taken back as they are (the host buffers go once that copy has run); otherwise
-// the copies run on the host-to-device stream after the copy to the host and after the compute
-// stream's work so far (the new blocks may have served it), and `reloaded` marks their end.
-void ActivationOffloader::start_reload(LayerGroup& g) {
-  g.prefetched = true;
+namespace {
+
+// Device tensors for a group's copies; on a GPU the copies run on `side` after the compute
+// stream's work so far (the blocks may have served it) and `reloaded` marks their end.
+void start_reload(LayerGroup& g, Device device, std::optional<Stream> side) {
   g.device.assign(g.entries.size(), Tensor());
-  if (g.sources && !g.sources->empty()) {
-    for (size_t k = 0; k < g.entries.size(); ++k)
-      if (g.entries[k].source == static_cast<int>(k)) g.device[k] = (*g.sources)[k];
-    auto f = std::make_unique<InFlight>();
-    f->copies = std::move(g.copies);
-    f->device = std::move(*g.sources);  // not reused under the running copy
-    f->done = g.copied;
-    g.sources->clear();
-    host_in_flight_.push_back(std::move(f));
-    return;
-  }
   for (size_t k = 0; k < g.entries.size(); ++k) {
     const HostCopy& c = g.copies[k];
     if (g.entries[k].source != static_cast<int>(k)) continue;
     const MemoryCategoryScope module(c.made_by);
-    g.device[k] = Tensor::empty(c.shape, c.dtype, device_);
+    g.device[k] = Tensor::empty(c.shape, c.dtype, device);
   }
-  if (device_.is_cpu()) {
+  if (!side) {
     for (size_t k = 0; k < g.entries.size(); ++k)
       if (g.copies[k].bytes) std::memcpy(g.device[k].data_ptr(), g.copies[k].bytes.get(), static_cast<size_t>(g.copies[k].nbytes));
-    return;
+  } else {
+    Event free_to_write(device);
+    free_to_write.record(current_stream(device));
+    free_to_write.wait(*side);
+    const StreamGuard on_side(*side);
+    for (size_t k = 0; k < g.entries.size(); ++k)
+      if (g.copies[k].pinned.defined()) g.device[k].copy_from(g.copies[k].pinned);  // asynchronous from pinned
+    g.reloaded = std::make_shared<Event>(device);
+    g.reloaded->record(*side);
   }
-  create_streams();
-  Event free_to_write(device_);
-  free_to_write.record(current_stream(device_));
-  free_to_write.wait(h2d_);
-  if (g.copied) g.copied->wait(h2d_);
-  const StreamGuard on_h2d(h2d_);
-  for (size_t k = 0; k < g.entries.size(); ++k)
-    if (g.copies[k].pinned.defined()) g.device[k].copy_from(g.copies[k].pinned);  // asynchronous from pinned
-  g.reloaded = std::make_shared<Event>(device_);
-  g.reloaded->record(h2d_);
+  g.prefetched = true;
 }
 
-// The next `budget` groups in backward order are on their way back: `stash`'s from its highest
-// down, then the other micro-batches' in the order of their forwards.
-void ActivationOffloader::prefetch_ahead(const std::shared_ptr<ActivationStash>& stash, int64_t budget) {
-  std::erase_if(order_, [](const std::weak_ptr<ActivationStash>& w) {
-    const std::shared_ptr<ActivationStash> s = w.lock();
-    return !s || s->layers.empty();
-  });
-  auto visit = [&](ActivationStash& s) {
-    for (auto it = s.layers.rbegin(); it != s.layers.rend() && budget > 0; ++it, --budget)
-      if (!it->second.prefetched) start_reload(it->second);
-  };
-  if (stash) visit(*stash);
-  for (const std::weak_ptr<ActivationStash>& w : order_) {
-    if (budget <= 0) break;
-    const std::shared_ptr<ActivationStash> s = w.lock();
-    if (s && s != stash) visit(*s);
-  }
+}  // namespace
+
+void ActivationOffloader::prefetch_highest(ActivationStash& stash) {
+  if (stash.layers.empty()) return;
+  LayerGroup& g = std::prev(stash.layers.end())->second;
+  if (g.prefetched) return;
+  start_reload(g, device_, device_.is_cpu() ? std::nullopt : std::optional<Stream>(side_stream()));
 }
 
 void ActivationOffloader::begin_backward(const std::shared_ptr<ActivationStash>& stash) {
-  release_copied_forward();
-  poll_host_buffers(false);
-  if (stash) prefetch_ahead(stash, offload_backward_groups(window_));
+  release_forward_copies();
+  if (stash) prefetch_highest(*stash);
 }
 
-void ActivationOffloader::reload(const std::shared_ptr<ActivationStash>& stash, int64_t group,
+void ActivationOffloader::reload(const std::shared_ptr<ActivationStash>& stash, int64_t layer,
                                  const std::vector<OffloadSlot>& slots) {
-  release_copied_forward();
+  release_forward_copies();
   poll_host_buffers(false);
   if (!stash) return;
-  auto it = stash->layers.find(group);
+  auto it = stash->layers.find(layer);
   if (it == stash->layers.end()) return;
   LayerGroup& g = it->second;
-  MC_CHECK(g.num_slots == slots.size(), "activation offloading: group ", group, " offloaded ", g.num_slots,
+  MC_CHECK(g.num_slots == slots.size(), "activation offloading: layer ", layer, " offloaded ", g.num_slots,
            " slots and reloads ", slots.size());
-  if (!g.prefetched) start_reload(g);
-  if (g.reloaded) g.reloaded->wait(current_stream(device_));  // the compute stream waits, not the host
+  if (!g.prefetched) start_reload(g, device_, device_.is_cpu() ? std::nullopt : std::optional<Stream>(side_stream()));
+  if (g.reloaded) g.reloaded->wait(current_stream(device_));
   for (size_t k = 0; k < g.entries.size(); ++k) {
     const LayerGroup::Entry& e = g.entries[k];
     const Tensor& src = g.device[static_cast<size_t>(e.source)];
@@ -366,11 +299,23 @@ void ActivationOffloader::reload(const std::shared_ptr<ActivationStash>& stash, 
   if (g.reloaded) {  // the host buffers go once their copies have run
     auto f = std::make_unique<InFlight>();
     f->copies = std::move(g.copies);
-    f->done = g.reloaded;
+    f->reloaded = g.reloaded;
     host_in_flight_.push_back(std::move(f));
   }
   stash->layers.erase(it);
-  prefetch_ahead(stash, offload_backward_groups(window_) - 1);  // this group is still on the device
+  // The next layer in backward order: this micro-batch's next lower one, else the oldest other
+  // micro-batch's highest.
+  if (!stash->layers.empty()) {
+    prefetch_highest(*stash);
+    return;
+  }
+  std::deque<std::weak_ptr<ActivationStash>> keep;
+  for (const std::weak_ptr<ActivationStash>& w : order_) {
+    const std::shared_ptr<ActivationStash> s = w.lock();
+    if (s && s != stash && !s->layers.empty()) keep.push_back(w);
+  }
+  order_ = std::move(keep);
+  if (!order_.empty()) prefetch_highest(*order_.front().lock());
 }
 
 OffloadForwardEnd::~OffloadForwardEnd() {

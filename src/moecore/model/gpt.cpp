@@ -52,7 +52,6 @@ GPTModel::GPTModel(const ModelConfig& cfg, ParamStore& store, const MoeParallel&
            "pipeline stage layers [", stage_.first_layer, ", ", stage_.end_layer, ") are outside [0, ", cfg.num_layers, ")");
   if (store.master_dtype() == DType::F64) compute_ = DType::F64;
   offload_ = parse_offload_modules(cfg.offload_modules);
-  if (offload_.any()) offload_window();  // a bad MOECORE_OFFLOAD_WINDOW fails before the first step
   const int64_t h = cfg.hidden_size;
   const double std = cfg.init_method_std, out_std = std / std::sqrt(2.0 * static_cast<double>(cfg.num_layers));
   // Tied embeddings (or MTP): the last pipeline stage keeps its own copy for the output layer or
@@ -165,7 +164,7 @@ Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
 }
 
 Tensor GPTModel::layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_seed, int64_t batch, LayerCtx& lc,
-                              bool recomputing, Ctx* offload_into) {
+                              bool recomputing) {
   const size_t li = static_cast<size_t>(i);
   // New tensors for the residual stream: the norms keep their inputs for the backward.
   // Memory accounting: each module's saved tensors under its name (core/memory_categories.h).
@@ -179,7 +178,6 @@ Tensor GPTModel::layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_
     h = add_tensors(h, attn);
     if (releases_norm_outputs(training, recomputing, lc)) release_norm_output(normed, lc.attn_normed);
   }
-  if (offload_into) offload_part(i, OffloadPart::kAttention, *offload_into, h.device());
   std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMlpNorm);
   if (cfg_.is_moe(i)) {
     const TimedRegion timed("moe-forward", 2, h.device());
@@ -228,9 +226,7 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
     lc.recompute_input = lc.recompute_first == i ? h : Tensor();
     lc.mlp_input = Tensor();
     lc.moe_dropped = false;
-    // --offload-modules: not the model's last layer, whose backward comes first (as Megatron).
-    const bool offloads = training && offload_.any() && i + 1 < cfg_.num_layers;
-    h = layer_forward(i, h, training, rng_seed, ctx.batch, lc, false, offloads ? &ctx : nullptr);
+    h = layer_forward(i, h, training, rng_seed, ctx.batch, lc, false);
     if (lc.recompute_first >= 0) {  // --recompute-granularity full: keep only the router's
       lc.attn_norm = lc.mlp_norm = Norm::Ctx{};
       lc.attn = AttentionBlock::Ctx{};
@@ -240,7 +236,7 @@ Tensor GPTModel::decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx
       if (cfg_.is_moe(i)) moe_[static_cast<size_t>(i)].drop_for_recompute(lc.moe, false);
       lc.moe_dropped = false;
     }
-    if (offloads) offload_part(i, OffloadPart::kMlp, ctx, h.device());
+    if (training && offload_.any()) offload_layer(i, ctx, h.device());
   }
   return h;
 }

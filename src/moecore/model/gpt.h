@@ -187,24 +187,18 @@ class GPTModel {
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
   // Decoder layer i from its input h. recomputing: rebuild what the first forward saved (the
   // MoE layer reuses its routing; no selective recomputation drops anything again).
-  // offload_into (--offload-modules, the training forward): the attention part's offloaded tensors
-  // leave right after the attention block, while the MLP / MoE block computes.
   Tensor layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_seed, int64_t batch, LayerCtx& lc,
-                       bool recomputing, Ctx* offload_into = nullptr);
+                       bool recomputing);
   // --recompute-granularity full: the first layer of layer i's recomputed chunk, -1 if none.
   int64_t full_recompute_first(int64_t i) const;
   // Reruns the forward of layers [first, last] from ctx.layers[first].recompute_input.
   void recompute_layers(int64_t first, int64_t last, Ctx& ctx);
   // Before layer i's backward: rebuilds what recomputation dropped (whole chunk or module).
   void recompute_before_backward(int64_t i, Ctx& ctx);
-  // --offload-modules (model/gpt_offload.cpp): layer i's saved tensors of the chosen modules in
-  // one part of the layer (attention: attn_norm, core_attn, attn_proj; MLP: mlp_norm, expert_fc1,
-  // moe_act), in a fixed order; offload_part after that part's forward, reload_layer (both
-  // parts) before the layer's backward. The offloader's group of a part: 2 i + part, so that the
-  // backward's order is the groups' descending order.
-  enum class OffloadPart : int { kAttention = 0, kMlp = 1 };
-  std::vector<OffloadSlot> offload_slots(int64_t i, LayerCtx& lc, OffloadPart part);
-  void offload_part(int64_t i, OffloadPart part, Ctx& ctx, Device device);
+  // --offload-modules (model/gpt_offload.cpp): layer i's saved tensors of the chosen modules, in
+  // a fixed order; offload_layer after its forward, reload_layer before its backward.
+  std::vector<OffloadSlot> offload_slots(int64_t i, LayerCtx& lc);
+  void offload_layer(int64_t i, Ctx& ctx, Device device);
   void reload_layer(int64_t i, Ctx& ctx);
   // --recompute-modules layernorm (LayerCtx::attn_normed, mlp_normed).
   bool releases_norm_outputs(bool training, bool recomputing, const LayerCtx& lc) const;

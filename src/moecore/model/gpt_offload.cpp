@@ -1,17 +1,16 @@
 // GPTModel's side of --offload-modules (model/activation_offload.h): which saved tensors of a
-// decoder layer belong to each offload module, and the calls around the layer's two parts'
-// forwards and the layer's backward.
+// decoder layer belong to each offload module, and the calls around the layer's forward and
+// backward.
 #include "moecore/model/gpt.h"
 
 namespace moecore {
 
-std::vector<OffloadSlot> GPTModel::offload_slots(int64_t i, LayerCtx& lc, OffloadPart part) {
+std::vector<OffloadSlot> GPTModel::offload_slots(int64_t i, LayerCtx& lc) {
   std::vector<OffloadSlot> slots;
   // made_by: the module whose forward allocated the tensor (model/gpt.cpp's scopes); a layer's
   // input is the previous layer's residual (the embedding's before the first layer).
   auto add = [&](OffloadModule m, ActivationModule made_by, std::initializer_list<Tensor*> tensors) {
-    const bool attention = m == OffloadModule::kAttnNorm || m == OffloadModule::kCoreAttn || m == OffloadModule::kAttnProj;
-    if (!offload_.has(m) || attention != (part == OffloadPart::kAttention)) return;
+    if (!offload_.has(m)) return;
     for (Tensor* t : tensors) slots.push_back({t, m, made_by});
   };
   const ActivationModule input = i == 0 ? ActivationModule::kEmbedding : ActivationModule::kResidual;
@@ -40,21 +39,14 @@ std::vector<OffloadSlot> GPTModel::offload_slots(int64_t i, LayerCtx& lc, Offloa
   return slots;
 }
 
-namespace {
-int64_t offload_group(int64_t i, int part) { return 2 * i + part; }
-}  // namespace
-
-void GPTModel::offload_part(int64_t i, OffloadPart part, Ctx& ctx, Device device) {
+void GPTModel::offload_layer(int64_t i, Ctx& ctx, Device device) {
   if (!offloader_) offloader_ = std::make_shared<ActivationOffloader>(device);
-  offloader_->offload(ctx.offload_stash, offload_group(i, static_cast<int>(part)),
-                      offload_slots(i, ctx.layers[static_cast<size_t>(i)], part));
+  offloader_->offload(ctx.offload_stash, i, offload_slots(i, ctx.layers[static_cast<size_t>(i)]));
 }
 
 void GPTModel::reload_layer(int64_t i, Ctx& ctx) {
   if (!offloader_ || !ctx.offload_stash) return;
-  LayerCtx& lc = ctx.layers[static_cast<size_t>(i)];
-  for (OffloadPart part : {OffloadPart::kMlp, OffloadPart::kAttention})  // the groups' descending order
-    offloader_->reload(ctx.offload_stash, offload_group(i, static_cast<int>(part)), offload_slots(i, lc, part));
+  offloader_->reload(ctx.offload_stash, i, offload_slots(i, ctx.layers[static_cast<size_t>(i)]));
 }
 
 }  // namespace moecore

@@ -532,27 +532,21 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
     for (int64_t c : flight) act.merge(per_chunk[static_cast<size_t>(c)]);
     act.merge(rebuilt);
     // Activation offloading (model/activation_offload.h): every offloaded layer of the in-flight
-    // forwards is on the host -- all but the model's last layer, which stays. At the first backward
-    // offload_backward_groups() groups in backward order are back (the modelled modules are all
-    // in a layer's MLP part: one group a layer): the last chunk's offloaded layers from its
-    // highest down, then the same layers of the chunk's other in-flight micro-batches (oldest
-    // first). With asynchronous copies (a GPU) the forward keeps up to offload_window() groups'
-    // device tensors while their copies run: at the forward's end no more bytes than those.
-    Items offload_host, offload_back;
+    // forwards is on the host; at the first backward its last layer is back, and the next layer in
+    // backward order is prefetched: the layer below, or with a one-layer chunk the same layer of
+    // the oldest other micro-batch of that chunk. With asynchronous copies (a GPU) the last
+    // offloaded layer's device tensors stay until the end of the forward.
+    Items offload_host, offload_back, offload_last;
     if (mods.any()) {
       for (int64_t c : flight)
         for (int64_t i = chunks[static_cast<size_t>(c)].first_layer; i < chunks[static_cast<size_t>(c)].end_layer; ++i)
-          if (i + 1 < m.num_layers) offload_host.merge(offloaded_items(a, s, mods, i));
+          offload_host.merge(offloaded_items(a, s, mods, i));
       const PipelineStage& lastc = chunks.back();
+      offload_last = offloaded_items(a, s, mods, lastc.end_layer - 1);
+      offload_back.merge(offload_last);
       const int64_t same_chunk = std::count(flight.begin(), flight.end(), static_cast<int64_t>(chunks.size()) - 1);
-      int64_t budget = offload_backward_groups(offload_window());
-      for (int64_t mb = 0; mb < same_chunk && budget > 0; ++mb)
-        for (int64_t i = std::min(lastc.end_layer, m.num_layers - 1) - 1; i >= lastc.first_layer && budget > 0; --i) {
-          const Items layer = offloaded_items(a, s, mods, i);
-          if (layer.parts.total() <= 0) continue;  // nothing of this layer leaves (a dense layer)
-          offload_back.merge(layer);
-          --budget;
-        }
+      if (lastc.end_layer - lastc.first_layer >= 2) offload_back.merge(offloaded_items(a, s, mods, lastc.end_layer - 2));
+      else if (same_chunk >= 2) offload_back.merge(offload_last);
       act.merge(offload_host, -1);
     }
     act.merge(offload_back);
@@ -625,8 +619,8 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
       Items fwd = state.steady;
       fwd.merge(act);
       fwd.merge(rebuilt, -1);
-      // Before the first backward reloads any; on a GPU the layers in flight hold as much.
-      if (o.offload_copies_synchronous) fwd.merge(offload_back, -1);
+      fwd.merge(offload_back, -1);  // before the first backward reloads any
+      if (!o.offload_copies_synchronous) fwd.merge(offload_last);
       if (m.mtp_num_layers == 0) fwd.add(ActivationModule::kResidual, s.Tl * s.H * s.b);
       fwd.add(ActivationModule::kFinalNorm, s.Tl * s.H * s.b);
       fwd.add(ActivationModule::kFinalNorm, s.Tl * (s.rms ? 4 : 8));
