@@ -65,8 +65,8 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
     f.add_string("gpu", &pf.gpu, "hardware profile: h100, h200 or cpu (the CPU ranks of the tests)");
     f.add_string("profile", &pf.profile, "JSON file overriding the profile's fields (docs/planning.md)");
     f.add_bool("search", &pf.search, "rank every valid layout of the cluster by predicted tokens/s");
-    f.add_bool("calibrate", &pf.calibrate, "time this device's kernels at the layout's rank-local shapes and write a "
-               "profile (--out) that --profile reads");
+    f.add_bool("calibrate", &pf.calibrate, "time the CPU's kernels (--device cpu; GPU devices are refused in this "
+               "version) at the layout's rank-local shapes and write a profile (--out) that --profile reads");
     f.add_bool("account-for-embedding-in-pipeline-split", &pf.embedding_slot, "a prediction (Megatron's flag): "
                "the embedding takes a layer's place in the pipeline split");
     f.add_bool("account-for-loss-in-pipeline-split", &pf.loss_slot, "a prediction (Megatron's flag): the output "
@@ -89,7 +89,7 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
              "or memory model; plan without it (the step then counts the shared expert in full)");
     MC_CHECK(!a.moe_router_padding_for_fp8, "moecore plan: --moe-router-padding-for-fp8 is not in the planner's model "
              "(at most 15 padded rows per expert); plan without it");
-    // FP8: a prediction of the blockwise recipe (training runs FP8 on the CPU backend only).
+    // FP8: a prediction of the blockwise recipe (the one recipe the model prices).
     if (!a.fp8_recipe.empty() || !a.fp8_format.empty() || a.fp8) {
       MC_CHECK(a.fp8_recipe == "blockwise", a.fp8_recipe.empty() ? std::string("--fp8 / --fp8-format without --fp8-recipe (training's default: delayed)")
                                                                   : "--fp8-recipe '" + a.fp8_recipe + "'",
@@ -135,7 +135,7 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
     // --calibrate measures on the device training would use (--device); a plan runs on the host.
     MC_CHECK(pf.calibrate || a.device_text.empty() || a.device_text == "cpu", "moecore plan: --device ",
              a.device_text, " is not for the planner (it runs on the host); name the predicted hardware with --gpu "
-             "(--device is for --calibrate)");
+             "(--device cpu goes with --calibrate)");
     if (!pf.calibrate) a.device_text = "cpu";
     if (a.data_path.empty()) a.mock_data = true;  // the planner reads no data
     comm::LaunchEnv env;
@@ -266,18 +266,23 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
 // --calibrate: the measured profile to `out` (or stdout), and the step it predicts for the layout.
 int calibrate_and_write(const TrainArgs& a, const plan::PlanOptions& o, const plan::HardwareProfile& hw,
                         const plan::Cluster& cl, const std::string& out) {
-  std::ofstream f;
-  if (!out.empty()) {  // before measuring
-    f.open(out);
-    MC_CHECK(f.good(), "--out: cannot write '", out, "'");
-  }
+  // Measured first, then written through a temporary file renamed over `out`: a refused or failed
+  // calibration leaves an existing profile as it was.
   const plan::Calibration cal = plan::calibrate(a, o, hw);
+  const std::string tmp = out + ".tmp";
+  std::ofstream f;
+  if (!out.empty()) {
+    f.open(tmp);
+    MC_CHECK(f.good(), "--out: cannot write '", out, "' (tried '", tmp, "' first)");
+  }
   nlohmann::json j = plan::profile_json(cal.profile);
   j["measured"] = cal.measured;
   const std::string text = j.dump(2) + "\n";
   if (!out.empty()) {
     f << text;
-    MC_CHECK(f.good(), "--out: writing '", out, "' failed");
+    f.close();
+    MC_CHECK(f.good(), "--out: writing '", tmp, "' failed");
+    MC_CHECK(std::rename(tmp.c_str(), out.c_str()) == 0, "--out: cannot replace '", out, "' with '", tmp, "'");
   } else {
     std::cout << text;
   }

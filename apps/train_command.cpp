@@ -268,7 +268,7 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
                "CUDA graphs: local (with --cuda-graph-scope full_iteration, one GPU) or none (default)");
   f.add_list("cuda-graph-scope", &a.cuda_graph_scope,
              "what a CUDA graph captures: full_iteration (the whole training step; Megatron's per-module scopes are refused)");
-  f.add_int("cuda-graph-warmup-steps", &a.cuda_graph_warmup_steps, "eager steps before the CUDA graph's capture (default 3)");
+  f.add_int("cuda-graph-warmup-steps", &a.cuda_graph_warmup_steps, "eager steps before the CUDA graph's capture (with --cuda-graph-impl local; 3 when not given)");
   f.add_bool("external-cuda-graph", &a.external_cuda_graph, "not available: graphs captured by the caller (refused)");
   f.add_bool("te-rng-track", &a.te_rng_track, "not available: Transformer Engine's RNG tracker (refused)");
   f.add_bool("overlap-p2p-comm", &a.overlap_p2p_comm, "not available: pipeline sends overlapped with compute (refused)");
@@ -837,7 +837,10 @@ void check_cuda_graph_flags(TrainArgs& a) {
            "exist in moecore)");
   const bool on = a.cuda_graph_impl == "local";
   MC_CHECK(on || a.cuda_graph_scope.empty(), "--cuda-graph-scope needs --cuda-graph-impl local");
+  MC_CHECK(on || a.cuda_graph_warmup_steps == -1, "--cuda-graph-warmup-steps ", a.cuda_graph_warmup_steps,
+           " needs --cuda-graph-impl local");
   if (!on) return;
+  if (a.cuda_graph_warmup_steps == -1) a.cuda_graph_warmup_steps = 3;
   MC_CHECK(!a.cuda_graph_scope.empty(), "--cuda-graph-impl local needs --cuda-graph-scope full_iteration (the whole "
            "training step; per-layer graphs are not available in this version)");
   for (const std::string& scope : a.cuda_graph_scope) {
@@ -852,8 +855,8 @@ void check_cuda_graph_flags(TrainArgs& a) {
   const char* flag = "--cuda-graph-impl local: ";
   MC_CHECK(a.world == 1 && !a.emulated(), flag, "the whole-step graph runs on one GPU only, not ", a.world,
            " ranks (tensor, pipeline, expert, context or data parallelism); drop the flag");
-  MC_CHECK(!a.fp8, flag, "FP8 training (", a.fp8_format, ") is not available with CUDA graphs (its amax history and "
-           "scales are kept on the host); drop one of them");
+  MC_CHECK(!a.model.fp8.enabled, flag, "FP8 training (--fp8 / --fp8-format) is not available with CUDA graphs (its "
+           "routed experts read their row counts on the host); drop one of them");
   MC_CHECK(!a.optimizer_cpu_offload, flag, "--optimizer-cpu-offload updates on the host, which a graph cannot "
            "capture; drop one of them");
   MC_CHECK(!a.fine_grained_activation_offloading, flag, "--fine-grained-activation-offloading is not available "

@@ -119,6 +119,11 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
     ptr = backend_.raw_alloc(size);
     if (!ptr) {
       stats_.num_ooms++;
+      // Freeing cached blocks (cudaFree) is not allowed while a CUDA graph captures: it would
+      // invalidate the capture and lose the blocks. The capture's allocation fails instead.
+      MC_CHECK(!pools, backend_.name, " out of memory while capturing a CUDA graph: tried to allocate ",
+               mib(static_cast<int64_t>(size)), "; ", mib(stats_.allocated_bytes), " allocated, ",
+               mib(stats_.reserved_bytes), " reserved by moecore (run without --cuda-graph-impl, or with less memory)");
       release_cached_locked();
       ptr = backend_.raw_alloc(size);
     }

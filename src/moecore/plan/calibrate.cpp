@@ -75,11 +75,10 @@ Calibration calibrate(const TrainArgs& a, const PlanOptions& o, const HardwarePr
            "attention runs over chunks of the gathered keys); calibrate the layout with --context-parallel-size 1 and "
            "plan the CP layout with that profile");
   MC_CHECK(base.peak_bf16_tflops > 0, "moecore plan --calibrate: the profile '", base.name, "' has no bf16 peak");
-  // On a GPU the timed layer came out at about twice what the trainer's step implies per layer, and
-  // the calibrated steps at two to three times the measured ones (docs/planning.md has the run):
-  // refused on GPUs until the layer timing is understood, so no wrong profile gets written.
+  // Refused on GPUs until the timed layer agrees with the trainer's step (docs/planning.md), so no
+  // wrong profile gets written.
   MC_CHECK(a.device.is_cpu(), "moecore plan --calibrate on ", a.device.str(), ": GPU calibration is not "
-           "available yet (its layer timing is twice the trainer's: docs/planning.md); plan with the default "
+           "available yet (its layer timing disagrees with the trainer's: docs/planning.md); plan with the default "
            "--gpu profile, or calibrate the CPU with --device cpu");
   const Device dev = a.device;
   const DType cdt = a.bf16 ? DType::BF16 : DType::F32;

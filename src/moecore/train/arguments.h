@@ -94,7 +94,7 @@ struct TrainArgs {
   std::vector<std::string> cuda_graph_scope, offload_modules;
   // --cuda-graph-impl local --cuda-graph-scope full_iteration (train/train_graph.h): after
   // --cuda-graph-warmup-steps eager steps, the training step captured and replayed.
-  int64_t cuda_graph_warmup_steps = 3;
+  int64_t cuda_graph_warmup_steps = -1;  // -1: not given (3 with --cuda-graph-impl local)
   bool cuda_graph_full_iteration() const { return cuda_graph_impl == "local"; }
   bool external_cuda_graph = false, te_rng_track = false, overlap_p2p_comm = false,
        fine_grained_activation_offloading = false, optimizer_cpu_offload = false, fake_init_process_group = false;

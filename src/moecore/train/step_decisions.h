@@ -11,6 +11,7 @@
 // writes the step's candidates into a fixed table of table_rows rows (the rows past the
 // unresolved steps + 1 repeat the last one; never picked) before the graph's launch, and the
 // captured step runs decide_on_device(), which reads that table.
+#pragma once
 
 #include <cstdint>
 
