@@ -65,8 +65,8 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
     f.add_string("gpu", &pf.gpu, "hardware profile: h100, h200 or cpu (the CPU ranks of the tests)");
     f.add_string("profile", &pf.profile, "JSON file overriding the profile's fields (docs/planning.md)");
     f.add_bool("search", &pf.search, "rank every valid layout of the cluster by predicted tokens/s");
-    f.add_bool("calibrate", &pf.calibrate, "time the CPU's kernels (--device cpu; GPU devices are refused in this "
-               "version) at the layout's rank-local shapes and write a profile (--out) that --profile reads");
+    f.add_bool("calibrate", &pf.calibrate, "time moecore's kernels on --device (a GPU, or the CPU) at the layout's "
+               "rank-local shapes and write a profile (--out) that --profile reads");
     f.add_bool("account-for-embedding-in-pipeline-split", &pf.embedding_slot, "a prediction (Megatron's flag): "
                "the embedding takes a layer's place in the pipeline split");
     f.add_bool("account-for-loss-in-pipeline-split", &pf.loss_slot, "a prediction (Megatron's flag): the output "

@@ -80,11 +80,16 @@ Tensor TopKRouter::logits(const Tensor& x, int64_t batch, bool training, uint64_
   if (moe_.force_load_balancing) {
     // Round-robin: token t ranks experts (t*k + j) mod E first for j = 0, 1, ...: every expert
     // receives exactly T*k/E tokens when E divides T*k, and the balancing loss is exactly 1.
-    std::vector<double> forced(static_cast<size_t>(tokens * e));
-    const int64_t k = moe_.router.topk;
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t j = 0; j < e; ++j) forced[static_cast<size_t>(t * e + j)] = -static_cast<double>(((j - t * k) % e + e) % e);
-    logits = cast_to(Tensor::from_vector(forced, {tokens, e}), router_dtype_).to(x.device());
+    // Built on the host once per token count and kept on the device: rebuilding and uploading
+    // them every forward made the host wait for the stream in every MoE layer.
+    if (!forced_logits_.defined() || forced_logits_.size(0) != tokens || forced_logits_.device() != x.device()) {
+      std::vector<double> forced(static_cast<size_t>(tokens * e));
+      const int64_t k = moe_.router.topk;
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t j = 0; j < e; ++j) forced[static_cast<size_t>(t * e + j)] = -static_cast<double>(((j - t * k) % e + e) % e);
+      forced_logits_ = cast_to(Tensor::from_vector(forced, {tokens, e}), router_dtype_).to(x.device());
+    }
+    logits = forced_logits_.clone();  // the callers may write into the logits
     ctx.forced = true;
   }
   return logits;

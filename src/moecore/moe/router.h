@@ -73,6 +73,7 @@ class TopKRouter {
   Tensor global_counts_;  // global_aux_loss: counts summed over this step's micro-batches [1, E]
   int64_t global_micro_ = 0;
   int64_t token_ranks_ = 1;  // N = |token_group|
+  mutable Tensor forced_logits_;  // force-load-balancing: the round-robin logits [T, E] of the last T
 };
 
 }  // namespace moecore
