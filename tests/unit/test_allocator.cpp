@@ -72,17 +72,67 @@ TEST(CachingAllocator, ReusesFreedBlocksOnTheSameStream) {
   a.deallocate(r);
 }
 
-TEST(CachingAllocator, DoesNotHandOutMuchLargerBlocks) {
+// A cached block larger than a request is split (best fit; the rest stays cached) and freed
+// neighbours merge again, so the backend does not grow for smaller requests.
+TEST(CachingAllocator, SplitsLargerBlocksAndMergesThemBack) {
   FakeDevice dev{1 << 30};
   CachingAllocator a(dev.backend());
-  void* big = a.allocate(64 * MiB);
+  char* big = static_cast<char*>(a.allocate(64 * MiB));
   a.deallocate(big);
-  void* small = a.allocate(2 * MiB);  // would waste 62 MiB
-  EXPECT_NE(small, big);
-  void* near = a.allocate(60 * MiB);   // 64 <= 60 + 60/8: acceptable
-  EXPECT_EQ(near, big);
+  void* small = a.allocate(2 * MiB);   // the first 2 MiB of the cached 64
+  EXPECT_EQ(small, big);
+  void* near = a.allocate(60 * MiB);   // the next 60 of the remaining 62
+  EXPECT_EQ(near, big + 2 * MiB);
+  EXPECT_EQ(dev.mallocs, 1);
+  EXPECT_EQ(a.stats().allocated_bytes, static_cast<int64_t>(62 * MiB));
+  EXPECT_EQ(a.stats().reserved_bytes, static_cast<int64_t>(64 * MiB));
   a.deallocate(small);
-  a.deallocate(near);
+  a.deallocate(near);                  // merges with both cached neighbours: 64 MiB again
+  EXPECT_EQ(a.allocate(64 * MiB), big);
+  EXPECT_EQ(dev.mallocs, 1);
+  a.deallocate(big);
+  // Small requests come from 2 MiB segments of their own, never out of a large block.
+  void* tiny = a.allocate(4096);
+  EXPECT_NE(tiny, big);
+  EXPECT_EQ(dev.mallocs, 2);
+  void* tiny2 = a.allocate(4096);      // the same small segment
+  EXPECT_EQ(static_cast<char*>(tiny2), static_cast<char*>(tiny) + 4096);
+  EXPECT_EQ(dev.mallocs, 2);
+  a.deallocate(tiny);
+  a.deallocate(tiny2);
+  a.empty_cache();
+  EXPECT_EQ(dev.used, 0) << "every segment, merged whole again, went back to the backend";
+}
+
+// A segment with a block in use cannot go back to the backend: out of memory, only the wholly
+// cached segments are released before the retry.
+TEST(CachingAllocator, OutOfMemoryReleasesOnlyWhollyCachedSegments) {
+  FakeDevice dev{static_cast<int64_t>(16 * MiB)};
+  CachingAllocator a(dev.backend());
+  void* first = a.allocate(8 * MiB);
+  void* whole = a.allocate(4 * MiB);
+  a.deallocate(whole);
+  a.deallocate(first);
+  void* part = a.allocate(2 * MiB);      // best fit: the 4 MiB segment's first half
+  EXPECT_EQ(part, whole);
+  void* in_first = a.allocate(6 * MiB);  // the 8 MiB segment's first 6
+  EXPECT_EQ(in_first, first);
+  try {  // 12 MiB reserved, both segments in use: nothing to release, the backend cannot give 8
+    a.allocate(8 * MiB);
+    FAIL() << "allocation beyond capacity succeeded";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "fake:0 out of memory: tried to allocate 8.0 MiB; 8.0 MiB allocated, 12.0 MiB reserved by moecore "
+                 "(peak 12.0 MiB)");
+  }
+  a.deallocate(part);                    // the 4 MiB segment is wholly cached again
+  void* q = a.allocate(8 * MiB);         // fails once, releases those 4 MiB, succeeds
+  EXPECT_EQ(a.stats().num_ooms, 2);
+  EXPECT_EQ(a.stats().reserved_bytes, static_cast<int64_t>(16 * MiB));
+  a.deallocate(q);
+  a.deallocate(in_first);
+  a.empty_cache();
+  EXPECT_EQ(dev.used, 0);
 }
 
 TEST(CachingAllocator, PeakAndReset) {
@@ -139,9 +189,9 @@ TEST(CachingAllocator, PrivatePoolKeepsItsBlocksUntilReleased) {
   void* spare = a.allocate(5 * MiB);
   a.deallocate(spare);                 // a free general block: the capture may take it
   begin_private_pool(a, 1);
-  void* temp = a.allocate(3 * MiB);    // a fresh block of the pool
+  void* temp = a.allocate(7 * MiB);    // a fresh block of the pool (larger than the cached one)
   a.deallocate(temp);
-  void* again = a.allocate(3 * MiB);   // reused inside the pool (the graph's order is the replay's)
+  void* again = a.allocate(7 * MiB);   // reused inside the pool (the graph's order is the replay's)
   EXPECT_EQ(again, temp);
   void* taken = a.allocate(5 * MiB);   // from the general cache into the pool
   EXPECT_EQ(taken, spare);
@@ -150,7 +200,7 @@ TEST(CachingAllocator, PrivatePoolKeepsItsBlocksUntilReleased) {
   a.deallocate(again);
   a.deallocate(taken);
   end_private_pool(a);
-  EXPECT_EQ(private_pool_bytes(a, 1), static_cast<int64_t>(4 * MiB + 6 * MiB + 1 * MiB + 4 * MiB));
+  EXPECT_EQ(private_pool_bytes(a, 1), static_cast<int64_t>(8 * MiB + 6 * MiB + 1 * MiB + 4 * MiB));
   a.deallocate(kept);
   // Nothing of the pool serves requests outside it.
   std::set<void*> pool = {before, temp, taken, kept};

@@ -22,6 +22,7 @@ namespace {
 constexpr size_t kSmallLimit = 1u << 20;
 constexpr size_t kSmallRound = 512;
 constexpr size_t kLargeRound = 2u << 20;
+constexpr size_t kSmallSegment = 2u << 20;  // the backend allocation small blocks are cut from
 
 std::string mib(int64_t bytes) {
   char buf[64];
@@ -60,14 +61,14 @@ void* take_block(FreeList& list, void* stream, size_t size, size_t* got) {
   return ptr;
 }
 
-// A released pool's free blocks join the general cache `free`.
-void drain_released(const CachingAllocator* a, FreeList& free) {
-  if (g_pools_in_use.load(std::memory_order_acquire) == 0) return;
+// A released pool's free blocks, for the general cache.
+FreeList take_released(const CachingAllocator* a) {
+  FreeList out;
+  if (g_pools_in_use.load(std::memory_order_acquire) == 0) return out;
   std::lock_guard<std::mutex> lock(g_pools_mutex);
   PrivatePools* p = pools_of(a);
-  if (!p || p->released.empty()) return;
-  free.insert(p->released.begin(), p->released.end());
-  p->released.clear();
+  if (p) out.swap(p->released);
+  return out;
 }
 }  // namespace
 
@@ -76,7 +77,7 @@ CachingAllocator::CachingAllocator(Backend backend) : backend_(std::move(backend
 CachingAllocator::~CachingAllocator() {
   // Process exit: return cached blocks; live blocks belong to tensors that outlive us (statics).
   std::lock_guard<std::mutex> lock(mutex_);
-  drain_released(this, free_);
+  drain_released_locked();
   release_cached_locked();
 }
 
@@ -89,7 +90,7 @@ size_t CachingAllocator::round_size(size_t bytes) {
 void* CachingAllocator::allocate(size_t bytes, void* stream) {
   const size_t size = round_size(bytes);
   std::lock_guard<std::mutex> lock(mutex_);
-  drain_released(this, free_);
+  drain_released_locked();
   stats_.num_allocs++;
   void* ptr = nullptr;
   size_t got = size;
@@ -108,7 +109,7 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
     if (ptr) {
       stats_.num_cache_hits++;
     } else {
-      ptr = take_block(free_, stream, size, &got);
+      ptr = take_cached_locked(stream, size, &got);
       if (ptr) {
         stats_.num_cache_hits++;
         if (pools) pools->bytes[pools->capturing] += static_cast<int64_t>(got);
@@ -116,7 +117,7 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
     }
   }
   if (!ptr) {
-    ptr = backend_.raw_alloc(size);
+    ptr = backend_.cache ? new_segment_locked(size, stream) : backend_.raw_alloc(size);
     if (!ptr) {
       stats_.num_ooms++;
       // Freeing cached blocks (cudaFree) is not allowed while a CUDA graph captures: it would
@@ -125,14 +126,16 @@ void* CachingAllocator::allocate(size_t bytes, void* stream) {
                mib(static_cast<int64_t>(size)), "; ", mib(stats_.allocated_bytes), " allocated, ",
                mib(stats_.reserved_bytes), " reserved by moecore (run without --cuda-graph-impl, or with less memory)");
       release_cached_locked();
-      ptr = backend_.raw_alloc(size);
+      ptr = backend_.cache ? new_segment_locked(size, stream) : backend_.raw_alloc(size);
     }
     MC_CHECK(ptr != nullptr, backend_.name, " out of memory: tried to allocate ", mib(static_cast<int64_t>(size)),
              "; ", mib(stats_.allocated_bytes), " allocated, ", mib(stats_.reserved_bytes),
              " reserved by moecore (peak ", mib(stats_.peak_allocated_bytes), ")");
-    stats_.num_backend_allocs++;
-    stats_.reserved_bytes += static_cast<int64_t>(size);
-    stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+    if (!backend_.cache) {  // new_segment_locked counts its own
+      stats_.num_backend_allocs++;
+      stats_.reserved_bytes += static_cast<int64_t>(size);
+      stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+    }
     if (pools) pools->bytes[pools->capturing] += static_cast<int64_t>(size);
   }
   if (pools) pools->owner[ptr] = pools->capturing;
@@ -170,8 +173,8 @@ void CachingAllocator::deallocate(void* ptr) {
   }
   if (pooled) {
   } else if (backend_.cache) {
-    drain_released(this, free_);
-    free_.insert({{b.stream, b.size}, ptr});
+    drain_released_locked();
+    cache_piece_locked(ptr);
   } else {
     backend_.raw_free(ptr);
     stats_.reserved_bytes -= static_cast<int64_t>(b.size);
@@ -200,17 +203,108 @@ void CachingAllocator::account_free_locked(const Block& b) {
   ledger_.on_free(b.tag, static_cast<int64_t>(b.requested), static_cast<int64_t>(b.size), stats_.reserved_bytes);
 }
 
-void CachingAllocator::release_cached_locked() {
-  for (auto& [key, ptr] : free_) {
-    backend_.raw_free(ptr);
-    stats_.reserved_bytes -= static_cast<int64_t>(key.second);
+// ---- segments and their pieces (the general cache) ----------------------------------
+CachingAllocator::FreePieces& CachingAllocator::free_list(bool small) { return small ? free_small_ : free_large_; }
+
+void CachingAllocator::unlist_locked(uintptr_t addr, const Piece& piece) {
+  FreePieces& list = free_list(piece.small);
+  auto [lo, hi] = list.equal_range({piece.stream, piece.size});
+  for (auto it = lo; it != hi; ++it)
+    if (reinterpret_cast<uintptr_t>(it->second) == addr) {
+      list.erase(it);
+      return;
+    }
+  MC_FAIL(backend_.name, " allocator: a cached block is missing from its free list");
+}
+
+void* CachingAllocator::take_cached_locked(void* stream, size_t size, size_t* got) {
+  const bool small = size <= kSmallLimit;
+  FreePieces& list = free_list(small);
+  auto it = list.lower_bound({stream, size});  // the smallest cached piece that fits (best fit)
+  if (it == list.end() || it->first.first != stream) return nullptr;
+  void* ptr = it->second;
+  list.erase(it);
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(ptr);
+  Piece& piece = pieces_.at(addr);
+  piece.cached = false;
+  if (piece.size > size) {  // the rest stays cached (sizes are multiples of the rounding)
+    const Piece rest{piece.size - size, stream, piece.segment, small, true};
+    pieces_.emplace(addr + size, rest);
+    free_list(small).insert({{stream, rest.size}, reinterpret_cast<void*>(addr + size)});
+    piece.size = size;
   }
-  free_.clear();
+  *got = size;
+  return ptr;
+}
+
+void* CachingAllocator::new_segment_locked(size_t size, void* stream) {
+  const bool small = size <= kSmallLimit;
+  const size_t bytes = small ? kSmallSegment : size;
+  void* base = backend_.raw_alloc(bytes);
+  if (!base) return nullptr;
+  stats_.num_backend_allocs++;
+  stats_.reserved_bytes += static_cast<int64_t>(bytes);
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  const uint64_t id = next_segment_++;
+  segments_[id] = bytes;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(base);
+  pieces_.emplace(addr, Piece{size, stream, id, small, false});
+  if (bytes > size) {
+    pieces_.emplace(addr + size, Piece{bytes - size, stream, id, small, true});
+    free_list(small).insert({{stream, bytes - size}, reinterpret_cast<void*>(addr + size)});
+  }
+  return base;
+}
+
+void CachingAllocator::cache_piece_locked(void* ptr) {
+  auto it = pieces_.find(reinterpret_cast<uintptr_t>(ptr));
+  MC_CHECK(it != pieces_.end(), backend_.name, " allocator: a freed block belongs to no segment");
+  // Merge with the cached neighbours of the same segment (blocks of a segment are contiguous).
+  auto next = std::next(it);
+  if (next != pieces_.end() && next->second.cached && next->second.segment == it->second.segment &&
+      it->first + it->second.size == next->first) {
+    unlist_locked(next->first, next->second);
+    it->second.size += next->second.size;
+    pieces_.erase(next);
+  }
+  if (it != pieces_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second.cached && prev->second.segment == it->second.segment &&
+        prev->first + prev->second.size == it->first) {
+      unlist_locked(prev->first, prev->second);
+      prev->second.size += it->second.size;
+      pieces_.erase(it);
+      it = prev;
+    }
+  }
+  it->second.cached = true;
+  free_list(it->second.small).insert({{it->second.stream, it->second.size}, reinterpret_cast<void*>(it->first)});
+}
+
+void CachingAllocator::drain_released_locked() {
+  for (const auto& [key, ptr] : take_released(this)) cache_piece_locked(ptr);
+}
+
+// Segments wholly cached go back to the backend; a segment with a block in use stays.
+void CachingAllocator::release_cached_locked() {
+  for (auto it = pieces_.begin(); it != pieces_.end();) {
+    const Piece& piece = it->second;
+    auto seg = segments_.find(piece.segment);
+    if (!piece.cached || seg == segments_.end() || seg->second != piece.size) {
+      ++it;
+      continue;
+    }
+    unlist_locked(it->first, piece);
+    backend_.raw_free(reinterpret_cast<void*>(it->first));
+    stats_.reserved_bytes -= static_cast<int64_t>(piece.size);
+    segments_.erase(seg);
+    it = pieces_.erase(it);
+  }
 }
 
 void CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mutex_);
-  drain_released(this, free_);
+  drain_released_locked();
   release_cached_locked();
 }
 

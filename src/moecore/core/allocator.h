@@ -2,14 +2,18 @@
 //
 // cudaMalloc/cudaFree synchronise the device and cost tens of microseconds, so device memory
 // is cached: a freed block goes to a free list keyed by (stream, size) and is handed out again
-// to a request of a similar size on the same stream. Reuse is safe without events because work
-// on one stream runs in order; a block used on another stream must not be freed while that
-// stream may still read it (cross-stream use arrives with the communication overlap work).
+// to a request on the same stream. Reuse is safe without events because work on one stream runs
+// in order; a block used on another stream must not be freed while that stream may still read it.
 //
-// Sizes are rounded: up to 1 MiB to a multiple of 512 B; above, to a multiple of 2 MiB. A cached
-// block serves a request when it is at least as large and wastes at most 1/8 of the request
-// (or 512 B for small ones). When the backend fails (out of memory), the cache is released and
-// the request retried once; if it fails again, the Error reports the request and the statistics.
+// Sizes are rounded: up to 1 MiB to a multiple of 512 B; above, to a multiple of 2 MiB. Each
+// backend allocation is a segment: a large request's own size, or 2 MiB that small requests are
+// cut from (small and large blocks never share a segment). A request takes the smallest cached
+// block of its class on its stream that fits and leaves the rest cached; a freed block merges
+// with the cached blocks beside it in its segment. So a freed large block serves smaller requests
+// instead of the backend growing (the step's peak of reserved memory stays near its peak of
+// handed-out memory). When the backend fails (out of memory), the wholly cached segments go back
+// and the request is retried once; if it fails again, the Error reports the request and the
+// statistics.
 //
 // The same class serves pinned host memory (cudaHostAlloc) and, with caching off, plain host
 // memory (64-byte aligned), so every kind of memory has the same statistics.
@@ -79,14 +83,32 @@ class CachingAllocator {
     size_t requested;  // as asked for
     MemoryTag tag;     // memory accounting: the category charged
   };
+  // Every block of the caching backends' segments, handed out or cached, by address.
+  struct Piece {
+    size_t size;
+    void* stream;
+    uint64_t segment;  // blocks merge only within their segment
+    bool small;        // of a small-block segment
+    bool cached;       // in the general cache's free list (not handed out, not in a private pool)
+  };
+  using FreePieces = std::multimap<std::pair<void*, size_t>, void*>;  // (stream, size) -> ptr
+  FreePieces& free_list(bool small);
+  void unlist_locked(uintptr_t addr, const Piece& piece);
+  void* take_cached_locked(void* stream, size_t size, size_t* got);
+  void* new_segment_locked(size_t size, void* stream);  // nullptr when the backend fails
+  void cache_piece_locked(void* ptr);
+  void drain_released_locked();  // released private pools' blocks join the general cache
   void release_cached_locked();
   void account_allocate_locked(Block& b);
   void account_free_locked(const Block& b);
 
   Backend backend_;
   mutable std::mutex mutex_;
-  std::unordered_map<void*, Block> live_;                  // handed out
-  std::multimap<std::pair<void*, size_t>, void*> free_;    // (stream, size) -> ptr
+  std::unordered_map<void*, Block> live_;  // handed out
+  std::map<uintptr_t, Piece> pieces_;
+  std::unordered_map<uint64_t, size_t> segments_;  // id -> the backend allocation's bytes
+  uint64_t next_segment_ = 1;
+  FreePieces free_small_, free_large_;
   AllocatorStats stats_;
   MemoryLedger ledger_;
 };
