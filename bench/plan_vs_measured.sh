@@ -2,7 +2,8 @@
 # The planner against the card (issue 33): for each layout of bench/plan_layouts.txt that fits
 # the machine's GPU count, `moecore plan` (the card's profile, or --profile FILE from PLAN_PROFILE)
 # beside `moecore train` for 8 steps with --memory-report: the largest rank's peak of allocated
-# bytes (the memory report of the last step) against the plan's largest stage, and the median
+# bytes (the memory report of the last step) against the plan's largest stage (the largest
+# reserved peak beside it: the allocator's cached blocks, which the plan leaves out), and the median
 # step time of steps 4-8 against the plan's step. Prints a JSON line per layout, then a table.
 # PLAN_CALIBRATE=1: each layout's kernels are first timed on GPU 0 (`moecore plan --calibrate` at
 # its rank-local shapes; a CP layout without CP) and the plan uses that profile.
@@ -46,14 +47,15 @@ while IFS='|' read -r np flags; do
     echo "layout $n: train failed:"; tail -5 "$work/t$n.log"; status=1; continue
   fi
   meas_peak=$(grep '"memory_report"' "$m" | tail -1 | grep -o '"peak_allocated_bytes":[^,}]*' | cut -d: -f2 | sort -g | tail -1)
+  meas_reserved=$(grep '"memory_report"' "$m" | tail -1 | grep -o '"peak_reserved_bytes":[^,}]*' | cut -d: -f2 | sort -g | tail -1)
   meas_step=$(grep -o '"ms_per_iteration":[^,}]*' "$m" | tail -5 | cut -d: -f2 | sort -g | sed -n 3p)
   line=$(awk -v n="$n" -v np="$np" -v pp="$pred_peak" -v mp="$meas_peak" -v ps="$pred_step" -v ms="$meas_step" 'BEGIN {
     printf "%d %d %.2f %.2f %+.1f %.1f %.1f %+.1f", n, np, pp / 1e9, mp / 1e9, 100 * (pp / mp - 1), ps * 1e3, ms, 100 * (ps * 1e3 / ms - 1) }')
   read -r _ _ ppg mpg perr psm msm serr <<<"$line"
-  echo "{\"bench\":\"plan_vs_measured\",\"layout\":$n,\"calibrated\":${PLAN_CALIBRATE:-0},\"forced_balance\":${PLAN_FORCE_BALANCE:-0},\"gpus\":$np,\"flags\":\"${flags# }\",\"predicted_peak_bytes\":$pred_peak,\"measured_peak_bytes\":$meas_peak,\"predicted_step_ms\":$psm,\"measured_step_ms\":$meas_step}"
-  rows+=("| $n | $np | $ppg / $mpg | ${perr}% | $psm / $msm | ${serr}% |")
+  echo "{\"bench\":\"plan_vs_measured\",\"layout\":$n,\"calibrated\":${PLAN_CALIBRATE:-0},\"forced_balance\":${PLAN_FORCE_BALANCE:-0},\"gpus\":$np,\"flags\":\"${flags# }\",\"predicted_peak_bytes\":$pred_peak,\"measured_peak_bytes\":$meas_peak,\"measured_reserved_bytes\":$meas_reserved,\"predicted_step_ms\":$psm,\"measured_step_ms\":$meas_step}"
+  rows+=("| $n | $np | $ppg / $mpg | ${perr}% | $(awk -v r="$meas_reserved" 'BEGIN { printf "%.2f", r / 1e9 }') | $psm / $msm | ${serr}% |")
 done < "$layouts"
-printf "\n| # | GPUs | peak GB predicted / measured | error | step ms predicted / measured | error |\n|---|---|---|---|---|---|\n"
+printf "\n| # | GPUs | peak GB predicted / measured | error | reserved peak GB | step ms predicted / measured | error |\n|---|---|---|---|---|---|---|\n"
 printf "%s\n" "${rows[@]}"
 echo "plan_vs_measured: ${#rows[@]} layouts on $gpus x $card (profile $profile${PLAN_PROFILE:+ + $PLAN_PROFILE}$([ "${PLAN_CALIBRATE:-0}" = 1 ] && echo ", calibrated per layout")$([ "${PLAN_FORCE_BALANCE:-0}" = 1 ] && echo ", forced balanced routing"))"
 exit $status

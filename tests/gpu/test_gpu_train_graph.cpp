@@ -136,3 +136,13 @@ TEST(GpuTrainGraph, MoeWithExpertBiasReplayedStepsEqualEagerBitForBit) {
                                   "--moe-router-topk", "4", "--moe-ffn-hidden-size", "128",
                                   "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"}));
 }
+
+// --moe-router-force-load-balancing: the round-robin logits are built in the warm-up steps and
+// kept on the device, so the captured step reads them without a host upload (an upload from
+// pageable memory inside a capture would fail it).
+TEST(GpuTrainGraph, MoeForcedBalanceReplayedStepsEqualEagerBitForBit) {
+  MC_REQUIRE_CUDA();
+  expect_graph_equals_eager(tiny({"--hidden-size", "256", "--ffn-hidden-size", "512", "--num-experts", "16",
+                                  "--moe-router-topk", "4", "--moe-ffn-hidden-size", "128",
+                                  "--moe-router-force-load-balancing"}));
+}
