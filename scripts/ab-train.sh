@@ -4,7 +4,7 @@
 # so that clock and power drift hit both alike. Each run: 20 steps, the step time of steps 11-20
 # (metrics.jsonl's ms_per_iteration at iteration 20, log interval 10).
 # Prints one JSON line per run, then a table: median and min ms/step of each binary, B's change,
-# peak memory, and whether the two binaries logged bit-identical losses and gradient norms
+# the peaks of allocated and reserved memory, and whether the two binaries logged bit-identical losses and gradient norms
 # (every logged step's lm_loss, load_balancing_loss, z_loss, grad_norm, params_norm).
 # Presets default to the two benchmark models (configs/mixtral-small.yaml, finegrained-small.yaml).
 # AB_LAUNCH prefixes each run (e.g. "mpirun -np 2 -x NCCL_NVLS_ENABLE" for several GPUs) and
@@ -40,13 +40,15 @@ for preset in "${presets[@]}"; do
           --eval-interval 0 --lr-warmup-iters 2 ${AB_FLAGS:-} $side_flags --metrics-file "$m" > "$m.log" 2>&1; then
         echo "ab-train: $preset ($side, round $r) failed:"; tail -5 "$m.log"; status=1; continue
       fi
-      echo "{\"bench\":\"ab_train\",\"preset\":\"$preset\",\"binary\":\"$side\",\"round\":$r,\"ms_per_step\":$(field "$m" ms_per_iteration),\"peak_bytes\":$(field "$m" mem_max_allocated_bytes)}"
+      echo "{\"bench\":\"ab_train\",\"preset\":\"$preset\",\"binary\":\"$side\",\"round\":$r,\"ms_per_step\":$(field "$m" ms_per_iteration),\"peak_bytes\":$(field "$m" mem_max_allocated_bytes),\"peak_reserved_bytes\":$(field "$m" mem_max_reserved_bytes)}"
     done
   done
   stats() {  # side -> "median min peak_gb"
     for f in "$work/$preset.$1".*.jsonl; do field "$f" ms_per_iteration; done | sort -g |
       awk '{ v[NR] = $1 } END { if (NR == 0) { print "- - -"; exit } m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%.2f %.2f", m, v[1] }'
-    printf " %.2f\n" "$(field "$(ls "$work/$preset.$1".*.jsonl | head -1)" mem_max_allocated_bytes | awk '{ print $1 / 1e9 }')"
+    local first; first=$(ls "$work/$preset.$1".*.jsonl | head -1)
+    printf " %.2f/%.2f\n" "$(field "$first" mem_max_allocated_bytes | awk '{ print $1 / 1e9 }')" \
+      "$(field "$first" mem_max_reserved_bytes | awk '{ print ($1 == "None" ? 0 : $1) / 1e9 }')"
   }
   read -r med_a min_a peak_a <<<"$(stats a)"; read -r med_b min_b peak_b <<<"$(stats b)"
   same=yes
@@ -56,11 +58,11 @@ for preset in "${presets[@]}"; do
   done
   [ "$same" = yes ] || { diff <(values "$work/$preset.a.1.jsonl") <(values "$work/$preset.b.1.jsonl") | head -4; }
   change=$(awk -v a="$med_a" -v b="$med_b" 'BEGIN { if (a + 0 > 0) printf "%+.1f%%", 100 * (b - a) / a; else print "-" }')
-  rows+=("| $preset | $med_a ($min_a) | $med_b ($min_b) | $change | $peak_a / $peak_b | $same |")
+  rows+=("| $preset | $med_a ($min_a) | $med_b ($min_b) | $change | $peak_a ; $peak_b | $same |")
 done
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 printf "\nA = %s, B = %s, %s rounds alternating, on %s%s\n" "$bin_a" "$bin_b" "$rounds" "${card:-no GPU}" \
   "${AB_LAUNCH:+, launched with $AB_LAUNCH}${AB_FLAGS:+, flags $AB_FLAGS}${AB_FLAGS_B:+, B adds $AB_FLAGS_B}"
-printf "| preset | A ms/step median (min) | B ms/step median (min) | B vs A | peak GB A / B | losses bit-identical |\n|---|---|---|---|---|---|\n"
+printf "| preset | A ms/step median (min) | B ms/step median (min) | B vs A | peak GB allocated/reserved: A ; B | losses bit-identical |\n|---|---|---|---|---|---|\n"
 printf "%s\n" "${rows[@]}"
 exit $status

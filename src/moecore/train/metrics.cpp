@@ -245,6 +245,7 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
                       {"skipped_iterations", state.skipped_iterations},
                       {"mem_allocated_bytes", mem.allocated_bytes},
                       {"mem_max_allocated_bytes", mem.peak_allocated_bytes},
+                      {"mem_max_reserved_bytes", mem.peak_reserved_bytes},
                       {"host_syncs_per_iteration",
                        static_cast<double>(interval_syncs_) / static_cast<double>(interval_steps_)}};
   if (!v.timers.empty()) {
