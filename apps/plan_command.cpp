@@ -87,6 +87,8 @@ TrainArgs parse_for_plan(const std::vector<std::string>& argv, PlanFlags& pf, pl
     // Flags training takes that the models leave out: refused, not ignored.
     MC_CHECK(!a.moe_shared_expert_overlap, "moecore plan: --moe-shared-expert-overlap is not in the planner's step-time "
              "or memory model; plan without it (the step then counts the shared expert in full)");
+    MC_CHECK(!a.tp_comm_overlap, "moecore plan: --tp-comm-overlap is not in the planner's step-time model; plan without "
+             "it (the step then counts the tensor-parallel collectives unoverlapped)");
     MC_CHECK(!a.moe_router_padding_for_fp8, "moecore plan: --moe-router-padding-for-fp8 is not in the planner's model "
              "(at most 15 padded rows per expert); plan without it");
     // FP8: a prediction of the blockwise recipe (the one recipe the model prices).

@@ -259,7 +259,9 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
              "accepted: the loss is always fused with the output layer (chunked, no logits kept)");
   f.add_choice("cross-entropy-fusion-impl", &a.cross_entropy_fusion_impl, {"te", "native"},
                "accepted: te or native (moecore's own kernels)");
-  f.add_bool("tp-comm-overlap", &a.tp_comm_overlap, "not available: TP collectives run on the compute stream (refused)");
+  f.add_bool("tp-comm-overlap", &a.tp_comm_overlap,
+             "with --sequence-parallel: the layers' sequence all-gathers / reduce-scatters in row chunks, "
+             "overlapped with the linears' GEMMs");
   f.add_string("moe-flex-dispatcher-backend", &a.flex_dispatcher_backend, "not available: the flex dispatcher (refused)");
   f.add_bool("manual-gc", &a.manual_gc, "Python's garbage collector: moecore has none (refused: drop the flag)");
   f.add_bool("no-masked-softmax-fusion", &a.no_masked_softmax_fusion,
@@ -746,6 +748,18 @@ void check_offload_flags(TrainArgs& a) {
   a.model.offload_modules = a.offload_modules;
 }
 
+// --tp-comm-overlap chunks the sequence-parallel collectives of tensor parallelism: it needs both.
+void check_tp_comm_overlap(const TrainArgs& a) {
+  if (!a.tp_comm_overlap) return;
+  MC_CHECK(a.tp > 1 && a.sequence_parallel, "--tp-comm-overlap needs --tensor-model-parallel-size > 1 and "
+           "--sequence-parallel (it overlaps their sequence all-gathers and reduce-scatters with the GEMMs); got "
+           "--tensor-model-parallel-size ", a.tp, a.tp > 1 ? " without --sequence-parallel" : "");
+  MC_CHECK(!a.model.mla.enabled, "--tp-comm-overlap with --multi-latent-attention is not available in this version "
+           "(the overlapped linears are the standard attention's and the MLPs'); drop one of them");
+  MC_CHECK(!a.fp8 && a.fp8_format.empty(), "--tp-comm-overlap with FP8 training (--fp8 / --fp8-format) is not available in "
+           "this version (each row chunk would get its own scaling); drop one of them");
+}
+
 // Layout-dependent MoE limits; Megatron flags moecore accepts or refuses by name; the dispatcher.
 void check_feature_flags(TrainArgs& a) {
   MoeConfig& e = a.model.moe;
@@ -760,8 +774,7 @@ void check_feature_flags(TrainArgs& a) {
            "there is nothing to gather)");
   MC_CHECK(!a.overlap_param_gather || a.overlap_grad_reduce,
            "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron)");
-  MC_CHECK(!a.tp_comm_overlap, "--tp-comm-overlap is not available in this version: tensor-parallel collectives run "
-           "on the compute stream; drop the flag");
+  check_tp_comm_overlap(a);
   MC_CHECK(a.flex_dispatcher_backend.empty(), "--moe-flex-dispatcher-backend ", a.flex_dispatcher_backend,
            ": the flex dispatcher (DeepEP / HybridEP kernels) is not available in this version; use "
            "--moe-token-dispatcher-type alltoall or allgather");
@@ -1033,7 +1046,8 @@ TrainArgs train_args_from_saved(const std::vector<std::pair<std::string, std::st
                                           "num-virtual-stages-per-pipeline-rank", "decoder-first-pipeline-num-layers",
                                           "decoder-last-pipeline-num-layers", "expert-model-parallel-size",
                                           "expert-tensor-parallel-size", "use-distributed-optimizer",
-                                          "overlap-grad-reduce", "overlap-param-gather", "no-store-param-remainders"};
+                                          "overlap-grad-reduce", "overlap-param-gather", "no-store-param-remainders",
+                                          "tp-comm-overlap"};
   for (const auto& [name, value] : saved) {
     if (std::find(std::begin(kNotModel), std::end(kNotModel), name) != std::end(kNotModel)) continue;
     flags.set(name, value, origin);

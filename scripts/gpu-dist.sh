@@ -8,10 +8,12 @@
 #          message); tests/gpu/train_torchrun_gpu.sh (the same under
 #          torchrun, NCCL bootstrapped over TCP); tests/gpu/train_emulated_rank_gpu.sh (each
 #          rank of EP=2, TP=2, PP=2, DP=2 layouts emulated alone has the real rank's peak);
-#          tests/gpu/train_fp8_parallel_gpu.sh (FP8 training in EP=2, TP=2, DP=2 against one GPU)
+#          tests/gpu/train_fp8_parallel_gpu.sh (FP8 training in EP=2, TP=2, DP=2 against one GPU);
+#          tests/gpu/train_tp_comm_overlap_gpu.sh (TP=2+SP with and without --tp-comm-overlap)
 #   perf:  bench_comm (NCCL all-to-all / all-reduce / all-gather bus bandwidth at dispatch sizes)
 #          on 2 and, with 4+ GPUs, 4 ranks; mixtral-small (bf16, global batch 16) on one GPU,
-#          DP=2, EP=2 (alltoall, allgather), PP=2, TP=2+SP, CP=2, TP=2+SP with EP=2, and with 4+
+#          DP=2, EP=2 (alltoall, allgather), PP=2, TP=2+SP (also --tp-comm-overlap), CP=2, TP=2+SP
+#          with EP=2, and with 4+
 #          GPUs TP=2 with EP=4 (and CP=2), DP=4, EP=4 (+ distributed
 #          optimizer, + dispatch timers); finegrained-small one GPU vs EP=4 / EP=2.
 # The last line: gpu-dist: N passed, N failed on <cards>
@@ -59,6 +61,9 @@ if [ "$what" != perf ]; then
   step train_fp8_parallel_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_fp8_parallel_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "same|differ" "$build/train_fp8_parallel_gpu.log" || true
+  step train_tp_comm_overlap_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_tp_comm_overlap_gpu.sh "$build/moecore" . \
+    "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
+  grep -E "tp-comm-overlap|FAIL" "$build/train_tp_comm_overlap_gpu.log" || true
   step train_torchrun_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_torchrun_gpu.sh "$build/moecore" .
   step train_emulated_rank_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_emulated_rank_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
@@ -90,6 +95,7 @@ if [ "$what" != check ]; then
   perf "EP=2 allgather" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather
   perf "PP=2 (1F1B)" 2 mixtral-small --pipeline-model-parallel-size 2
   perf "TP=2 +SP" 2 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel
+  perf "TP=2 +SP --tp-comm-overlap" 2 mixtral-small --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap
   perf "CP=2" 2 mixtral-small --context-parallel-size 2
   perf "DP=2, micro-batch 2 (the tokens per rank and micro-batch of TP=2/CP=2 with 4)" 2 mixtral-small --micro-batch-size 2
   perf "CP=2, micro-batch 8 (DP=2's tokens per rank and micro-batch)" 2 mixtral-small --context-parallel-size 2 --micro-batch-size 8

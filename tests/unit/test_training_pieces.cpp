@@ -609,7 +609,7 @@ TEST(TrainingPieces, ArgumentsBadCombinationsNameTheFlag) {
       // Megatron's performance flags that name features moecore lacks
       {{"--overlap-param-gather"}, "--overlap-param-gather needs --use-distributed-optimizer"},
       {{"--overlap-param-gather", "--use-distributed-optimizer"}, "--overlap-param-gather needs --overlap-grad-reduce"},
-      {{"--tp-comm-overlap"}, "--tp-comm-overlap is not available in this version"},
+      {{"--tp-comm-overlap"}, "--tp-comm-overlap needs --tensor-model-parallel-size > 1 and --sequence-parallel"},
       {{"--moe-flex-dispatcher-backend", "deepep"}, "--moe-flex-dispatcher-backend deepep: the flex dispatcher"},
       {{"--manual-gc"}, "--manual-gc controls Python's garbage collector"},
       {{"--cross-entropy-fusion-impl", "cuda"}, "--cross-entropy-fusion-impl 'cuda': expected te or native"},

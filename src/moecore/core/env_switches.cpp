@@ -58,6 +58,11 @@ const std::vector<EnvSwitch>& env_switches() {
        EnvAgreement::Must},
       {"MOECORE_RENDEZVOUS_TIMEOUT", "seconds > 0", "300",
        "how long the TCP rendezvous waits for the other ranks; another value is an error", EnvAgreement::PerRank},
+      {"MOECORE_TP_OVERLAP_GEMMS", "auto, chunks", "auto: per chunk on a GPU, once over all rows on the CPU",
+       "--tp-comm-overlap: chunks runs the linears' GEMMs per row chunk on the CPU too (tests: the GPU's row "
+       "placement on MPI ranks; OpenBLAS may then round a few rows differently); another value is an error. Read "
+       "once per process",
+       EnvAgreement::PerRank},
   };
   return table;
 }

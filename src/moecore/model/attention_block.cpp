@@ -45,9 +45,11 @@ AttentionBlock::AttentionBlock(ParamStore& store, const std::string& prefix, con
 double AttentionBlock::scale() const { return 1.0 / std::sqrt(static_cast<double>(head_dim_)); }
 
 Tensor AttentionBlock::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) const {
-  const Tensor x = par_.enter_forward(x_local, batch);
+  const std::vector<Tensor> qkv =
+      column_parallel_forward(par_, x_local, batch, {{&q_proj_, &ctx.q}, {&k_proj_, &ctx.k}, {&v_proj_, &ctx.v}});
+  const Tensor x = ctx.q.x;  // the gathered input
   const int64_t tokens = x.size(0), seq = tokens / batch;
-  Tensor q = q_proj_.forward(x, ctx.q), k = k_proj_.forward(x, ctx.k), v = v_proj_.forward(x, ctx.v);
+  Tensor q = qkv[0], k = qkv[1], v = qkv[2];
   if (qk_norm_) {
     q = q_norm_.forward(q.view({tokens * heads_, head_dim_}), ctx.q_norm);
     k = k_norm_.forward(k.view({tokens * kv_heads_, head_dim_}), ctx.k_norm);
@@ -73,17 +75,16 @@ Tensor AttentionBlock::forward(const Tensor& x_local, int64_t batch, Ctx& ctx) c
     ctx.core_lse = lse;
   }
   const MemoryCategoryScope module(ActivationModule::kAttnProj);
-  Tensor y = o_proj_.forward(out.view({tokens, heads_ * head_dim_}), ctx.o);
+  Tensor y = row_parallel_forward(par_, o_proj_, out.view({tokens, heads_ * head_dim_}), batch, ctx.o);
   if (recompute_core_) {  // rebuilt in the backward (CP: from the kept query chunks and gathered K / V)
     ctx.core_out = ctx.core_lse = ctx.o.x = Tensor();
     ctx.chunk_out[0] = ctx.chunk_out[1] = ctx.chunk_lse[0] = ctx.chunk_lse[1] = Tensor();
   }
-  return par_.exit_forward(y, batch);
+  return y;
 }
 
 Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx) const {
-  const Tensor dy = par_.exit_backward(dy_local, batch);
-  const int64_t tokens = dy.size(0), seq = tokens / batch;
+  const int64_t tokens = dy_local.size(0) * (par_.sp() ? par_.tp_size() : 1), seq = tokens / batch;
   if (recompute_core_ && par_.cp) {  // --recompute-modules core_attn: the same chunk forwards again
     const MemoryCategoryScope module(ActivationModule::kCoreAttn);
     ctx.o.x = context_parallel_rerun(ctx).view({tokens, heads_ * head_dim_});
@@ -96,14 +97,14 @@ Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx)
     ops::attention_forward(ctx.core_q, ctx.core_k, ctx.core_v, scale(), ctx.core_out, ctx.core_lse);
     ctx.o.x = ctx.core_out.view({tokens, heads_ * head_dim_});
   }
-  Tensor dout = o_proj_.backward(dy, ctx.o).view({batch, seq, heads_, head_dim_});
+  Tensor dout = row_parallel_backward(par_, o_proj_, dy_local, batch, ctx.o).view({batch, seq, heads_, head_dim_});
   Tensor dq, dk, dv;
   if (par_.cp) {
     context_parallel_backward(dout, ctx, dq, dk, dv);
   } else {
-    dq = Tensor::empty(ctx.core_q.shape(), dy.dtype(), dy.device());
-    dk = Tensor::empty(ctx.core_k.shape(), dy.dtype(), dy.device());
-    dv = Tensor::empty(ctx.core_v.shape(), dy.dtype(), dy.device());
+    dq = Tensor::empty(ctx.core_q.shape(), dout.dtype(), dout.device());
+    dk = Tensor::empty(ctx.core_k.shape(), dout.dtype(), dout.device());
+    dv = Tensor::empty(ctx.core_v.shape(), dout.dtype(), dout.device());
     ops::attention_backward(ctx.core_q, ctx.core_k, ctx.core_v, ctx.core_out, ctx.core_lse, dout, scale(), dq, dk, dv);
     ctx.core_q = ctx.core_k = ctx.core_v = ctx.core_out = ctx.core_lse = Tensor();
     if (rope_) {
@@ -116,10 +117,10 @@ Tensor AttentionBlock::backward(const Tensor& dy_local, int64_t batch, Ctx& ctx)
     dq2 = q_norm_.backward(dq2, ctx.q_norm);
     dk2 = k_norm_.backward(dk2, ctx.k_norm);
   }
-  Tensor dx = q_proj_.backward(dq2.view({tokens, heads_ * head_dim_}), ctx.q);
-  k_proj_.backward_add(dk2.view({tokens, kv_heads_ * head_dim_}), ctx.k, dx);
-  v_proj_.backward_add(dv.view({tokens, kv_heads_ * head_dim_}), ctx.v, dx);
-  return par_.enter_backward(dx, batch);
+  return column_parallel_backward(par_, batch,
+                                  {{&q_proj_, dq2.view({tokens, heads_ * head_dim_}), &ctx.q},
+                                   {&k_proj_, dk2.view({tokens, kv_heads_ * head_dim_}), &ctx.k},
+                                   {&v_proj_, dv.view({tokens, kv_heads_ * head_dim_}), &ctx.v}});
 }
 
 Tensor AttentionBlock::forward_cached(const Tensor& x, int64_t first_row, const std::vector<int64_t>& start,

@@ -57,6 +57,13 @@ Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {
   const int64_t rows = x.numel() / in;
   const Tensor x2 = x.view({rows, in});
   Tensor y = Tensor::empty({rows, out}, x.dtype(), x.device());
+  forward_rows(x2, y);
+  ctx.x = x2;
+  return y;
+}
+
+void Linear::forward_rows(const Tensor& x2, Tensor& y) const {
+  const int64_t rows = x2.size(0);
   if (fp8.on()) {
     fp8.forward(x2, weight->weight, y);
   } else {
@@ -64,12 +71,10 @@ Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {
   }
   if (bias && adds_bias) {
     // y += ones [rows, 1] @ b [1, out]: the bias broadcast as a rank-1 GEMM.
-    Tensor ones = Tensor::empty({rows, 1}, x.dtype(), x.device());
+    Tensor ones = Tensor::empty({rows, 1}, x2.dtype(), x2.device());
     ops::fill(ones, 1.0);
     ops::gemm(ones, bias->weight.view({1, out}), y, false, false, 1.0f, 1.0f);
   }
-  ctx.x = x2;
-  return y;
 }
 
 Tensor Linear::backward(const Tensor& dy, Ctx& ctx) const {
@@ -86,25 +91,32 @@ void Linear::backward_add(const Tensor& dy, Ctx& ctx, Tensor& dx_sum) const {
 }
 
 void Linear::backward_dgrad(const Tensor& dy, Ctx& ctx, Tensor& dx, float beta) const {
-  const int64_t rows = dy.numel() / out;
-  const Tensor dy2 = dy.view({rows, out});
+  const Tensor dy2 = dy.view({dy.numel() / out, out});
+  wgrad(dy2, ctx.x);
+  dgrad(dy2, dx, beta);
+  ctx = {};
+}
+
+void Linear::wgrad(const Tensor& dy2, const Tensor& x2) const {
   // dW += dy^T x (accumulated in the master dtype; dW = when the step's first write)
   if (fp8.on()) {
-    fp8.wgrad(dy2, ctx.x, weight->grad, weight->grad_beta());
+    fp8.wgrad(dy2, x2, weight->grad, weight->grad_beta());
   } else {
-    ops::gemm(dy2, ctx.x, weight->grad, true, false, 1.0f, weight->grad_beta());
+    ops::gemm(dy2, x2, weight->grad, true, false, 1.0f, weight->grad_beta());
   }
   if (bias && adds_bias) {
-    Tensor db = Tensor::empty({out}, bias->grad.dtype(), dy.device());
+    Tensor db = Tensor::empty({out}, bias->grad.dtype(), dy2.device());
     ops::sum_leading_dims(dy2, db);
     add_into(bias->grad_to_accumulate(), db);
   }
+}
+
+void Linear::dgrad(const Tensor& dy2, Tensor& dx, float beta) const {
   if (fp8.on()) {
     fp8.dgrad(dy2, weight->weight, dx, beta);
   } else {
     ops::gemm(dy2, weight->weight, dx, false, false, 1.0f, beta);
   }
-  ctx = {};
 }
 
 // ---- Norm -----------------------------------------------------------------------------
@@ -154,7 +166,7 @@ Mlp::Mlp(ParamStore& store, const std::string& prefix, int64_t hidden, int64_t f
 
 Tensor Mlp::forward(const Tensor& x, Ctx& ctx, int64_t batch) const {
   ctx.batch = batch;
-  ctx.fc1_out = fc1.forward(par.enter_forward(x, batch), ctx.fc1);
+  ctx.fc1_out = column_parallel_forward(par, x, batch, {{&fc1, &ctx.fc1}})[0];
   const int64_t rows = ctx.fc1_out.size(0);
   Tensor act = Tensor::empty({rows, fc2.in}, x.dtype(), x.device());
   if (swiglu) {
@@ -162,11 +174,11 @@ Tensor Mlp::forward(const Tensor& x, Ctx& ctx, int64_t batch) const {
   } else {
     ops::gelu_forward(ctx.fc1_out, act);
   }
-  return par.exit_forward(fc2.forward(act, ctx.fc2), batch);
+  return row_parallel_forward(par, fc2, act, batch, ctx.fc2);
 }
 
 Tensor Mlp::backward(const Tensor& dy, Ctx& ctx) const {
-  Tensor dact = fc2.backward(par.exit_backward(dy, ctx.batch), ctx.fc2);
+  Tensor dact = row_parallel_backward(par, fc2, dy, ctx.batch, ctx.fc2);
   Tensor dh = Tensor::empty(ctx.fc1_out.shape(), dy.dtype(), dy.device());
   if (swiglu) {
     ops::swiglu_backward(ctx.fc1_out, dact, dh);
@@ -174,7 +186,7 @@ Tensor Mlp::backward(const Tensor& dy, Ctx& ctx) const {
     ops::gelu_backward(ctx.fc1_out, dact, dh);
   }
   ctx.fc1_out = Tensor();
-  return par.enter_backward(fc1.backward(dh, ctx.fc1), ctx.batch);
+  return column_parallel_backward(par, ctx.batch, {{&fc1, dh, &ctx.fc1}});
 }
 
 }  // namespace moecore

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "moecore/model/config.h"
 #include "moecore/model/fp8_linear.h"
@@ -47,6 +48,12 @@ class Linear {
   // As backward, but dx is added to `dx_sum` [rows, in] in the dgrad GEMM itself (beta 1: one
   // pass, one rounding) instead of being returned.
   void backward_add(const Tensor& dy, Ctx& ctx, Tensor& dx_sum) const;
+  // The pieces of forward and backward, on 2-D rows (the chunked forms of the parallel linears
+  // below call them per row chunk): y [rows, out] = x W^T (+ b); the weight (and bias)
+  // gradients of dy [rows, out] and x [rows, in]; dx [rows, in] = beta dx + dy W.
+  void forward_rows(const Tensor& x2, Tensor& y) const;
+  void wgrad(const Tensor& dy2, const Tensor& x2) const;
+  void dgrad(const Tensor& dy2, Tensor& dx, float beta) const;
   Param* weight = nullptr;
   Param* bias = nullptr;
   int64_t in = 0, out = 0;
@@ -56,6 +63,33 @@ class Linear {
  private:
   void backward_dgrad(const Tensor& dy, Ctx& ctx, Tensor& dx, float beta) const;  // dx = beta dx + dy W
 };
+
+// ---- Column- and row-parallel linears with their sequence-parallel collectives -----------
+// Without DenseParallel::overlap() these are exactly enter_forward then each forward; forward
+// then exit_forward; exit_backward then backward; the backwards summed (backward_add) then
+// enter_backward. With it (--tp-comm-overlap) the collectives go in row chunks overlapped with
+// the GEMMs (tensor_parallel.h): the forward and dgrad GEMMs run per chunk, each wgrad stays one
+// GEMM over all the gathered rows (the same accumulation order as without the flag, so the same
+// numbers). The ctx keep the whole gathered inputs either way.
+struct ColumnLinear {
+  const Linear* linear;
+  Linear::Ctx* ctx;
+};
+// Linears reading one gathered input (q, k, v; fc1): their outputs over all the gathered rows.
+std::vector<Tensor> column_parallel_forward(const DenseParallel& par, const Tensor& x_local, int64_t batch,
+                                            const std::vector<ColumnLinear>& linears);
+struct ColumnGrad {
+  const Linear* linear;
+  Tensor dy;  // [gathered rows, linear->out]
+  Linear::Ctx* ctx;
+};
+// dx of the input the linears read (their dgrads summed in order), reduced back to this rank's rows.
+Tensor column_parallel_backward(const DenseParallel& par, int64_t batch, const std::vector<ColumnGrad>& grads);
+// A row-parallel linear and the sum over the group (this rank's rows under SP).
+Tensor row_parallel_forward(const DenseParallel& par, const Linear& linear, const Tensor& x, int64_t batch,
+                            Linear::Ctx& ctx);
+Tensor row_parallel_backward(const DenseParallel& par, const Linear& linear, const Tensor& dy_local, int64_t batch,
+                             Linear::Ctx& ctx);
 
 // RMSNorm or LayerNorm over the last dimension.
 class Norm {

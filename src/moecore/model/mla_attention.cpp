@@ -21,6 +21,7 @@ MlaAttention::MlaAttention(ParamStore& store, const std::string& prefix, const M
       rope_scaling_(cfg.rope_scaling) {
   const int64_t tp = par.tp_size(), h = cfg.hidden_size, n = cfg.num_attention_heads;
   MC_CHECK(n % tp == 0, "--num-attention-heads ", n, " must divide by --tensor-model-parallel-size ", tp);
+  MC_CHECK(!par.overlap(), "--tp-comm-overlap with --multi-latent-attention is not available in this version");
   MC_CHECK(!recompute_ || !par.cp, "--recompute-modules mla_up_proj with --context-parallel-size ", par.cp_size(),
            " is not available in this version");
   if (cfg.rope_yarn) mscale_ = ops::yarn_mscale(cfg.rope_scaling.factor, cfg.rope_scaling.mscale_all_dim);

@@ -17,9 +17,16 @@
 //            all-gather.
 // With B > 1 a sequence gather is an all-gather into [TP, B, s/TP, ...] reordered to
 // [B, s, ...] (and the reverse before a reduce-scatter): one extra copy; none for B = 1.
+//
+// --tp-comm-overlap (tp_comm_overlap, with SP): the gather before a column-parallel linear and
+// the reduce-scatter after a row-parallel one go in row chunks (RowChunks), each chunk's
+// collective on a communication stream while the compute stream runs the GEMMs of the chunk
+// before (reduce-scatter) or after (gather) it, ordered by CUDA events (tensor_parallel_overlap.cpp;
+// model/layers.h: the linears around them).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "moecore/comm/communicator.h"
@@ -37,11 +44,13 @@ struct DenseParallel {
   comm::Communicator* tp = nullptr;  // tensor-parallel group (null: TP = 1)
   comm::Communicator* cp = nullptr;  // context-parallel group (null: CP = 1)
   bool sequence_parallel = false;    // with TP > 1
+  bool tp_comm_overlap = false;      // --tp-comm-overlap (with SP): the chunked collectives below
   int64_t tp_size() const { return tp ? tp->size() : 1; }
   int64_t tp_rank() const { return tp ? tp->rank() : 0; }
   int64_t cp_size() const { return cp ? cp->size() : 1; }
   int64_t cp_rank() const { return cp ? cp->rank() : 0; }
   bool sp() const { return sequence_parallel && tp != nullptr; }
+  bool overlap() const { return tp_comm_overlap && sp(); }
   // Tokens of this rank between the blocks, given the CP-local tokens of the micro-batch.
   int64_t local_tokens(int64_t cp_tokens) const { return sp() ? cp_tokens / tp_size() : cp_tokens; }
 
@@ -55,6 +64,46 @@ struct DenseParallel {
   Tensor exit_forward(const Tensor& y, int64_t batch) const;
   Tensor exit_backward(const Tensor& dy, int64_t batch) const;
 };
+
+// ---- --tp-comm-overlap: the sequence gather and reduce-scatter in row chunks ---------------
+// Chunk c is the row range [begin(c), end(c)) of this rank's R = B*s tokens, the same ranges on
+// every rank; `count` = min(TP, R) chunks of R / count rows, the first R % count one row longer.
+// Gathered over the n ranks, chunk c is [n * len(c), ...] rank-major (rank r's rows, then rank
+// r+1's); in the sequence-order tensor [B*n*s, ...] those rows lie at rank r's slice of each
+// sequence. GEMMs act on rows independently, so a chunk's rows give the rows the whole tensor
+// would give.
+struct RowChunks {
+  int64_t ranks = 1, batch = 1, seq = 1;  // n, B, s (this rank's tokens of each sequence)
+  int64_t count = 1;
+  RowChunks(int64_t ranks, int64_t batch, int64_t local_rows);
+  int64_t begin(int64_t c) const;
+  int64_t end(int64_t c) const { return begin(c + 1); }
+  int64_t len(int64_t c) const { return end(c) - begin(c); }
+  // The pieces of chunk c contiguous in both layouts (one per rank and sequence it spans): rows
+  // [at, at + rows) of the rank-major chunk are rows [full, full + rows) of the sequence order.
+  struct Run {
+    int64_t at, full, rows;
+  };
+  std::vector<Run> runs(int64_t c) const;
+  // Chunk c's rows [n * len(c), ...] (rank-major) into their places in `full` [B*n*s, ...],
+  // and the reverse (a new tensor).
+  void put(Tensor& full, int64_t c, const Tensor& rows) const;
+  Tensor take(const Tensor& full, int64_t c) const;
+};
+
+// gather_sequence in chunks: chunk c's all-gather runs on the communication stream (a GPU) while
+// consume(c, rows) -- rows = the gathered chunk [n * len(c), ...], rank-major -- runs on the
+// current stream for chunk c-1's rows. Returns the whole gathered tensor (sequence order).
+Tensor gather_sequence_chunked(comm::Communicator& group, const Tensor& x, int64_t batch,
+                               const std::function<void(int64_t, const Tensor&)>& consume);
+// reduce_scatter_sequence in chunks: produce(c) returns chunk c's partial sums [n * len(c), ...]
+// (rank-major, `width` features, dtype `dtype`); chunk c's reduce-scatter runs on the
+// communication stream while chunk c+1 is produced; meanwhile() (when set) runs on the current
+// stream after the last chunk is produced, beside its reduce-scatter. Returns this rank's
+// [B*s, width], summed.
+Tensor reduce_scatter_sequence_chunked(comm::Communicator& group, int64_t local_rows, int64_t width, int64_t batch,
+                                       DType dtype, Device device, const std::function<Tensor(int64_t)>& produce,
+                                       const std::function<void()>& meanwhile);
 
 // Context parallelism: the global position of this rank's chunk i (0 or 1) of c tokens.
 inline int64_t cp_chunk_start(int64_t chunk_len, int64_t cp_size, int64_t cp_rank, int chunk) {

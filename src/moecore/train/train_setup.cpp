@@ -122,8 +122,9 @@ void TrainingRun::build_model() {
     fp8->set_tensor_parallel_group(groups->tp());
     store->set_fp8(fp8.get());
   }
-  const MoeParallel moe_par = groups->moe_parallel(args.dispatcher, args.sequence_parallel);
-  const DenseParallel dense_par = groups->dense_parallel(args.sequence_parallel);
+  MoeParallel moe_par = groups->moe_parallel(args.dispatcher, args.sequence_parallel);
+  DenseParallel dense_par = groups->dense_parallel(args.sequence_parallel);
+  moe_par.dense.tp_comm_overlap = dense_par.tp_comm_overlap = args.tp_comm_overlap;
   for (const PipelineStage& st : chunk_stages) {
     chunk_models.push_back(std::make_unique<GPTModel>(cfg, *store, moe_par, st, dense_par));
     chunks.push_back(chunk_models.back().get());
