@@ -2,10 +2,13 @@
 # --overlap-moe-expert-parallel-comm (and --delay-wgrad-compute) changes no number: a tiny MoE
 # model (a dense layer and two MoE layers) trains 3 iterations on two or four CPU ranks (mpirun)
 # with EP2 -- alone, with the distributed optimizer, with ETP2, with DP2 and the gradient-reduce
-# overlap, with tied embeddings and an overlapped shared expert -- without the flag, with it and
+# overlap, with DP2 and global_aux_loss, sigmoid routing, expert bias and capacity dropping, with
+# padding to capacity, with tied embeddings and an overlapped shared expert, with tied embeddings
+# and the unfused output layer -- without the flag, with it and
 # with both flags, and logs bit-identical lm loss, balancing loss and grad norm and saves
-# bit-identical checkpoints (weights and optimizer state after 3 updates); each layout also
-# matches the single-rank run of the same model (within the EP layouts' usual rounding).
+# bit-identical checkpoints (weights and optimizer state after 3 updates); each layout without
+# capacity or global_aux_loss also matches the single-rank run of the same model (within the EP
+# layouts' usual rounding).
 set -euo pipefail
 bin=$1; src=$2; mpiexec=$3
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -29,10 +32,14 @@ shared="--moe-shared-expert-intermediate-size 32"
 for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
               "untied 4 $ep --expert-tensor-parallel-size 2" \
               "untied 4 $ep --use-distributed-optimizer --overlap-grad-reduce" \
-              "tied 2 $ep $shared --moe-shared-expert-overlap"; do
+              "untied 4 $ep --moe-router-load-balancing-type global_aux_loss --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-expert-capacity-factor 1.0" \
+              "untied 2 $ep --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity" \
+              "tied 2 $ep $shared --moe-shared-expert-overlap" "tied-unfused 2 $ep"; do
   read -r -a l <<<"$layout"
   config=("--config" "$src/configs/tiny.yaml")
-  [ "${l[0]}" = tied ] && config=("--config" "$dir/tied.yaml")
+  [ "${l[0]}" != untied ] && config=("--config" "$dir/tied.yaml")
+  # tied-unfused: the output layer's backward in the backward pass (MOECORE_FUSED_HEAD=0)
+  if [ "${l[0]}" = tied-unfused ]; then export MOECORE_FUSED_HEAD=0; else unset MOECORE_FUSED_HEAD; fi
   model=("${common[@]}" "${config[@]}")
   # the single-rank reference of this model (EP, ETP and the shared expert's overlap need ranks / a GPU)
   single=()
@@ -49,6 +56,8 @@ for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
   done
   same_checkpoints ckpt_off ckpt_on
   same_checkpoints ckpt_off ckpt_delay
-  check 2e-5 "np ${l[*]} --overlap-moe-expert-parallel-comm"
+  # Capacity is decided on each rank's tokens and global_aux_loss averages per micro-batch over DP:
+  # there the plain EP run is the reference, not one rank.
+  case "$layout" in *capacity*|*global_aux_loss*) ;; *) check 2e-5 "np ${l[*]} --overlap-moe-expert-parallel-comm";; esac
   echo "np ${l[*]}: --overlap-moe-expert-parallel-comm (and --delay-wgrad-compute) bit-identical (losses, grad norm, checkpoint)"
 done
