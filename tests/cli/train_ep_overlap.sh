@@ -4,10 +4,10 @@
 # with EP2 -- alone, with the distributed optimizer, with ETP2, with DP2 and the gradient-reduce
 # overlap, with DP2 and global_aux_loss, sigmoid routing, expert bias and capacity dropping, with
 # padding to capacity, with tied embeddings and an overlapped shared expert, with tied embeddings
-# and the unfused output layer -- without the flag, with it and
+# and the unfused output layer, deepseek-small scaled down (bf16, MLA) -- without the flag, with it and
 # with both flags, and logs bit-identical lm loss, balancing loss and grad norm and saves
 # bit-identical checkpoints (weights and optimizer state after 3 updates); each layout without
-# capacity or global_aux_loss also matches the single-rank run of the same model (within the EP
+# capacity, global_aux_loss or bf16 also matches the single-rank run of the same model (within the EP
 # layouts' usual rounding).
 set -euo pipefail
 bin=$1; src=$2; mpiexec=$3
@@ -27,6 +27,12 @@ same_checkpoints() {  # a b: every saved tensor file bit-identical
   [ -n "$files" ] || { echo "FAIL: no checkpoint saved"; exit 1; }
   for f in $files; do cmp "$dir/$1/$f" "$dir/$2/$f" || { echo "FAIL: checkpoint $f differs"; exit 1; }; done
 }
+# mla: deepseek-small scaled down (bf16, multi-latent attention, group-limited sigmoid routing with
+# expert bias and seq_aux_loss, a shared expert), without MTP
+mla=(--vocab-size 256 --seq-length 64 --max-position-embeddings 64 --hidden-size 64 --ffn-hidden-size 128
+     --num-attention-heads 4 --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16 --qk-pos-emb-head-dim 8
+     --v-head-dim 16 --num-experts 8 --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk 2
+     --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32 --mtp-num-layers 0)
 ep="--expert-model-parallel-size 2"
 shared="--moe-shared-expert-intermediate-size 32"
 for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
@@ -34,10 +40,11 @@ for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
               "untied 4 $ep --use-distributed-optimizer --overlap-grad-reduce" \
               "untied 4 $ep --moe-router-load-balancing-type global_aux_loss --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-expert-capacity-factor 1.0" \
               "untied 2 $ep --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity" \
-              "tied 2 $ep $shared --moe-shared-expert-overlap" "tied-unfused 2 $ep"; do
+              "tied 2 $ep $shared --moe-shared-expert-overlap" "tied-unfused 2 $ep" "mla 2 $ep"; do
   read -r -a l <<<"$layout"
   config=("--config" "$src/configs/tiny.yaml")
   [ "${l[0]}" != untied ] && config=("--config" "$dir/tied.yaml")
+  [ "${l[0]}" = mla ] && config=("--config" "$src/configs/deepseek-small.yaml" "${mla[@]}")
   # tied-unfused: the output layer's backward in the backward pass (MOECORE_FUSED_HEAD=0)
   if [ "${l[0]}" = tied-unfused ]; then export MOECORE_FUSED_HEAD=0; else unset MOECORE_FUSED_HEAD; fi
   model=("${common[@]}" "${config[@]}")
@@ -56,8 +63,8 @@ for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
   done
   same_checkpoints ckpt_off ckpt_on
   same_checkpoints ckpt_off ckpt_delay
-  # Capacity is decided on each rank's tokens and global_aux_loss averages per micro-batch over DP:
-  # there the plain EP run is the reference, not one rank.
-  case "$layout" in *capacity*|*global_aux_loss*) ;; *) check 2e-5 "np ${l[*]} --overlap-moe-expert-parallel-comm";; esac
+  # Capacity is decided on each rank's tokens and global_aux_loss averages per micro-batch over DP,
+  # and bf16 (mla) rounds per layout: there the plain EP run is the reference, not one rank.
+  case "$layout" in *capacity*|*global_aux_loss*|mla*) ;; *) check 2e-5 "np ${l[*]} --overlap-moe-expert-parallel-comm";; esac
   echo "np ${l[*]}: --overlap-moe-expert-parallel-comm (and --delay-wgrad-compute) bit-identical (losses, grad norm, checkpoint)"
 done
