@@ -3,8 +3,9 @@
 # model (a dense layer and two MoE layers) trains 3 iterations on two or four CPU ranks (mpirun)
 # with EP2 -- alone, with the distributed optimizer, with ETP2, with DP2 and the gradient-reduce
 # overlap, with DP2 and global_aux_loss, sigmoid routing, expert bias and capacity dropping, with
-# padding to capacity, with tied embeddings and an overlapped shared expert, with tied embeddings
-# and the unfused output layer, deepseek-small scaled down (bf16, MLA) -- without the flag, with it and
+# padding to capacity, with the recomputation of moe_act, shared_experts, core_attn and mlp (a gated
+# shared expert), with tied embeddings and an overlapped shared expert, with tied embeddings
+# and the unfused output layer, deepseek-small scaled down (bf16, MLA; mla_up_proj recomputed) -- without the flag, with it and
 # with both flags, and logs bit-identical lm loss, balancing loss and grad norm and saves
 # bit-identical checkpoints (weights and optimizer state after 3 updates); each layout without
 # capacity, global_aux_loss or bf16 also matches the single-rank run of the same model (within the EP
@@ -40,7 +41,9 @@ for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
               "untied 4 $ep --use-distributed-optimizer --overlap-grad-reduce" \
               "untied 4 $ep --moe-router-load-balancing-type global_aux_loss --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-expert-capacity-factor 1.0" \
               "untied 2 $ep --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity" \
-              "tied 2 $ep $shared --moe-shared-expert-overlap" "tied-unfused 2 $ep" "mla 2 $ep"; do
+              "untied 2 $ep $shared --moe-shared-expert-gate --recompute-granularity selective --recompute-modules moe_act shared_experts core_attn mlp" \
+              "tied 2 $ep $shared --moe-shared-expert-overlap" "tied-unfused 2 $ep" \
+              "mla 2 $ep --recompute-granularity selective --recompute-modules mla_up_proj moe_act"; do
   read -r -a l <<<"$layout"
   config=("--config" "$src/configs/tiny.yaml")
   [ "${l[0]}" != untied ] && config=("--config" "$dir/tied.yaml")
@@ -50,7 +53,10 @@ for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
   model=("${common[@]}" "${config[@]}")
   # the single-rank reference of this model (EP, ETP and the shared expert's overlap need ranks / a GPU)
   single=()
-  for f in "${l[@]:2}"; do case "$f" in --moe-shared-expert-intermediate-size|32) single+=("$f");; esac; done
+  for f in "${l[@]:2}"; do
+    case "$f" in --expert-model-parallel-size|--expert-tensor-parallel-size|2|--moe-shared-expert-overlap) ;;
+                 --use-distributed-optimizer|--overlap-grad-reduce) ;; *) single+=("$f");; esac
+  done
   run single 1 "${model[@]}" "${single[@]}" --save "$dir/ckpt_single"
   rm -rf "$dir"/ckpt_*
   run off "${l[1]}" "${model[@]}" "${l[@]:2}" --save "$dir/ckpt_off"

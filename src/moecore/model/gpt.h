@@ -133,7 +133,8 @@ class GPTModel {
   // --overlap-moe-expert-parallel-comm (train/ep_overlap_schedule.h): a training pass in pieces,
   // so that one micro-batch's forward and another's backward interleave layer by layer. The same
   // operations in the same order as forward_loss_sum and backward (model/gpt_phased.cpp), for the
-  // whole model on one pipeline stage without recomputation, offloading or MTP (refused there):
+  // whole model on one pipeline stage without full-layer, MoE-layer or norm recomputation,
+  // offloading or MTP (refused there; recomputation inside a module runs as without the phases):
   //   forward:  phased_forward_begin; for each layer i, for each phase p < kLayerPhases:
   //             forward_layer_phase(i, p); the loss sum = phased_forward_end
   //   backward: phased_backward_begin; for each layer i from the last, for each phase p:

@@ -26,7 +26,7 @@ void GPTModel::forward_layer_phase(int64_t i, int phase, PhasedPass& pass, Ctx& 
   const MemoryCategoryScope activations(MemoryCategory::kActivations);
   if (phase == 0) {  // decoder_forward's per-layer start
     wait_params(i);
-    MC_CHECK(!pass.training || full_recompute_first(i) < 0, "the phased training pass does not recompute");
+    MC_CHECK(!pass.training || full_recompute_first(i) < 0, "the phased training pass does not recompute whole layers");
     lc.recompute_first = -1;
     lc.recompute_input = lc.mlp_input = Tensor();
     lc.moe_dropped = false;
@@ -36,7 +36,7 @@ void GPTModel::forward_layer_phase(int64_t i, int phase, PhasedPass& pass, Ctx& 
     return;
   }
   MC_CHECK(!releases_norm_outputs(pass.training, false, lc) && !(pass.training && cfg_.recompute.moe),
-           "the phased training pass does not recompute");
+           "the phased training pass does not recompute the MoE layer or the norms' outputs");
   MoeLayer& moe = moe_[li];
   if (phase == 0) pass.h = layer_attention_forward(li, pass.h, pass.training, ctx.batch, lc, false);
   const TimedRegion timed("moe-forward", 2, pass.h.device());

@@ -154,8 +154,13 @@ void check_ep_overlap_args(const TrainArgs& a) {
            " data-parallel ranks) = ", micro, "); raise --global-batch-size");
   MC_CHECK(a.token_dispatcher == "alltoall", flag, " works with --moe-token-dispatcher-type alltoall only (as in "
            "Megatron), not ", a.token_dispatcher, ": add --moe-token-dispatcher-type alltoall");
-  MC_CHECK(a.recompute_granularity.empty() && !a.moe_layer_recompute, flag, " is not yet available with activation "
-           "recomputation (--recompute-granularity, --recompute-modules, --moe-layer-recompute); drop one of them");
+  // Recomputation inside a module (moe_act, shared_experts, core_attn, mla_up_proj, mlp) runs in
+  // the layer phases as it does without the flag; what drops a whole layer or MoE layer (or the
+  // norms' outputs, kept across the phases) is not phased yet.
+  const RecomputeConfig& r = a.model.recompute;
+  MC_CHECK(a.recompute_granularity != "full" && !r.moe && !r.layernorm, flag, " is not yet available with "
+           "--recompute-granularity full, --recompute-modules moe or layernorm, or --moe-layer-recompute (selective "
+           "moe_act, shared_experts, core_attn, mla_up_proj and mlp are); drop one of them");
   MC_CHECK(!a.fine_grained_activation_offloading, flag, " is not yet available with "
            "--fine-grained-activation-offloading; drop one of them");
   MC_CHECK(a.model.mtp_num_layers == 0, flag, " is not yet available with --mtp-num-layers ", a.model.mtp_num_layers,
