@@ -2,7 +2,7 @@
 # --overlap-moe-expert-parallel-comm (and --delay-wgrad-compute) changes no number: a tiny MoE
 # model (a dense layer and two MoE layers) trains 3 iterations on two or four CPU ranks (mpirun)
 # with EP2 -- alone, with the distributed optimizer, with ETP2, with DP2 and the gradient-reduce
-# overlap, with DP2 and global_aux_loss, sigmoid routing, expert bias and capacity dropping, with
+# overlap, with TP2 + SP, with CP2, with DP2 and global_aux_loss, sigmoid routing, expert bias and capacity dropping, with
 # padding to capacity, with the recomputation of moe_act, shared_experts, core_attn and mlp (a gated
 # shared expert), with tied embeddings and an overlapped shared expert, with tied embeddings
 # and the unfused output layer, deepseek-small scaled down (bf16, MLA; mla_up_proj recomputed) -- without the flag, with it and
@@ -39,6 +39,7 @@ shared="--moe-shared-expert-intermediate-size 32"
 for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
               "untied 4 $ep --expert-tensor-parallel-size 2" \
               "untied 4 $ep --use-distributed-optimizer --overlap-grad-reduce" \
+              "untied 4 $ep --tensor-model-parallel-size 2 --sequence-parallel" "untied 4 $ep --context-parallel-size 2" \
               "untied 4 $ep --moe-router-load-balancing-type global_aux_loss --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-expert-capacity-factor 1.0" \
               "untied 2 $ep --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity" \
               "untied 2 $ep $shared --moe-shared-expert-gate --recompute-granularity selective --recompute-modules moe_act shared_experts core_attn mlp" \
@@ -55,6 +56,7 @@ for layout in "untied 2 $ep" "untied 2 $ep --use-distributed-optimizer" \
   single=()
   for f in "${l[@]:2}"; do
     case "$f" in --expert-model-parallel-size|--expert-tensor-parallel-size|2|--moe-shared-expert-overlap) ;;
+                 --tensor-model-parallel-size|--sequence-parallel|--context-parallel-size) ;;
                  --use-distributed-optimizer|--overlap-grad-reduce) ;; *) single+=("$f");; esac
   done
   run single 1 "${model[@]}" "${single[@]}" --save "$dir/ckpt_single"
