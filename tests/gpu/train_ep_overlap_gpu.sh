@@ -5,7 +5,8 @@
 # communication stream, gives the same numbers. EP=2: a tiny bf16 MoE model (a dense layer and two
 # MoE layers; then with an overlapped shared expert) and finegrained-small (2 layers) train with
 # and without the flag (and with --delay-wgrad-compute) and log bit-identical lm loss, balancing
-# loss and grad norm and save bit-identical checkpoints. With TP=2 the flag is refused on GPUs.
+# loss and grad norm and save bit-identical checkpoints. With TP=2, and with global_aux_loss over
+# DP=2, the flag is refused on GPUs.
 set -euo pipefail
 bin=$1; src=$2; mpi=${3:?a launcher for two GPUs, e.g. "mpirun -np 2"}
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -53,4 +54,11 @@ fi
 grep -q -- "--overlap-moe-expert-parallel-comm on GPUs is not yet available with --tensor-model-parallel-size" "$dir/tp.log" ||
   { cat "$dir/tp.log"; echo "FAIL: the TP refusal's message"; exit 1; }
 echo "TP=2 with the flag on GPUs: refused by name"
+if "$bin" "${tiny[@]}" --moe-router-load-balancing-type global_aux_loss --emulate-world-size 2 --emulate-rank 0 \
+    "${overlap[@]}" >"$dir/gaux.log" 2>&1; then
+  echo "FAIL: global_aux_loss over DP=2 with --overlap-moe-expert-parallel-comm on GPUs was not refused"; exit 1
+fi
+grep -q -- "--overlap-moe-expert-parallel-comm on GPUs is not yet available with --moe-router-load-balancing-type global_aux_loss" \
+  "$dir/gaux.log" || { cat "$dir/gaux.log"; echo "FAIL: the global_aux_loss refusal's message"; exit 1; }
+echo "global_aux_loss over DP=2 with the flag on GPUs: refused by name"
 echo PASS
