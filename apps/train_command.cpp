@@ -20,6 +20,7 @@
 #include "moecore/model/activation_offload.h"
 #include "moecore/data/tokenizer.h"
 #include "moecore/train/checkpoint.h"
+#include "moecore/train/ep_overlap_schedule.h"
 #include "moecore/train/memory_estimate.h"
 #include "moecore/train/pipeline.h"
 #include "moecore/train/trainer.h"
@@ -298,9 +299,12 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_string("ckpt-format", &a.ckpt_format, "not available: one checkpoint format (refused)");
   f.add_bool("auto-detect-ckpt-format", &a.auto_detect_ckpt_format, "not available: one checkpoint format (refused)");
   f.add_bool("overlap-moe-expert-parallel-comm", &a.overlap_moe_ep_comm,
-             "not available: EP all-to-alls overlapped with another micro-batch (refused)");
+             "interleave one micro-batch's forward with another's backward layer by layer so that each one's "
+             "expert-parallel all-to-alls overlap the other's computation (the same numbers); needs "
+             "--expert-model-parallel-size > 1, alltoall dispatch, 2+ micro-batches, no pipeline stages");
   f.add_bool("delay-wgrad-compute", &a.delay_wgrad_compute,
-             "not available: goes with --overlap-moe-expert-parallel-comm (refused)");
+             "with --overlap-moe-expert-parallel-comm: the experts' weight gradients after the dispatch gradient's "
+             "all-to-all is issued (the same numbers)");
   f.add_bool("moe-shared-expert-overlap", &a.moe_shared_expert_overlap,
              "the shared expert computes while the routed tokens travel (a side stream on the GPU; the same "
              "numbers); needs --moe-shared-expert-intermediate-size and --moe-token-dispatcher-type alltoall");
@@ -812,10 +816,6 @@ void check_feature_flags(TrainArgs& a) {
            "launcher) with --memory-report");
   MC_CHECK(a.manual_gc_interval == 0, "--manual-gc-interval controls Python's garbage collector; moecore has none: "
            "drop the flag");
-  MC_CHECK(!a.overlap_moe_ep_comm, "--overlap-moe-expert-parallel-comm is not available in this version: the "
-           "expert-parallel all-to-alls are not overlapped with another micro-batch's computation; drop the flag");
-  MC_CHECK(!a.delay_wgrad_compute, "--delay-wgrad-compute is not available in this version (it goes with "
-           "--overlap-moe-expert-parallel-comm): drop the flag");
   if (a.moe_shared_expert_overlap) {
     // Megatron's rules: a shared expert to overlap, and the alltoall dispatcher.
     MC_CHECK(e.shared_expert_size > 0, "--moe-shared-expert-overlap needs a shared expert: set "
@@ -1092,6 +1092,7 @@ void finalize_train_args(TrainArgs& a, const comm::LaunchEnv* launched) {
   resolve_device(a, env);
   check_fp8_flags(a);
   check_cuda_graph_flags(a);
+  check_ep_overlap_args(a);  // --overlap-moe-expert-parallel-comm, --delay-wgrad-compute
   if (a.metrics_file.empty() && !a.save.empty()) a.metrics_file = a.save + "/metrics.jsonl";
 }
 

@@ -10,6 +10,7 @@
 #          rank of EP=2, TP=2, PP=2, DP=2 layouts emulated alone has the real rank's peak);
 #          tests/gpu/train_fp8_parallel_gpu.sh (FP8 training in EP=2, TP=2, DP=2 against one GPU);
 #          tests/gpu/train_tp_comm_overlap_gpu.sh (TP=2+SP with and without --tp-comm-overlap)
+#          tests/gpu/train_ep_overlap_gpu.sh (--overlap-moe-expert-parallel-comm at EP=2: bit-identical)
 #   perf:  bench_comm (NCCL all-to-all / all-reduce / all-gather bus bandwidth at dispatch sizes)
 #          on 2 and, with 4+ GPUs, 4 ranks; mixtral-small (bf16, global batch 16) on one GPU,
 #          DP=2, EP=2 (alltoall, allgather), PP=2, TP=2+SP (also --tp-comm-overlap), CP=2, TP=2+SP
@@ -58,6 +59,9 @@ if [ "$what" != perf ]; then
   step train_shared_expert_overlap_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_shared_expert_overlap_gpu.sh \
     "$build/moecore" . "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "bit-identical|moe_ep_|FAIL" "$build/train_shared_expert_overlap_gpu.log" || true
+  step train_ep_overlap_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_ep_overlap_gpu.sh "$build/moecore" . \
+    "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
+  grep -E "bit-identical|FAIL" "$build/train_ep_overlap_gpu.log" || true
   step train_fp8_parallel_gpu env CUDA_VISIBLE_DEVICES=0,1 tests/gpu/train_fp8_parallel_gpu.sh "$build/moecore" . \
     "mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE -x CUDA_VISIBLE_DEVICES"
   grep -E "same|differ" "$build/train_fp8_parallel_gpu.log" || true
@@ -91,6 +95,7 @@ if [ "$what" != check ]; then
   perf "DP=2 distributed optimizer --overlap-grad-reduce" 2 mixtral-small --use-distributed-optimizer --overlap-grad-reduce
   perf "DP=2 distributed optimizer --overlap-grad-reduce --overlap-param-gather" 2 mixtral-small --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
   perf "EP=2 alltoall" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+  perf "EP=2 alltoall --overlap-moe-expert-parallel-comm --delay-wgrad-compute" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm --delay-wgrad-compute
   perf "EP=2 alltoall --overlap-grad-reduce" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-grad-reduce
   perf "EP=2 allgather" 2 mixtral-small --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather
   perf "PP=2 (1F1B)" 2 mixtral-small --pipeline-model-parallel-size 2
@@ -125,6 +130,7 @@ if [ "$what" != check ]; then
   else
     perf "one GPU" 1 finegrained-small --micro-batch-size 4
     perf "EP=2 alltoall" 2 finegrained-small --micro-batch-size 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+    perf "EP=2 alltoall --overlap-moe-expert-parallel-comm --delay-wgrad-compute" 2 finegrained-small --micro-batch-size 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm --delay-wgrad-compute
   fi
 fi
 cards=$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | sed 's/^ *//' | tr '\n' ' ')

@@ -163,21 +163,25 @@ Tensor GPTModel::embed(const Tensor& tokens, Ctx& ctx) {
   return x;
 }
 
+Tensor GPTModel::layer_attention_forward(size_t li, Tensor h, bool training, int64_t batch, LayerCtx& lc,
+                                         bool recomputing) {
+  // New tensors for the residual stream: the norms keep their inputs for the backward.
+  // Memory accounting: each module's saved tensors under its name (core/memory_categories.h).
+  const TimedRegion timed("attention-forward", 2, h.device());
+  std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kAttnNorm);
+  const Tensor normed = attn_norm_[li].forward(h, lc.attn_norm);
+  module.emplace(ActivationModule::kCoreAttn);
+  const Tensor attn = attention_forward(li, normed, batch, lc);
+  module.emplace(ActivationModule::kResidual);
+  h = add_tensors(h, attn);
+  if (releases_norm_outputs(training, recomputing, lc)) release_norm_output(normed, lc.attn_normed);
+  return h;
+}
+
 Tensor GPTModel::layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_seed, int64_t batch, LayerCtx& lc,
                               bool recomputing) {
   const size_t li = static_cast<size_t>(i);
-  // New tensors for the residual stream: the norms keep their inputs for the backward.
-  // Memory accounting: each module's saved tensors under its name (core/memory_categories.h).
-  {
-    const TimedRegion timed("attention-forward", 2, h.device());
-    std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kAttnNorm);
-    const Tensor normed = attn_norm_[li].forward(h, lc.attn_norm);
-    module.emplace(ActivationModule::kCoreAttn);
-    const Tensor attn = attention_forward(li, normed, batch, lc);
-    module.emplace(ActivationModule::kResidual);
-    h = add_tensors(h, attn);
-    if (releases_norm_outputs(training, recomputing, lc)) release_norm_output(normed, lc.attn_normed);
-  }
+  h = layer_attention_forward(li, h, training, batch, lc, recomputing);
   std::optional<MemoryCategoryScope> module(std::in_place, ActivationModule::kMlpNorm);
   if (cfg_.is_moe(i)) {
     const TimedRegion timed("moe-forward", 2, h.device());
@@ -442,27 +446,33 @@ double GPTModel::forward(const Tensor& tokens, const Tensor& labels, bool traini
 
 Tensor GPTModel::forward_loss_sum(const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed,
                                   Ctx& ctx, const Tensor& hidden_in) {
-  MC_CHECK(labels.shape() == tokens.shape() && labels.dtype() == DType::I32, "labels must match tokens ",
-           tokens.describe(), ", got ", labels.describe());
   const MemoryCategoryScope activations(MemoryCategory::kActivations);  // what no module below names
   const OffloadForwardEnd offload_end(offloader_);  // --offload-modules: the last layer's device copies go
-  Tensor input;
+  Tensor h = decoder_forward(forward_input(tokens, labels, ctx, hidden_in), training, rng_seed, ctx);
+  return forward_output(h, tokens, labels, training, rng_seed, ctx);
+}
+
+Tensor GPTModel::forward_input(const Tensor& tokens, const Tensor& labels, Ctx& ctx, const Tensor& hidden_in) {
+  MC_CHECK(labels.shape() == tokens.shape() && labels.dtype() == DType::I32, "labels must match tokens ",
+           tokens.describe(), ", got ", labels.describe());
   if (stage_.has_embedding) {
     const TimedRegion timed("embedding-forward", 2, tokens.device());
     const MemoryCategoryScope module(ActivationModule::kEmbedding);
     std::optional<ops::EmbeddingIdsValidated> checked;  // check_batch_on_host checked the tokens
     if (ctx.checked_num_labels >= 0) checked.emplace();
-    input = embed(tokens, ctx);
-  } else {
-    const int64_t rows = hidden_rows(tokens);
-    MC_CHECK(hidden_in.defined() && hidden_in.ndim() == 2 && hidden_in.size(0) == rows &&
-                 hidden_in.size(1) == cfg_.hidden_size,
-             "pipeline stage input must be [", rows, ", ", cfg_.hidden_size, "], got ",
-             hidden_in.defined() ? hidden_in.describe() : std::string("nothing"));
-    ctx.batch = tokens.size(0);
-    input = hidden_in;
+    return embed(tokens, ctx);
   }
-  Tensor h = decoder_forward(input, training, rng_seed, ctx);
+  const int64_t rows = hidden_rows(tokens);
+  MC_CHECK(hidden_in.defined() && hidden_in.ndim() == 2 && hidden_in.size(0) == rows &&
+               hidden_in.size(1) == cfg_.hidden_size,
+           "pipeline stage input must be [", rows, ", ", cfg_.hidden_size, "], got ",
+           hidden_in.defined() ? hidden_in.describe() : std::string("nothing"));
+  ctx.batch = tokens.size(0);
+  return hidden_in;
+}
+
+Tensor GPTModel::forward_output(Tensor h, const Tensor& tokens, const Tensor& labels, bool training,
+                                uint64_t rng_seed, Ctx& ctx) {
   if (!stage_.has_head) {
     ctx.hidden_out = h;
     ctx.num_labels = 0;
@@ -609,6 +619,24 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
                           const Tensor& d_hidden_out) {
   const MemoryCategoryScope workspace(MemoryCategory::kWorkspace);  // activation gradients, temporaries
   if (offloader_) offloader_->begin_backward(ctx.offload_stash);  // the highest offloaded layer comes back
+  Tensor dh = backward_output(grad_scale, ctx, d_hidden_out);
+  for (int64_t i = stage_.end_layer - 1; i >= stage_.first_layer; --i) {
+    const size_t li = static_cast<size_t>(i);
+    reload_layer(i, ctx);
+    recompute_before_backward(i, ctx);
+    LayerCtx& lc = ctx.layers[li];
+    {
+      const TimedRegion timed(cfg_.is_moe(i) ? "moe-backward" : "mlp-backward", 2, dh.device());
+      Tensor d_normed = cfg_.is_moe(i) ? moe_[li].backward(dh, grad_scale, lc.moe) : mlp_[li].backward(dh, lc.mlp);
+      add_into(dh, mlp_norm_[li].backward(d_normed, lc.mlp_norm));
+    }
+    layer_attention_backward(li, dh, ctx);
+    if (layer_done) layer_done(i);
+  }
+  return backward_input(dh, ctx);
+}
+
+Tensor GPTModel::backward_output(double grad_scale, Ctx& ctx, const Tensor& d_hidden_out) {
   Tensor dh;
   if (stage_.has_head) {
     {
@@ -622,23 +650,17 @@ Tensor GPTModel::backward(double grad_scale, Ctx& ctx, const std::function<void(
     dh = d_hidden_out.clone();  // accumulated into below
     ctx.hidden_out = Tensor();
   }
-  for (int64_t i = stage_.end_layer - 1; i >= stage_.first_layer; --i) {
-    const size_t li = static_cast<size_t>(i);
-    reload_layer(i, ctx);
-    recompute_before_backward(i, ctx);
-    LayerCtx& lc = ctx.layers[li];
-    {
-      const TimedRegion timed(cfg_.is_moe(i) ? "moe-backward" : "mlp-backward", 2, dh.device());
-      Tensor d_normed = cfg_.is_moe(i) ? moe_[li].backward(dh, grad_scale, lc.moe) : mlp_[li].backward(dh, lc.mlp);
-      add_into(dh, mlp_norm_[li].backward(d_normed, lc.mlp_norm));
-    }
-    {
-      recompute_norm_output(attn_norm_[li], lc.attn_norm, lc.attn_normed, ActivationModule::kAttnNorm);
-      const TimedRegion timed("attention-backward", 2, dh.device());
-      add_into(dh, attn_norm_[li].backward(attention_backward(li, dh, ctx.batch, lc), lc.attn_norm));
-    }
-    if (layer_done) layer_done(i);
-  }
+  return dh;
+}
+
+void GPTModel::layer_attention_backward(size_t li, Tensor& dh, Ctx& ctx) {
+  LayerCtx& lc = ctx.layers[li];
+  recompute_norm_output(attn_norm_[li], lc.attn_norm, lc.attn_normed, ActivationModule::kAttnNorm);
+  const TimedRegion timed("attention-backward", 2, dh.device());
+  add_into(dh, attn_norm_[li].backward(attention_backward(li, dh, ctx.batch, lc), lc.attn_norm));
+}
+
+Tensor GPTModel::backward_input(const Tensor& dh, Ctx& ctx) {
   Tensor d_input;
   if (stage_.has_embedding) {
     const TimedRegion timed("embedding-backward", 2, dh.device());

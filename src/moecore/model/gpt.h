@@ -130,6 +130,40 @@ class GPTModel {
   // next stage); without the embedding the gradient of hidden_in is returned (else undefined).
   Tensor backward(double grad_scale, Ctx& ctx, const std::function<void(int64_t)>& layer_done = {},
                   const Tensor& d_hidden_out = Tensor());
+  // --overlap-moe-expert-parallel-comm (train/ep_overlap_schedule.h): a training pass in pieces,
+  // so that one micro-batch's forward and another's backward interleave layer by layer. The same
+  // operations in the same order as forward_loss_sum and backward (model/gpt_phased.cpp), for the
+  // whole model on one pipeline stage without full-layer, MoE-layer or norm recomputation,
+  // offloading or MTP (refused there; recomputation inside a module runs as without the phases):
+  //   forward:  phased_forward_begin; for each layer i, for each phase p < kLayerPhases:
+  //             forward_layer_phase(i, p); the loss sum = phased_forward_end
+  //   backward: phased_backward_begin; for each layer i from the last, for each phase p:
+  //             backward_layer_phase(i, p); phased_backward_end
+  // Phases 1 and 3 of an MoE layer are its expert-parallel collectives only (forward: the
+  // dispatch's and the combine's all-to-all; backward: the combine's, then the dispatch's), the
+  // other phases compute; a dense layer computes in phase 0 and does nothing in the others.
+  // With pass.delay_wgrad (--delay-wgrad-compute) an MoE layer's backward phase 2 leaves the
+  // experts' weight gradients to backward_layer_wgrad, which the caller runs after phase 3.
+  static constexpr int kLayerPhases = 5;
+  static bool phase_communicates(int phase) { return phase == 1 || phase == 3; }
+  struct PhasedPass {
+    Tensor h;  // the residual stream, or its gradient in the backward
+    MoeLayer::Flight moe;
+    bool training = true, delay_wgrad = false;
+    uint64_t rng_seed = 0;
+    double grad_scale = 0;  // the backward's (as backward() takes it)
+    std::function<void(int64_t)> layer_done;  // as backward() takes it
+  };
+  void phased_forward_begin(const Tensor& tokens, const Tensor& labels, PhasedPass& pass, Ctx& ctx);
+  void forward_layer_phase(int64_t i, int phase, PhasedPass& pass, Ctx& ctx);
+  Tensor phased_forward_end(const Tensor& tokens, const Tensor& labels, PhasedPass& pass, Ctx& ctx);
+  void phased_backward_begin(PhasedPass& pass, Ctx& ctx);
+  void backward_layer_phase(int64_t i, int phase, PhasedPass& pass, Ctx& ctx);
+  void backward_layer_wgrad(int64_t i, Ctx& ctx);
+  void phased_backward_end(PhasedPass& pass, Ctx& ctx);
+  int64_t first_layer() const { return stage_.first_layer; }
+  int64_t end_layer() const { return stage_.end_layer; }
+
   // Logits [B*S, V] in the compute dtype, no loss (generation; one rank).
   Tensor logits(const Tensor& tokens);
   // Generation with a KV cache (one rank, the whole model): each decoder layer's K and V after
@@ -185,6 +219,19 @@ class GPTModel {
   Tensor attention_backward(size_t i, const Tensor& dy, int64_t batch, LayerCtx& lc) const;
   // The transformer layers of this stage (without the final norm).
   Tensor decoder_forward(Tensor h, bool training, uint64_t rng_seed, Ctx& ctx);
+  // forward_loss_sum's first part (checks, the embedding or the stage's input) and its last (the
+  // final norm, the output layer and loss, MTP; or the stage's output).
+  Tensor forward_input(const Tensor& tokens, const Tensor& labels, Ctx& ctx, const Tensor& hidden_in);
+  Tensor forward_output(Tensor h, const Tensor& tokens, const Tensor& labels, bool training, uint64_t rng_seed,
+                        Ctx& ctx);
+  // backward's first part (the head and MTP, or the next stage's gradient: returns the residual
+  // stream's gradient) and its last (the embedding's backward, or the stage's input gradient;
+  // resets ctx).
+  Tensor backward_output(double grad_scale, Ctx& ctx, const Tensor& d_hidden_out);
+  Tensor backward_input(const Tensor& dh, Ctx& ctx);
+  // Decoder layer li's attention half (norm, attention, residual) forward, and its backward into dh.
+  Tensor layer_attention_forward(size_t li, Tensor h, bool training, int64_t batch, LayerCtx& lc, bool recomputing);
+  void layer_attention_backward(size_t li, Tensor& dh, Ctx& ctx);
   // Decoder layer i from its input h. recomputing: rebuild what the first forward saved (the
   // MoE layer reuses its routing; no selective recomputation drops anything again).
   Tensor layer_forward(int64_t i, Tensor h, bool training, uint64_t rng_seed, int64_t batch, LayerCtx& lc,

@@ -120,7 +120,7 @@ Tensor GroupedExperts::forward(const Tensor& rows, const Tensor& row_probs, cons
 }
 
 Tensor GroupedExperts::backward(const Tensor& d_out, const ops::ExpertRows& groups, Ctx& ctx,
-                                Tensor& d_row_probs) const {
+                                Tensor& d_row_probs, bool delay_wgrad) const {
   const Device dev = d_out.device();
   if (!ctx.act.defined()) {  // recompute the activation from the kept fc1 output
     ctx.act = Tensor::empty({ctx.fc1_out.size(0), fc2_->shape[2]}, d_out.dtype(), dev);
@@ -129,10 +129,10 @@ Tensor GroupedExperts::backward(const Tensor& d_out, const ops::ExpertRows& grou
   Tensor d_act = Tensor::empty(ctx.act.shape(), d_out.dtype(), dev);
   if (fp8_fc2_.on()) {
     fp8_dgrad(fp8_fc2_, d_out, fc2_->weight, groups, d_act, first_expert_);
-    fp8_wgrad(fp8_fc2_, d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates(), first_expert_);
+    if (!delay_wgrad) fp8_wgrad(fp8_fc2_, d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates(), first_expert_);
   } else {
     ops::grouped_gemm_dgrad(d_out, fc2_->weight, groups, d_act);
-    ops::grouped_gemm_wgrad(d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates());
+    if (!delay_wgrad) ops::grouped_gemm_wgrad(d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates());
   }
   Tensor d_fc1 = Tensor::empty(ctx.fc1_out.shape(), d_out.dtype(), dev);
   d_row_probs = Tensor();
@@ -145,12 +145,31 @@ Tensor GroupedExperts::backward(const Tensor& d_out, const ops::ExpertRows& grou
   Tensor d_rows = Tensor::empty(ctx.input.shape(), d_out.dtype(), dev);
   if (fp8_fc1_.on()) {
     fp8_dgrad(fp8_fc1_, d_fc1, fc1_->weight, groups, d_rows, first_expert_);
-    fp8_wgrad(fp8_fc1_, d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates(), first_expert_);
+    if (!delay_wgrad) fp8_wgrad(fp8_fc1_, d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates(), first_expert_);
   } else {
     ops::grouped_gemm_dgrad(d_fc1, fc1_->weight, groups, d_rows);
-    ops::grouped_gemm_wgrad(d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates());
+    if (!delay_wgrad) ops::grouped_gemm_wgrad(d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates());
+  }
+  if (delay_wgrad) {
+    ctx.d_out = d_out;
+    ctx.d_fc1 = d_fc1;
   }
   return d_rows;
+}
+
+void GroupedExperts::backward_wgrad(const ops::ExpertRows& groups, Ctx& ctx) const {
+  MC_CHECK(ctx.d_out.defined() && ctx.d_fc1.defined(), "GroupedExperts::backward_wgrad without a delayed backward");
+  if (fp8_fc2_.on()) {
+    fp8_wgrad(fp8_fc2_, ctx.d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates(), first_expert_);
+  } else {
+    ops::grouped_gemm_wgrad(ctx.d_out, ctx.act, groups, fc2_->grad, fc2_->grad_accumulates());
+  }
+  if (fp8_fc1_.on()) {
+    fp8_wgrad(fp8_fc1_, ctx.d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates(), first_expert_);
+  } else {
+    ops::grouped_gemm_wgrad(ctx.d_fc1, ctx.input, groups, fc1_->grad, fc1_->grad_accumulates());
+  }
+  ctx.d_out = ctx.d_fc1 = Tensor();
 }
 
 }  // namespace moecore

@@ -38,13 +38,20 @@ class GroupedExperts {
     Tensor row_probs;  // SwiGLU: each row's probability [rows, 1]
     Tensor fc1_out;    // "expert_fc1"
     Tensor act;        // "moe_act" (undefined after the forward with moe_act recomputation)
+    // --delay-wgrad-compute: the output gradients that backward_wgrad reads (set by a backward
+    // with delay_wgrad, released by backward_wgrad).
+    Tensor d_out, d_fc1;
   };
 
   // rows [n, H] grouped by groups; row_probs [n, 1] (SwiGLU) -> [n, H].
   Tensor forward(const Tensor& rows, const Tensor& row_probs, const ops::ExpertRows& groups, Ctx& ctx) const;
   // -> the rows' gradient [n, H]; d_row_probs: the row probabilities' gradient (SwiGLU; undefined
-  // for GELU). Accumulates the weight gradients.
-  Tensor backward(const Tensor& d_out, const ops::ExpertRows& groups, Ctx& ctx, Tensor& d_row_probs) const;
+  // for GELU). Accumulates the weight gradients -- with delay_wgrad (--delay-wgrad-compute) not
+  // here but in backward_wgrad, which the caller runs later (the same GEMMs on the same operands:
+  // the same gradients).
+  Tensor backward(const Tensor& d_out, const ops::ExpertRows& groups, Ctx& ctx, Tensor& d_row_probs,
+                  bool delay_wgrad = false) const;
+  void backward_wgrad(const ops::ExpertRows& groups, Ctx& ctx) const;
 
   // The GEMMs read the groups' device offsets (no host copy of the counts needed).
   bool device_rows() const;

@@ -22,6 +22,8 @@
 #include <memory>
 #include <string>
 
+#include "moecore/moe/side_stream.h"
+
 #include "moecore/model/config.h"
 #include "moecore/model/params.h"
 #include "moecore/moe/experts.h"
@@ -64,6 +66,41 @@ class MoeLayer {
   // loss_grad_scale: d(total loss)/d(balancing loss), i.e. 1 / num_microbatches.
   Tensor backward(const Tensor& dy, double loss_grad_scale, Ctx& ctx);
 
+  // The forward and the backward in phases (--overlap-moe-expert-parallel-comm: a scheduler runs
+  // another micro-batch's work between them, train/ep_overlap_schedule.h). The phases named
+  // *_dispatch and *_combine carry the expert-parallel collective only (the dispatcher's
+  // token_dispatch / token_combine and their backwards); the others compute. forward() and
+  // backward() are these phases back to back: the same operations in the same order.
+  //   forward:  forward_route (router, dispatch preprocess) -> forward_dispatch -> forward_experts
+  //             (dispatch postprocess, experts, combine preprocess) -> forward_combine ->
+  //             forward_finish (combine postprocess, shared expert) = the output
+  //   backward: backward_start (shared expert, combine postprocess) -> backward_combine ->
+  //             backward_experts (the experts' backward; delay_wgrad: without their weight
+  //             gradients, which backward_wgrad adds later) -> backward_dispatch ->
+  //             backward_finish (dispatch preprocess, router) = the input gradient
+  // Flight holds what passes between the phases; the communicating phases' input stays in it
+  // until the next phase (a collective on another stream may still read it).
+  struct Flight {
+    TokenRows rows;      // the rows between the phases (forward) or their gradients (backward)
+    TokenRows comm_in;   // the last collective's input, kept until the next phase
+    Tensor out;          // forward_combine's result / backward_combine's
+    Tensor shared_out, dx_shared, dy;
+    Device dev;
+    bool record = true, training = true, drop_shared = false;
+    std::unique_ptr<SideStream> side;  // --moe-shared-expert-overlap
+  };
+  void forward_route(const Tensor& x, int64_t batch, bool training, uint64_t rng_seed, Ctx& ctx, Flight& f);
+  void forward_dispatch(Ctx& ctx, Flight& f) const;
+  void forward_experts(Ctx& ctx, Flight& f);
+  void forward_combine(Ctx& ctx, Flight& f) const;
+  Tensor forward_finish(Ctx& ctx, Flight& f) const;
+  void backward_start(const Tensor& dy, Ctx& ctx, Flight& f) const;
+  void backward_combine(Ctx& ctx, Flight& f) const;
+  void backward_experts(Ctx& ctx, Flight& f, bool delay_wgrad) const;
+  void backward_dispatch(Ctx& ctx, Flight& f) const;
+  void backward_wgrad(Ctx& ctx) const { experts_.backward_wgrad(ctx.dispatch.local_rows, ctx.experts); }
+  Tensor backward_finish(double loss_grad_scale, Ctx& ctx, Flight& f);
+
   // The step's statistics (see MoeStats): finish_step once per optimizer step (expert-bias update,
   // global_aux_loss counts reset) returns them and clears them.
   MoeStepStats finish_step();
@@ -88,6 +125,9 @@ class MoeLayer {
   // Dispatch, experts, combine and shared experts for the routing in ctx.routing; record: count
   // the routing in the step's statistics (not when recomputing).
   Tensor route_and_compute(const Tensor& x, bool record, bool training, Ctx& ctx);
+  // route_and_compute's first phase: the shared expert (overlapped: forked) and the dispatch's
+  // preprocess, for the routing in ctx.routing.
+  void route_begin(const Tensor& x, Ctx& ctx, Flight& f);
   bool swiglu_ = true, recompute_shared_ = false, shared_overlap_ = false;
   int64_t router_pad_multiple_ = 0;  // > 0: --moe-router-padding-for-fp8
   Fp8Dispatch fp8_dispatch_ = Fp8Dispatch::Off;  // FP8 training: the tokens cross EP in FP8

@@ -3,7 +3,9 @@
 // current stream has enqueued so far (the work's inputs are ready) and makes it current; leave()
 // goes back to the compute stream and records an event after the side stream's work; join() makes
 // the compute stream wait for that event before the result is used. One side stream per CUDA
-// device for the process: the MoE layers run one after another, so they share it.
+// device and lane for the process: the MoE layers run one after another, so they share it. Lanes:
+// SharedExpert (--moe-shared-expert-overlap) and Communication (--overlap-moe-expert-parallel-comm:
+// the expert-parallel collectives, train/ep_overlap_schedule.h).
 //
 // Memory: the caching allocator keys its free blocks by the allocating stream, so blocks the side
 // work allocates are reused by later side work only, which forks after the compute stream's reads
@@ -18,13 +20,15 @@
 
 namespace moecore {
 
+enum class SideLane { SharedExpert, Communication };
+
 class SideStream {
  public:
   SideStream() = default;
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
 
-  void fork(Device device, bool on);
+  void fork(Device device, bool on, SideLane lane = SideLane::SharedExpert);
   void leave();
   void join();
 

@@ -254,7 +254,7 @@ StepTime predict_step_time(const TrainArgs& a, const PlanOptions& o, const Hardw
     const double warmup = a.pp == 1 ? 0 : v > 1 ? 2 * (p - 1) + (v - 1) * p : p - 1;
     const double unpaired = std::min(1.0, (warmup + 1) / (m_d * v));
     a2a_per_micro = unpaired * stage_a2a + (1 - unpaired) * stage_a2a_uncovered;
-    t.notes.push_back("--overlap-moe-expert-parallel-comm: a prediction; moecore does not overlap the dispatch yet");
+    t.notes.push_back("--overlap-moe-expert-parallel-comm: a prediction (moecore trains it without pipeline stages)");
   }
   if (o.flex_dispatch)
     t.notes.push_back("--moe-token-dispatcher-type flex: a prediction (a token crosses the network once per node); "

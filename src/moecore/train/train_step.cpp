@@ -9,6 +9,7 @@
 #include "moecore/core/host_transfer.h"
 #include "moecore/core/memory_categories.h"
 #include "moecore/ops/adamw.h"
+#include "moecore/train/ep_overlap_schedule.h"
 #include "moecore/train/loss_accumulator.h"
 #include "moecore/train/pipeline.h"
 
@@ -17,7 +18,8 @@ namespace moecore {
 namespace {
 
 // Every micro-batch's forward and backward (the loss of each into `losses`), through the pipeline
-// schedule when there are stages.
+// schedule when there are stages, or the expert-parallel overlap schedule (train/ep_overlap_schedule.h)
+// with --overlap-moe-expert-parallel-comm.
 void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses, std::vector<LossAccumulator>* mtp_losses,
                       const StepGraphHooks* hooks) {
   const TrainArgs& args = run.args;
@@ -56,6 +58,17 @@ void forward_backward(TrainingRun& run, int64_t it, LossAccumulator& losses, std
     } else {
       run_pipeline_virtual(run.chunks, step);
     }
+  } else if (args.overlap_moe_ep_comm) {  // micro-batch pairs interleaved layer by layer
+    MC_CHECK(!hooks && !mtp_losses, "--overlap-moe-expert-parallel-comm: no CUDA graph or MTP (refused at the flags)");
+    EpOverlapStep step;
+    step.micro_batches = micro;
+    step.grad_scale = 1.0 / static_cast<double>(micro);
+    step.delay_wgrad = args.delay_wgrad_compute;
+    step.batch = batch_of;
+    step.rng = rng_of;
+    step.last_layer_done = layer_done;
+    step.losses = &losses;
+    run_ep_overlap_schedule(run.model(), step);
   } else {
     GPTModel& model = run.model();
     for (int64_t m = 0; m < micro; ++m) {
