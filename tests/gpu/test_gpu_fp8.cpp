@@ -1,6 +1,6 @@
 // gpu tier: FP8 quantisation on CUDA bit-identical to the CPU (codes and factors: per tensor,
 // 1x128 tiles and their 128x1 transposes, 128x128 blocks, both formats, f32 and bf16 inputs,
-// ragged edges), and cuBLASLt's FP8 GEMM (per-tensor scale pointers; the VEC128 / BLK128x128
+// ragged edges; block amaxes and blocks with given amaxes), and cuBLASLt's FP8 GEMM (per-tensor scale pointers; the VEC128 / BLK128x128
 // block-scaling modes) against the CPU emulation of the same operands; the per-tensor scaling
 // state kept on the device against the CPU's host arithmetic.
 #include <gtest/gtest.h>
@@ -58,6 +58,12 @@ TEST_P(GpuFp8Quant, BitIdenticalToCpu) {
     expect_same(quantize_tiles(x, f, true), quantize_tiles(xg, f, true), "128x1 tiles");
     const Fp8Tensor blocks = quantize_blocks(x, f), blocks_gpu = quantize_blocks(xg, f);
     expect_same(blocks, blocks_gpu, "128x128 blocks");
+    // --fp8-param-gather's pieces: block amaxes, and blocks quantised with given amaxes
+    const Tensor block_amaxes = block_amax(x);
+    EXPECT_EQ(to_doubles(block_amaxes), to_doubles(block_amax(xg).to(Device::cpu())));
+    Tensor given = block_amaxes.clone();
+    for (int64_t i = 0; i < given.numel(); ++i) given.data<float>()[i] *= 1.5f;  // as if another rank's piece were larger
+    expect_same(quantize_blocks(x, given, f), quantize_blocks(xg, given.to(gpu()), f), "128x128 blocks, given amaxes");
     expect_same(fp8_transpose(blocks), fp8_transpose(blocks_gpu), "transposed blocks");
     EXPECT_EQ(to_doubles(dequantize(blocks)), to_doubles(dequantize(blocks_gpu).to(Device::cpu())));
   }
