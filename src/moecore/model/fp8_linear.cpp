@@ -10,18 +10,9 @@ namespace {
 using ops::Fp8Format;
 using ops::Fp8Tensor;
 
-// cuBLASLt's FP8 GEMM wants K a multiple of 16 (ops/fp8_gemm_cuda.cpp); wgrad's K is the rows.
+// cuBLASLt's FP8 GEMMs want the linear's features (forward K and N, dgrad's N and K) multiples of
+// 16 (ops/fp8_gemm_cuda.cpp); the rows (wgrad's K, an expert's share of the tokens) fp8_gemm pads.
 constexpr int64_t kCudaFp8KMultiple = 16;
-
-// t [rows, C] with zero rows appended up to a multiple of m. The zeros change no amax (tensor,
-// 128x1 tile) and add zero codes, so the wgrad over the padded rows equals the unpadded one.
-Tensor zero_padded_rows(const Tensor& t, int64_t m) {
-  const int64_t rows = t.size(0), padded = (rows + m - 1) / m * m;
-  Tensor p = Tensor::zeros({padded, t.size(1)}, t.dtype(), t.device());
-  Tensor top = p.slice(0, 0, rows);
-  top.copy_from(t);
-  return p;
-}
 }  // namespace
 
 bool is_fp8_scaling_state(const std::string& name) {
@@ -144,11 +135,6 @@ void Fp8Linear::dgrad(const Tensor& dy, const Tensor& w, Tensor& dx, float beta,
 }
 
 void Fp8Linear::wgrad(const Tensor& dy, const Tensor& x, Tensor& dw, float beta, int64_t set) const {
-  if (dy.device().is_cuda() && dy.size(0) % kCudaFp8KMultiple != 0) {  // e.g. an expert's rows
-    const Tensor dy_p = zero_padded_rows(dy, kCudaFp8KMultiple), x_p = zero_padded_rows(x, kCudaFp8KMultiple);
-    ops::fp8_gemm(activation_operand(dy_p, kGrad, set, true), activation_operand(x_p, kInput, set, true), dw, beta);
-    return;
-  }
   ops::fp8_gemm(activation_operand(dy, kGrad, set, true), activation_operand(x, kInput, set, true), dw, beta);
 }
 

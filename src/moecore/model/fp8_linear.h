@@ -38,8 +38,8 @@
 // On a GPU (--device cuda) the GEMMs are cuBLASLt's and every amax, history and scale stays on the
 // device (ops/fp8_quant.h, "Per-tensor scaling state"): the tensorwise amax is a 1-element device
 // all-reduce (Max), the delayed recipe records and updates with kernels; the CPU runs the same ops
-// with the host arithmetic. cuBLASLt wants K a multiple of 16, so a wgrad over rows that are not
-// (an expert's share of the tokens) pads dy and x with zero rows first (same result).
+// with the host arithmetic. cuBLASLt wants K a multiple of 16: a wgrad over rows that are not (an
+// expert's share of the tokens) is padded with zero codes inside ops::fp8_gemm (same result).
 //
 // --fp8-param-gather (with the distributed optimizer and bf16 weights): each linear registers its
 // weight (Fp8GatheredWeight) and, once the optimizer has gathered it after a step

@@ -97,7 +97,9 @@ Fp8Tensor quantize_blocks(const Tensor& x, const Tensor& block_amax, Fp8Format f
 Fp8Tensor fp8_transpose(const Fp8Tensor& t);
 // codes * scale_inv in f32 [R, C].
 Tensor dequantize(const Fp8Tensor& t);
-// C [M, N] (f32 or bf16) = A [M, K] . B [N, K]^T (+ beta C); see above.
+// C [M, N] (f32 or bf16) = A [M, K] . B [N, K]^T (+ beta C); see above. Any M and K on both
+// backends (cuBLASLt's multiples of 16 for K, and for M with block scaling, are met inside the CUDA
+// op by zero padding); on CUDA N must be a multiple of 16 (the linears' features: refused there).
 void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta = 0.0f);
 
 // ---- Per-tensor scaling state on the device (tensorwise and delayed recipes) ----------------------
