@@ -141,11 +141,12 @@ void Fp8ParamGather::quantize_pieces(Kind& k, const Tensor& weights, int64_t beg
 
 void Fp8ParamGather::gather(bool expert, comm::Communicator* group, const Tensor& weights, int64_t begin, int64_t end) {
   Kind& k = kinds_[expert ? 1 : 0];
-  if (k.entries.empty()) return;
-  reduce_amaxes(k, group, weights, begin, end);
-  quantize_pieces(k, weights, begin, end);
   const int64_t ranks = group ? group->size() : 1, size = end - begin;
-  if (ranks > 1) {
+  if (!k.entries.empty()) {
+    reduce_amaxes(k, group, weights, begin, end);
+    quantize_pieces(k, weights, begin, end);
+  }
+  if (ranks > 1 && k.codes.numel() > 0) {
     group->group_start();
     for (int owner = 0; owner < ranks; ++owner) {  // each owner's FP8 elements: contiguous in the compact buffer
       const int64_t lo = compact_before(k, owner * size), hi = compact_before(k, (owner + 1) * size);
@@ -157,10 +158,11 @@ void Fp8ParamGather::gather(bool expert, comm::Communicator* group, const Tensor
   }
   for (const Entry& e : k.entries) e.w->valid = true;
   Volume& v = expert ? expert_volume_ : dense_volume_;
+  v = {};
+  if (ranks <= 1) return;  // nothing travels
   v.fp8_elements = k.codes.numel();
-  v.bf16_elements = 0;
   for (const Range& r : k.other) v.bf16_elements += r.end - r.begin;
-  v.amax_bytes = ranks > 1 ? k.amax.numel() * 4 : 0;
+  v.amax_bytes = k.amax.numel() * 4;
 }
 
 }  // namespace moecore

@@ -768,6 +768,7 @@ void Optimizer::set_fp8_param_gather() {
            "weights it replaces; with fp32 parameters the fp32 masters are the weights and are gathered whole)");
   MC_CHECK(!overlap_param_gather_, "--fp8-param-gather with --overlap-param-gather is not supported yet: drop one of them");
   MC_CHECK(!offloaded(), "--fp8-param-gather with --optimizer-cpu-offload is not supported yet: drop one of them");
+  const MemoryCategoryScope scope(MemoryCategory::kWeights);  // the FP8 codes and factors
   fp8_gather_ = std::make_unique<Fp8ParamGather>(store_, *store_.fp8());
 }
 
