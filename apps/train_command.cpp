@@ -314,7 +314,8 @@ void register_megatron_compat_flags(cli::FlagSet& f, TrainArgs& a) {
   f.add_bool("moe-use-upcycling", &a.moe_use_upcycling, "not available: dense-to-MoE upcycling (refused)");
   f.add_int("moe-upcycling-granularity", &a.moe_upcycling_granularity,
             "not available: goes with --moe-use-upcycling (refused unless 1)");
-  f.add_bool("fp8-param-gather", &a.fp8_param_gather, "not available: FP8 parameters all-gathered (refused)");
+  f.add_bool("fp8-param-gather", &a.fp8_param_gather,
+             "the distributed optimizer all-gathers the FP8 linears' weights as FP8 codes (needs --bf16)");
   f.add_bool("moe-router-padding-for-fp8", &a.moe_router_padding_for_fp8,
              "with FP8 training: pad the routing map (not the tokens) so every expert's rows are a multiple of 16 "
              "(the first unrouted tokens, probability 0); alltoall dispatcher, no padding to capacity");
@@ -372,8 +373,16 @@ void check_fp8_flags(TrainArgs& a) {
   c.amax_history_len = a.fp8_amax_history_len == TrainArgs::kFp8HistoryNotGiven ? 1 : a.fp8_amax_history_len;
   c.amax_compute_max = a.fp8_amax_compute_algo == "max";
   c.margin = a.fp8_margin;
-  MC_CHECK(!a.fp8_param_gather, "--fp8-param-gather is not available yet: FP8 training keeps bf16/fp32 weights and "
-           "all-gathers them as before; drop the flag");
+  // --fp8-param-gather (train/fp8_param_gather.h): Megatron's requirements, and the layouts it does not cover yet.
+  MC_CHECK(!a.fp8_param_gather || c.enabled, "--fp8-param-gather needs FP8 training: add --fp8-format e4m3|hybrid (or --fp8)");
+  MC_CHECK(!a.fp8_param_gather || a.use_distributed_optimizer, "--fp8-param-gather needs --use-distributed-optimizer "
+           "(it replaces the distributed optimizer's parameter all-gather)");
+  MC_CHECK(!a.fp8_param_gather || a.bf16, "--fp8-param-gather needs --bf16: it all-gathers FP8 codes instead of the bf16 "
+           "weights; with fp32 parameters the fp32 masters are the weights and are gathered whole");
+  MC_CHECK(!a.fp8_param_gather || !a.overlap_param_gather,
+           "--fp8-param-gather with --overlap-param-gather is not supported yet: drop one of them");
+  MC_CHECK(!a.fp8_param_gather || !a.optimizer_cpu_offload,
+           "--fp8-param-gather with --optimizer-cpu-offload is not supported yet: drop one of them");
   c.router_padding = a.moe_router_padding_for_fp8;
   MC_CHECK(!c.router_padding || !a.model.moe.pad_to_capacity, "--moe-router-padding-for-fp8 with "
            "--moe-pad-expert-input-to-capacity: padding to capacity already fixes every expert's rows; drop one of them");

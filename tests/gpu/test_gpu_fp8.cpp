@@ -1,12 +1,13 @@
 // gpu tier: FP8 quantisation on CUDA bit-identical to the CPU (codes and factors: per tensor,
 // 1x128 tiles and their 128x1 transposes, 128x128 blocks, both formats, f32 and bf16 inputs,
-// ragged edges), and cuBLASLt's FP8 GEMM (per-tensor scale pointers; the VEC128 / BLK128x128
+// ragged edges; block amaxes and blocks with given amaxes), and cuBLASLt's FP8 GEMM (per-tensor scale pointers; the VEC128 / BLK128x128
 // block-scaling modes) against the CPU emulation of the same operands; the per-tensor scaling
 // state kept on the device against the CPU's host arithmetic.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "moecore/model/fp8_linear.h"
@@ -58,6 +59,12 @@ TEST_P(GpuFp8Quant, BitIdenticalToCpu) {
     expect_same(quantize_tiles(x, f, true), quantize_tiles(xg, f, true), "128x1 tiles");
     const Fp8Tensor blocks = quantize_blocks(x, f), blocks_gpu = quantize_blocks(xg, f);
     expect_same(blocks, blocks_gpu, "128x128 blocks");
+    // --fp8-param-gather's pieces: block amaxes, and blocks quantised with given amaxes
+    const Tensor block_amaxes = block_amax(x);
+    EXPECT_EQ(to_doubles(block_amaxes), to_doubles(block_amax(xg).to(Device::cpu())));
+    Tensor given = block_amaxes.clone();
+    for (int64_t i = 0; i < given.numel(); ++i) given.data<float>()[i] *= 1.5f;  // as if another rank's piece were larger
+    expect_same(quantize_blocks(x, given, f), quantize_blocks(xg, given.to(gpu()), f), "128x128 blocks, given amaxes");
     expect_same(fp8_transpose(blocks), fp8_transpose(blocks_gpu), "transposed blocks");
     EXPECT_EQ(to_doubles(dequantize(blocks)), to_doubles(dequantize(blocks_gpu).to(Device::cpu())));
   }
@@ -79,7 +86,9 @@ class GpuFp8Gemm : public ::testing::TestWithParam<GpuGemmCase> {};
 
 TEST_P(GpuFp8Gemm, MatchesTheCpuEmulation) {
   const GpuGemmCase p = GetParam();
-  const int64_t m = 256, n = 384, k = 512;
+  // whole tiles, then M and K not multiples of 16 (fp8_gemm pads both: an expert's ragged rows as a
+  // forward's M and as a wgrad's K)
+  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{256, 384, 512}, {37, 384, 200}, {300, 64, 37}}) {
   const Tensor a = random_tensor({m, k}, DType::F32, Device::cpu(), -2.0, 2.0);
   const Tensor b = random_tensor({n, k}, DType::F32, Device::cpu(), -0.1, 0.1);
   auto quant = [](const Tensor& t, Fp8Scaling s, Fp8Format f) {
@@ -104,8 +113,10 @@ TEST_P(GpuFp8Gemm, MatchesTheCpuEmulation) {
       // partial sums reach fp32 (about 14 bits are kept), so cuBLASLt differs from the emulation's
       // fp32 sums by up to ~2^-14 of the sum of |products| (measured: 1.4e-5); a wrong scale or
       // tile is off by O(1).
-      ASSERT_LE(std::fabs(got[i * n + j] - w), 1e-4 * abs_sum + rounding * std::fabs(w)) << p.name << " " << i << "," << j;
+      ASSERT_LE(std::fabs(got[i * n + j] - w), 1e-4 * abs_sum + rounding * std::fabs(w))
+          << p.name << " " << m << "x" << n << "x" << k << " " << i << "," << j;
     }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -8,6 +8,8 @@
 # (tests/gpu/train_fp8_gpu.sh says more; the CPU's layouts agree within 5e-3). Run by
 # scripts/gpu-dist.sh. With MOECORE_COMM_TIMERS=1 the EP=2 alltoall runs also print the forward
 # token dispatch's bytes per row: bf16 (hidden 128) 2*128 + 4 = 260, FP8 blockwise 128 + 4 + 4 = 136.
+# Per recipe also DP=2 with --bf16 --use-distributed-optimizer with and without --fp8-param-gather:
+# the same values bit for bit, and the parameter all-gather's elements and bytes printed.
 set -euo pipefail
 bin=$1; src=$2; mpi=$3  # mpi: the launcher command line, e.g. "mpirun -np 2 -x NCCL_NVLS_ENABLE"
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
@@ -36,5 +38,19 @@ for recipe in blockwise tensorwise delayed; do
     bytes=$(volume "$dir/two.log" || true)
     echo "fp8 $recipe 2 GPUs [${flags:-DP=2}]: same losses and grad norm as one GPU (1e-2)${bytes:+; dispatch bytes per row $bytes}"
   done
+  # --fp8-param-gather (DP=2, bf16, distributed optimizer): the FP8 weights gathered as codes (NCCL
+  # broadcasts of bytes) give the values of the same run without the flag bit for bit, and the
+  # gather moves one byte per FP8-weight element (MOECORE_COMM_TIMERS=1's log)
+  for gather in "" --fp8-param-gather; do
+    rm -f "$dir/dp$gather.jsonl"
+    # shellcheck disable=SC2086
+    MOECORE_COMM_TIMERS=1 $mpi -x MOECORE_COMM_TIMERS "$bin" "${base[@]}" --fp8-recipe $recipe --bf16 \
+      --use-distributed-optimizer $gather --metrics-file "$dir/dp$gather.jsonl" >"$dir/dp.log" 2>&1 || { cat "$dir/dp.log"; exit 1; }
+    grep -o 'parameter all-gather (last step): [^|]*' "$dir/dp.log" | tail -1
+  done
+  cmp -s <(values "$dir/dp.jsonl") <(values "$dir/dp--fp8-param-gather.jsonl") ||
+    { paste <(values "$dir/dp.jsonl") <(values "$dir/dp--fp8-param-gather.jsonl"); echo "FAIL: fp8 $recipe --fp8-param-gather differs"; exit 1; }
+  [ "$(values "$dir/dp.jsonl" | wc -l)" -eq 9 ] || { echo "FAIL: no losses"; exit 1; }
+  echo "fp8 $recipe 2 GPUs DP=2 --bf16 --use-distributed-optimizer: --fp8-param-gather gives the same values bit for bit"
 done
 echo PASS

@@ -267,6 +267,68 @@ TEST(Fp8DeviceScale, QuantiserEqualsTheHostScaleOne) {
   EXPECT_THROW(quantize_per_tensor(x, Tensor::zeros({2}, DType::F32), Fp8ScaleFrom::Amax, Fp8Format::E4M3), Error);
 }
 
+// fp8_gemm takes any M and K (the CUDA op pads them to cuBLASLt's multiples of 16 with zero codes):
+// appending zero columns of codes to both operands (K) and zero rows to A (M) changes no product,
+// the padding the CUDA op relies on, for every scaling.
+TEST(Fp8Gemm, RaggedSizesEqualTheirZeroPaddedProduct) {
+  const int64_t m = 37, n = 48, k = 200, mp = 48, kp = 208;
+  const Tensor a = random_tensor({m, k}, DType::F32, Device::cpu(), -2.0, 2.0);
+  const Tensor b = random_tensor({n, k}, DType::F32, Device::cpu(), -0.5, 0.5);
+  auto padded = [](const Tensor& t, int64_t rows, int64_t cols) {
+    Tensor p = Tensor::zeros({rows, cols}, DType::F32);
+    for (int64_t r = 0; r < t.size(0); ++r)
+      std::copy(t.data<float>() + r * t.size(1), t.data<float>() + (r + 1) * t.size(1), p.data<float>() + r * cols);
+    return p;
+  };
+  const Tensor ap = padded(a, mp, kp), bp = padded(b, n, kp);
+  for (Fp8Scaling s : {Fp8Scaling::PerTensor, Fp8Scaling::Tile1x128, Fp8Scaling::Block128}) {
+    auto quant = [&](const Tensor& t) {
+      return s == Fp8Scaling::PerTensor ? quantize_per_tensor(t, fp8_scale_from_amax(amax(t), Fp8Format::E4M3, false), Fp8Format::E4M3)
+             : s == Fp8Scaling::Tile1x128 ? quantize_tiles(t, Fp8Format::E4M3)
+                                          : quantize_blocks(t, Fp8Format::E4M3);
+    };
+    Tensor c = Tensor::empty({m, n}, DType::F32), cp = Tensor::empty({mp, n}, DType::F32);
+    fp8_gemm(quant(a), quant(b), c);
+    fp8_gemm(quant(ap), quant(bp), cp);
+    EXPECT_EQ(to_doubles(c), to_doubles(cp.slice(0, 0, m).contiguous())) << static_cast<int>(s);
+  }
+}
+
+// --fp8-param-gather's blockwise pieces (train/fp8_param_gather.h): a matrix cut into flat pieces,
+// each put in a zero matrix; the block amaxes reduced (max) over the pieces give each piece the
+// codes and factors of the whole matrix's quantize_blocks, blocks spanning the cuts included.
+TEST(Fp8BlockPieces, ReducedBlockAmaxesQuantiseLikeTheWholeMatrix) {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const Tensor x = random_tensor({200, 300}, dt, Device::cpu(), -3.0, 3.0);
+    const Fp8Tensor whole = quantize_blocks(x, Fp8Format::E4M3);
+    const Tensor own = block_amax(x);
+    ASSERT_EQ(own.shape(), Shape({2, 3}));
+    const Fp8Tensor given = quantize_blocks(x, own, Fp8Format::E4M3);
+    EXPECT_EQ(to_doubles(given.scale_inv), to_doubles(whole.scale_inv));
+    const auto* wc = static_cast<const uint8_t*>(whole.data.data_ptr());
+    EXPECT_TRUE(std::equal(wc, wc + whole.data.numel(), static_cast<const uint8_t*>(given.data.data_ptr())));
+    const int64_t n = x.numel(), cuts[] = {0, 12345, 38401, n};  // mid-row, mid-block
+    std::vector<Tensor> pieces;
+    Tensor reduced = Tensor::zeros({2, 3}, DType::F32);
+    for (int i = 0; i < 3; ++i) {
+      Tensor p = Tensor::zeros({200, 300}, dt);
+      p.view({n}).slice(0, cuts[i], cuts[i + 1]).copy_from(x.view({n}).slice(0, cuts[i], cuts[i + 1]));
+      const Tensor a = block_amax(p);
+      for (int64_t b = 0; b < 6; ++b)
+        reduced.data<float>()[b] = std::max(reduced.data<float>()[b], a.data<float>()[b]);
+      pieces.push_back(p);
+    }
+    for (int i = 0; i < 3; ++i) {
+      const Fp8Tensor q = quantize_blocks(pieces[static_cast<size_t>(i)], reduced, Fp8Format::E4M3);
+      EXPECT_EQ(to_doubles(q.scale_inv), to_doubles(whole.scale_inv));
+      const auto* qc = static_cast<const uint8_t*>(q.data.data_ptr());
+      EXPECT_TRUE(std::equal(qc + cuts[i], qc + cuts[i + 1], wc + cuts[i])) << "piece " << i;
+    }
+  }
+  EXPECT_THROW(quantize_blocks(Tensor::zeros({200, 300}, DType::F32), Tensor::zeros({2, 2}, DType::F32), Fp8Format::E4M3),
+               Error);
+}
+
 // record_amax keeps the maximum in history[row, 0] (a NaN sticks); history_newest reads column 0;
 // delayed_scaling_update is Transformer Engine's update (the rows r % 3 == 2 with the gradient's
 // fp8_max), margin included.

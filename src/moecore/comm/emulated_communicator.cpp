@@ -18,7 +18,7 @@ namespace {
 // The dtypes of the backend this one stands in for: MPI's on the CPU, NCCL's on a GPU.
 const std::vector<DType> kHostDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
 const std::vector<DType> kDeviceDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
-// all_gather / all_to_all on the CPU also move FP8 codes, as the MPI backend does.
+// all_gather / all_to_all / broadcast on the CPU also move FP8 codes, as the MPI backend does.
 const std::vector<DType> kHostMoveDtypes = {DType::F32, DType::F64, DType::BF16,    DType::I32,
                                             DType::I64, DType::U8,  DType::FP8E4M3, DType::FP8E5M2};
 constexpr uint64_t kFillSeed = 0x656d756c61746564ull;  // "emulated"
@@ -155,7 +155,7 @@ void EmulatedCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
 }
 
 void EmulatedCommunicator::broadcast(Tensor& t, int root) {
-  const auto& dtypes = device_.is_cpu() ? kHostDtypes : kDeviceDtypes;
+  const auto& dtypes = device_.is_cpu() ? kHostMoveDtypes : kDeviceDtypes;
   detail::check_tensor("broadcast", "t", t, device_, dtypes);
   detail::check_peer("broadcast", "root", root, size_);
   if (group_depth_ > 0 && device_.is_cpu()) scratch_.push_back(t);

@@ -123,8 +123,8 @@ void Communicator::add_role(const std::string& role) {
 namespace {
 
 const std::vector<DType> kMpiDtypes = {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8};
-// The collectives that only move bytes (all_gather, all_to_all) also take FP8 codes (the FP8
-// token dispatch, moe/token_dispatcher.h); reductions do not.
+// The collectives that only move bytes (all_gather, all_to_all, broadcast) also take FP8 codes (the
+// FP8 token dispatch, moe/token_dispatcher.h; --fp8-param-gather); reductions do not.
 const std::vector<DType> kMpiMoveDtypes = {DType::F32, DType::F64,      DType::BF16,    DType::I32,
                                            DType::I64, DType::U8, DType::FP8E4M3, DType::FP8E5M2};
 
@@ -384,7 +384,7 @@ void MpiCommunicator::reduce(Tensor& t, int root, ReduceOp op) {
 }
 
 void MpiCommunicator::broadcast(Tensor& t, int root) {
-  detail::check_tensor("broadcast", "t", t, device(), kMpiDtypes);
+  detail::check_tensor("broadcast", "t", t, device(), kMpiMoveDtypes);  // moves bytes: FP8 codes too
   detail::check_peer("broadcast", "root", root, size_);
   Pending p;
   p.keep_alive = {t};

@@ -35,7 +35,8 @@ const std::vector<EnvSwitch>& env_switches() {
        EnvAgreement::PerRank},
       {"MOECORE_COMM_TIMERS", "1 (any value but 0 or empty)", "off",
        "brackets every token-dispatcher collective with device synchronisations and a barrier of its group and "
-       "logs the time spent waiting and communicating (serialises the step: for measurement runs). Read once",
+       "logs the time spent waiting and communicating, and the bytes the token dispatch and the parameter "
+       "all-gather move (serialises the step: for measurement runs). Read once",
        EnvAgreement::Must},
       {"MOECORE_FUSED_HEAD", "0, anything else", "on",
        "0 turns off the fused output layer + loss (logits [T, V] kept, no chunking). Read at every forward of the "

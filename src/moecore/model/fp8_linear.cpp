@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 namespace moecore {
 
@@ -9,18 +10,9 @@ namespace {
 using ops::Fp8Format;
 using ops::Fp8Tensor;
 
-// cuBLASLt's FP8 GEMM wants K a multiple of 16 (ops/fp8_gemm_cuda.cpp); wgrad's K is the rows.
+// cuBLASLt's FP8 GEMMs want the linear's features (forward K and N, dgrad's N and K) multiples of
+// 16 (ops/fp8_gemm_cuda.cpp); the rows (wgrad's K, an expert's share of the tokens) fp8_gemm pads.
 constexpr int64_t kCudaFp8KMultiple = 16;
-
-// t [rows, C] with zero rows appended up to a multiple of m. The zeros change no amax (tensor,
-// 128x1 tile) and add zero codes, so the wgrad over the padded rows equals the unpadded one.
-Tensor zero_padded_rows(const Tensor& t, int64_t m) {
-  const int64_t rows = t.size(0), padded = (rows + m - 1) / m * m;
-  Tensor p = Tensor::zeros({padded, t.size(1)}, t.dtype(), t.device());
-  Tensor top = p.slice(0, 0, rows);
-  top.copy_from(t);
-  return p;
-}
 }  // namespace
 
 bool is_fp8_scaling_state(const std::string& name) {
@@ -58,9 +50,36 @@ void Fp8Context::finish_step(comm::Communicator* tp, comm::Communicator* dp_cp) 
   }
 }
 
+Fp8GatheredWeight& Fp8Context::add_gathered_weight(const Fp8GatheredWeight& w) {
+  for (const auto& g : gathered_)
+    MC_CHECK(g->weight != w.weight, "--fp8-param-gather: the weight '", w.weight->name,
+             "' is shared by two FP8 linears (each would need its own FP8 copy): train without --fp8-param-gather");
+  gathered_.push_back(std::make_unique<Fp8GatheredWeight>(w));
+  return *gathered_.back();
+}
+
+void Fp8Context::invalidate_gathered_weights() {
+  for (const auto& g : gathered_) g->valid = false;
+}
+
+void Fp8Linear::gather_weight(Param& w, int64_t first_set, int64_t sets) {
+  if (!ctx_ || !ctx_->param_gather()) return;
+  MC_CHECK(w.shape == (sets == 1 && w.shape.size() == 2 ? Shape{out_, in_} : Shape{sets, out_, in_}),
+           "--fp8-param-gather: '", w.name, "' is ", shape_str(w.shape), " for ", sets, " [", out_, ", ", in_, "] matrices");
+  Fp8GatheredWeight g;
+  g.weight = &w;
+  g.first_set = first_set;
+  g.sets = sets;
+  g.out = out_;
+  g.in = in_;
+  g.amax_group = amax_group_;
+  g.scale = scale_;
+  gathered_ = &ctx_->add_gathered_weight(g);
+}
+
 Fp8Linear::Fp8Linear(Fp8Context& ctx, ParamStore& store, const std::string& name, int64_t sets,
                      comm::Communicator* amax_group, int64_t in, int64_t out)
-    : ctx_(&ctx), amax_group_(amax_group) {
+    : ctx_(&ctx), amax_group_(amax_group), in_(in), out_(out) {
   MC_CHECK(!store.device().is_cuda() || (in % kCudaFp8KMultiple == 0 && out % kCudaFp8KMultiple == 0),
            "FP8 training on ", store.device().str(), ": '", name, "' has ", in, " input and ", out,
            " output features on this rank; cuBLASLt's FP8 GEMMs need multiples of ", kCudaFp8KMultiple,
@@ -85,6 +104,15 @@ Fp8Tensor Fp8Linear::quantize_per_tensor(const Tensor& t, Role role, int64_t set
 }
 
 Fp8Tensor Fp8Linear::weight_operand(const Tensor& w, int64_t set, bool transposed) const {
+  if (gathered_ && gathered_->valid) {  // the gathered operand: what the branch below would compute
+    const int64_t i = set - gathered_->first_set;
+    MC_CHECK(i >= 0 && i < gathered_->sets, "--fp8-param-gather: set ", set, " of '", gathered_->weight->name,
+             "' is not on this rank");
+    const Fp8Tensor& q = gathered_->operands[static_cast<size_t>(i)];
+    if (ctx_->config().recipe == Fp8Config::Recipe::Delayed && ctx_->recording())
+      ops::record_amax(gathered_->amax.slice(0, i, i + 1), history_->master, 3 * set + kWeight);
+    return transposed ? ops::fp8_transpose(q) : q;
+  }
   Fp8Tensor q = ctx_->config().recipe == Fp8Config::Recipe::Blockwise
                     ? ops::quantize_blocks(w, Fp8Format::E4M3)
                     : quantize_per_tensor(w, kWeight, set, Fp8Format::E4M3);
@@ -107,11 +135,6 @@ void Fp8Linear::dgrad(const Tensor& dy, const Tensor& w, Tensor& dx, float beta,
 }
 
 void Fp8Linear::wgrad(const Tensor& dy, const Tensor& x, Tensor& dw, float beta, int64_t set) const {
-  if (dy.device().is_cuda() && dy.size(0) % kCudaFp8KMultiple != 0) {  // e.g. an expert's rows
-    const Tensor dy_p = zero_padded_rows(dy, kCudaFp8KMultiple), x_p = zero_padded_rows(x, kCudaFp8KMultiple);
-    ops::fp8_gemm(activation_operand(dy_p, kGrad, set, true), activation_operand(x_p, kInput, set, true), dw, beta);
-    return;
-  }
   ops::fp8_gemm(activation_operand(dy, kGrad, set, true), activation_operand(x, kInput, set, true), dw, beta);
 }
 

@@ -38,11 +38,21 @@
 // On a GPU (--device cuda) the GEMMs are cuBLASLt's and every amax, history and scale stays on the
 // device (ops/fp8_quant.h, "Per-tensor scaling state"): the tensorwise amax is a 1-element device
 // all-reduce (Max), the delayed recipe records and updates with kernels; the CPU runs the same ops
-// with the host arithmetic. cuBLASLt wants K a multiple of 16, so a wgrad over rows that are not
-// (an expert's share of the tokens) pads dy and x with zero rows first (same result).
+// with the host arithmetic. cuBLASLt wants K a multiple of 16: a wgrad over rows that are not (an
+// expert's share of the tokens) is padded with zero codes inside ops::fp8_gemm (same result).
+//
+// --fp8-param-gather (with the distributed optimizer and bf16 weights): each linear registers its
+// weight (Fp8GatheredWeight) and, once the optimizer has gathered it after a step
+// (train/fp8_param_gather.h: each rank quantises its shard, the FP8 codes are all-gathered),
+// forward and dgrad use that FP8 operand instead of quantising the bf16 weight, whose copy outside
+// the rank's shard is then left stale. The codes and factors are those the weight's own
+// quantisation gives (the same values and scales), so the numerics do not change. Until the
+// first gather (and after a checkpoint load) the operand is not valid and the bf16 weight, whole
+// on every rank then, is quantised as without the flag.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,6 +69,22 @@ namespace moecore {
 // checkpoint without it starts its histories afresh (train/checkpoint.cpp, with a note).
 bool is_fp8_scaling_state(const std::string& name);
 
+// One linear's weight under --fp8-param-gather: `sets` matrices [out, in] (the experts of this
+// rank: the weight is [sets, out, in]; else [out, in]), the FP8 E4M3 operand of each (codes: views
+// of the optimizer's gathered FP8 buffer; factors: [1] per tensor or the 128x128 grid) and, for the
+// per-tensor recipes, each matrix's amax [sets] (the delayed recipe records it while training, as
+// the quantisation of the bf16 weight would). valid: filled by the last gather.
+struct Fp8GatheredWeight {
+  Param* weight = nullptr;
+  int64_t first_set = 0;  // the linear's set (delayed-scaling rows) of matrix 0
+  int64_t sets = 1, out = 0, in = 0;
+  comm::Communicator* amax_group = nullptr;  // tensorwise: the amax is the maximum over it too
+  Param* scale = nullptr;                    // delayed: the linear's stored scales [3 * all sets]
+  std::vector<ops::Fp8Tensor> operands;
+  Tensor amax;
+  bool valid = false;
+};
+
 class Fp8Context {
  public:
   explicit Fp8Context(const Fp8Config& cfg) : cfg_(cfg) {}
@@ -74,6 +100,14 @@ class Fp8Context {
   // Delayed recipe, after the step's backward: history[0] reduced (max) over tp then dp_cp (null:
   // size 1), then TE's scale update and roll (above). Nothing for the other recipes.
   void finish_step(comm::Communicator* tp, comm::Communicator* dp_cp);
+  // --fp8-param-gather: the linears register their weights (set before the model is built).
+  void set_param_gather(bool on) { param_gather_ = on; }
+  bool param_gather() const { return param_gather_; }
+  Fp8GatheredWeight& add_gathered_weight(const Fp8GatheredWeight& w);
+  const std::vector<std::unique_ptr<Fp8GatheredWeight>>& gathered_weights() const { return gathered_; }
+  // After a checkpoint load: the bf16 weights are whole again and quantised as without the flag
+  // until the next gather.
+  void invalidate_gathered_weights();
 
  private:
   struct State {
@@ -84,6 +118,8 @@ class Fp8Context {
   comm::Communicator* tp_ = nullptr;
   bool recording_ = false;
   std::vector<State> states_;
+  bool param_gather_ = false;
+  std::vector<std::unique_ptr<Fp8GatheredWeight>> gathered_;
 };
 
 // The FP8 GEMMs of one linear (sets > 1: one set of delayed state per expert).
@@ -102,6 +138,10 @@ class Fp8Linear {
   void dgrad(const Tensor& dy, const Tensor& w, Tensor& dx, float beta, int64_t set = 0) const;
   // dw [out, in] = dy^T . x + beta dw
   void wgrad(const Tensor& dy, const Tensor& x, Tensor& dw, float beta, int64_t set = 0) const;
+  // --fp8-param-gather (when the context has it on): w [sets, out, in] or [out, in] (sets 1) is
+  // this linear's weight, its matrix 0 the linear's set first_set; forward and dgrad then take its
+  // gathered operand once valid (above). A weight shared with another FP8 linear is refused.
+  void gather_weight(Param& w, int64_t first_set, int64_t sets);
 
  private:
   enum Role { kInput = 0, kWeight = 1, kGrad = 2 };
@@ -116,6 +156,8 @@ class Fp8Linear {
   comm::Communicator* amax_group_ = nullptr;
   Param* history_ = nullptr;  // delayed: [3 sets, len]
   Param* scale_ = nullptr;    // delayed: [3 sets]
+  Fp8GatheredWeight* gathered_ = nullptr;  // --fp8-param-gather
+  int64_t in_ = 0, out_ = 0;
 };
 
 }  // namespace moecore

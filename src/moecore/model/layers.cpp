@@ -49,8 +49,10 @@ Linear::Linear(ParamStore& store, const std::string& name, int64_t in_full, int6
       bias->tp_partial_grad = true;
     }
   }
-  if (store.fp8() && fp8_eligible)
+  if (store.fp8() && fp8_eligible) {
     fp8 = Fp8Linear(*store.fp8(), store, name, 1, n > 1 ? store.fp8()->tensor_parallel_group() : nullptr, in, out);
+    fp8.gather_weight(*weight, 0, 1);  // --fp8-param-gather only
+  }
 }
 
 Tensor Linear::forward(const Tensor& x, Ctx& ctx) const {

@@ -76,6 +76,8 @@ GroupedExperts::GroupedExperts(ParamStore& store, const std::string& prefix, con
     fp8_fc1_ = Fp8Linear(*store.fp8(), store, prefix + ".experts.linear_fc1", e, etp > 1 ? etp_group : nullptr, h,
                          swiglu_ ? 2 * fl : fl);
     fp8_fc2_ = Fp8Linear(*store.fp8(), store, prefix + ".experts.linear_fc2", e, etp > 1 ? etp_group : nullptr, fl, h);
+    fp8_fc1_.gather_weight(*fc1_, first_expert, local_experts);  // --fp8-param-gather only
+    fp8_fc2_.gather_weight(*fc2_, first_expert, local_experts);
   }
 }
 

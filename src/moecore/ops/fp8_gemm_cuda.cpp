@@ -13,9 +13,12 @@
 //              the result to the CPU emulation, which checks that layout on the device.
 // FAST_ACCUM stays off (every product promoted in fp32, as the emulation). Descriptors are made per
 // call; the heuristic's algorithm is kept per shape, types, scale modes and pointer alignments (the
-// real alignments are declared: an output may be one expert's row slice). The block factors are
-// repacked on the device. A tuned path is later work.
+// real alignments are declared: an output may be one expert's row slice) in a bounded LRU cache.
+// K not a multiple of 16, and M not one with block scaling, run on zero-padded operands (every
+// caller: the contract is the CPU's, any M and K). The block factors are repacked on the device.
+// A tuned path is later work.
 #include <algorithm>
+#include <list>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -76,24 +79,63 @@ struct AlgoKey {
   bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
 };
 
-std::mutex& algo_mutex() {
-  static std::mutex m;
-  return m;
-}
-std::map<AlgoKey, cublasLtMatmulAlgo_t>& algo_cache() {
-  static std::map<AlgoKey, cublasLtMatmulAlgo_t> cache;
+// The heuristic's algorithms, per exact key. cuBLASLt's heuristic result is valid for the shape it
+// was asked about only, and the routed experts' row counts (M) take many values, so instead of
+// sharing an algorithm across a bucket of M (which would need cublasLtMatmulAlgoCheck on every call
+// and may run a small M with a large M's tiles) the cache keeps exact shapes and is bounded: the
+// least recently used entry goes when it is full (a miss costs one heuristic query).
+constexpr size_t kAlgoCacheEntries = 1024;
+struct AlgoCache {
+  std::mutex m;
+  std::list<std::pair<AlgoKey, cublasLtMatmulAlgo_t>> order;  // most recently used first
+  std::map<AlgoKey, std::list<std::pair<AlgoKey, cublasLtMatmulAlgo_t>>::iterator> where;
+};
+AlgoCache& algo_cache() {
+  static AlgoCache cache;
   return cache;
 }
 bool cached_algo(const AlgoKey& key, cublasLtMatmulAlgo_t& algo) {
-  std::lock_guard<std::mutex> lock(algo_mutex());
-  const auto it = algo_cache().find(key);
-  if (it == algo_cache().end()) return false;
-  algo = it->second;
+  AlgoCache& c = algo_cache();
+  std::lock_guard<std::mutex> lock(c.m);
+  const auto it = c.where.find(key);
+  if (it == c.where.end()) return false;
+  c.order.splice(c.order.begin(), c.order, it->second);
+  algo = it->second->second;
   return true;
 }
 void cache_algo(const AlgoKey& key, const cublasLtMatmulAlgo_t& algo) {
-  std::lock_guard<std::mutex> lock(algo_mutex());
-  algo_cache()[key] = algo;
+  AlgoCache& c = algo_cache();
+  std::lock_guard<std::mutex> lock(c.m);
+  const auto it = c.where.find(key);
+  if (it != c.where.end()) {
+    it->second->second = algo;
+    c.order.splice(c.order.begin(), c.order, it->second);
+    return;
+  }
+  c.order.emplace_front(key, algo);
+  c.where[key] = c.order.begin();
+  if (c.order.size() > kAlgoCacheEntries) {
+    c.where.erase(c.order.back().first);
+    c.order.pop_back();
+  }
+}
+
+// t [R, C] as [rows, cols] (rows >= R, cols >= C) with zero codes appended: a code 0 is the value
+// +0 in both formats. The factors keep their grid (a multiple of 16 never crosses a multiple of
+// 128, so ceil(cols / 128) and, for 128x128 blocks, ceil(rows / 128) are unchanged); 1x128 tiles
+// get zero factors for the new rows.
+Fp8Tensor zero_padded(const Fp8Tensor& t, int64_t rows, int64_t cols, cudaStream_t stream) {
+  const Device dev = t.data.device();
+  Fp8Tensor p{Tensor::zeros({rows, cols}, t.data.dtype(), dev), t.scale_inv, t.scaling};
+  if (t.rows() > 0 && t.cols() > 0)
+    MC_CUDA_CHECK(cudaMemcpy2DAsync(p.data.data_ptr(), static_cast<size_t>(cols), t.data.data_ptr(),
+                                    static_cast<size_t>(t.cols()), static_cast<size_t>(t.cols()),
+                                    static_cast<size_t>(t.rows()), cudaMemcpyDeviceToDevice, stream));
+  if (t.scaling == Fp8Scaling::Tile1x128 && rows > t.rows()) {
+    p.scale_inv = Tensor::zeros({rows, t.scale_inv.size(1)}, DType::F32, dev);
+    p.scale_inv.slice(0, 0, t.rows()).copy_from(t.scale_inv);
+  }
+  return p;
 }
 
 // The operand's factors in cuBLASLt's layout (above) and its scale mode.
@@ -123,23 +165,24 @@ void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta) {
   const uint64_t M = static_cast<uint64_t>(a.rows()), N = static_cast<uint64_t>(b.rows()),
                  K = static_cast<uint64_t>(a.cols());
   if (M == 0 || N == 0) return;
-  MC_CHECK(K > 0 && K % 16 == 0 && N % 16 == 0, "fp8_gemm: cuBLASLt FP8 needs K and N multiples of 16; got M=", M,
-           " N=", N, " K=", K);
-  // cuBLASLt's block-scaled modes have no algorithm for a row count of A that is not a multiple of 16
-  // (an expert's ragged rows): the product runs on A padded with zero rows (codes 0, factors 0; a
-  // 128x128-block operand keeps its factors: ceil(M / 128) is unchanged) into a padded output, whose
-  // first M rows go to C. Padded rows add nothing to the M real ones.
-  if (a.scaling != Fp8Scaling::PerTensor && M % 16 != 0) {
-    const int64_t m = static_cast<int64_t>(M), mp = round_up(m, 16);
-    Fp8Tensor padded{Tensor::zeros({mp, static_cast<int64_t>(K)}, a.data.dtype(), dev), a.scale_inv, a.scaling};
-    padded.data.slice(0, 0, m).copy_from(a.data);
-    if (a.scaling == Fp8Scaling::Tile1x128) {
-      padded.scale_inv = Tensor::zeros({mp, a.scale_inv.size(1)}, DType::F32, dev);
-      padded.scale_inv.slice(0, 0, m).copy_from(a.scale_inv);
+  MC_CHECK(K > 0 && N % 16 == 0, "fp8_gemm: cuBLASLt FP8 needs K > 0 and N a multiple of 16; got M=", M, " N=", N,
+           " K=", K);
+  // cuBLASLt's FP8 GEMMs want K a multiple of 16 (a wgrad's K is the rows: an expert's share of the
+  // tokens), and its block-scaled modes have no algorithm for a row count of A that is not one (an
+  // expert's ragged rows). Every caller gets the padding here: the product runs on operands with
+  // zero codes appended (zero_padded above: the same factors), into a padded output whose first M
+  // rows go to C. Zero codes add nothing to the real sums.
+  const bool pad_m = a.scaling != Fp8Scaling::PerTensor && M % 16 != 0;
+  if (K % 16 != 0 || pad_m) {
+    const int64_t m = static_cast<int64_t>(M), mp = pad_m ? round_up(m, 16) : m, kp = round_up(static_cast<int64_t>(K), 16);
+    const Fp8Tensor pa = zero_padded(a, mp, kp, stream), pb = zero_padded(b, static_cast<int64_t>(N), kp, stream);
+    if (mp == m) {
+      cuda::fp8_gemm(pa, pb, c, beta);
+      return;
     }
     Tensor out = Tensor::zeros({mp, static_cast<int64_t>(N)}, c.dtype(), dev);
     if (beta != 0.0f) out.slice(0, 0, m).copy_from(c);
-    cuda::fp8_gemm(padded, b, out, beta);
+    cuda::fp8_gemm(pa, pb, out, beta);
     c.copy_from(out.slice(0, 0, m));
     return;
   }

@@ -96,6 +96,37 @@ Fp8Tensor quantize_blocks(const Tensor& x, Fp8Format f) {
   return t;
 }
 
+Tensor block_amax(const Tensor& x) {
+  constexpr const char* op = "fp8 block_amax";
+  check_matrix(op, x);
+  const int64_t b = kFp8BlockSize;
+  Tensor out = Tensor::empty({ceil_div(x.size(0), b), ceil_div(x.size(1), b)}, DType::F32, x.device());
+  if (x.device().is_cpu()) {
+    cpu::block_amax(x, out);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::block_amax(x, out));
+  }
+  return out;
+}
+
+Fp8Tensor quantize_blocks(const Tensor& x, const Tensor& block_amax, Fp8Format f) {
+  constexpr const char* op = "fp8 quantize_blocks (given amaxes)";
+  check_matrix(op, x);
+  Fp8Tensor t = make(x.size(0), x.size(1), f, Fp8Scaling::Block128, x.device());
+  check_defined(op, "block_amax", block_amax);
+  check_contiguous(op, "block_amax", block_amax);
+  check_dtype(op, "block_amax", block_amax, {DType::F32});
+  check_same_device(op, x, block_amax);
+  MC_CHECK(block_amax.shape() == t.scale_inv.shape(), op, ": block_amax is ", shape_str(block_amax.shape()),
+           "; expected ", shape_str(t.scale_inv.shape()), " for x ", x.describe());
+  if (x.device().is_cpu()) {
+    cpu::quantize_blocks(x, block_amax, t);
+  } else {
+    MC_CUDA_BACKEND(op, cuda::quantize_blocks(x, block_amax, t));
+  }
+  return t;
+}
+
 Fp8Tensor fp8_transpose(const Fp8Tensor& t) {
   constexpr const char* op = "fp8_transpose";
   check_operand(op, "t", t);

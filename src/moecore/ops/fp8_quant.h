@@ -83,13 +83,23 @@ Fp8Tensor quantize_per_tensor(const Tensor& x, float scale, Fp8Format f);
 Fp8Tensor quantize_tiles(const Tensor& x, Fp8Format f, bool transpose = false);
 // 128x128 blocks of x [R, C] with power-of-two scales (weights).
 Fp8Tensor quantize_blocks(const Tensor& x, Fp8Format f);
+// max |x| of each 128x128 block of x [R, C]: f32 [ceil(R/128), ceil(C/128)] on x's device (NaN
+// propagated). With quantize_blocks(x, amax, f) below, the blocks of a matrix whose parts live on
+// several ranks (--fp8-param-gather: x holds a rank's part, zeros elsewhere) are quantised with the
+// whole blocks' scales once the amaxes are reduced (Max) over the ranks.
+Tensor block_amax(const Tensor& x);
+// The 128x128 blocks of x with the scales of the given block amaxes (block_amax's shape): the
+// codes and factors of quantize_blocks(x, f) when amax is x's own.
+Fp8Tensor quantize_blocks(const Tensor& x, const Tensor& block_amax, Fp8Format f);
 // The transposed operand of a PerTensor or Block128 tensor (codes transposed, factor grid
 // transposed): the same values, as dgrad reads the weight. Tile1x128 is refused (its transpose
 // is a different quantisation: quantize_tiles(..., true)).
 Fp8Tensor fp8_transpose(const Fp8Tensor& t);
 // codes * scale_inv in f32 [R, C].
 Tensor dequantize(const Fp8Tensor& t);
-// C [M, N] (f32 or bf16) = A [M, K] . B [N, K]^T (+ beta C); see above.
+// C [M, N] (f32 or bf16) = A [M, K] . B [N, K]^T (+ beta C); see above. Any M and K on both
+// backends (cuBLASLt's multiples of 16 for K, and for M with block scaling, are met inside the CUDA
+// op by zero padding); on CUDA N must be a multiple of 16 (the linears' features: refused there).
 void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta = 0.0f);
 
 // ---- Per-tensor scaling state on the device (tensorwise and delayed recipes) ----------------------
@@ -129,6 +139,8 @@ float amax(const Tensor& x);
 void quantize_per_tensor(const Tensor& x, float scale, Fp8Tensor& out);
 void quantize_tiles(const Tensor& x, bool transpose, Fp8Tensor& out);
 void quantize_blocks(const Tensor& x, Fp8Tensor& out);
+void block_amax(const Tensor& x, Tensor& out);
+void quantize_blocks(const Tensor& x, const Tensor& block_amax, Fp8Tensor& out);
 void fp8_transpose(const Fp8Tensor& t, Fp8Tensor& out);
 void dequantize(const Fp8Tensor& t, Tensor& out);
 void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta);
@@ -138,6 +150,8 @@ float amax(const Tensor& x);
 void quantize_per_tensor(const Tensor& x, float scale, Fp8Tensor& out);
 void quantize_tiles(const Tensor& x, bool transpose, Fp8Tensor& out);
 void quantize_blocks(const Tensor& x, Fp8Tensor& out);
+void block_amax(const Tensor& x, Tensor& out);
+void quantize_blocks(const Tensor& x, const Tensor& block_amax, Fp8Tensor& out);
 void fp8_transpose(const Fp8Tensor& t, Fp8Tensor& out);
 void dequantize(const Fp8Tensor& t, Tensor& out);
 // cuBLASLt FP8 (fp8_gemm_cuda.cpp): per-tensor factors through the A/B scale pointers, 1x128 and

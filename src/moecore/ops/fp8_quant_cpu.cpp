@@ -101,26 +101,38 @@ void quantize_tiles(const Tensor& x, bool transpose, Fp8Tensor& out) {
   }
 }
 
-void quantize_blocks(const Tensor& x, Fp8Tensor& out) {
+namespace {
+// The 128x128 blocks of x: each block's amax into amax_out (if not null), and (out not null) its
+// codes and factor with the scale from `given` (if not null: an amax per block) or from its own amax.
+void blocks(const Tensor& x, const float* given, float* amax_out, Fp8Tensor* out) {
   const std::vector<float> v = as_floats(x);
   const int64_t rows = x.size(0), cols = x.size(1);
-  const int64_t br = out.scale_inv.size(0), bc = out.scale_inv.size(1);
-  const Fp8Format f = out.format();
-  uint8_t* q = codes(out);
-  float* s = out.scale_inv.data<float>();
+  const int64_t br = (rows + B - 1) / B, bc = (cols + B - 1) / B;
   for (int64_t i = 0; i < br; ++i)
     for (int64_t j = 0; j < bc; ++j) {
       const int64_t r0 = i * B, r1 = std::min(rows, r0 + B), c0 = j * B, n = std::min(B, cols - c0);
       float m = 0.0f;
-      for (int64_t r = r0; r < r1; ++r) {
-        const float a = amax_of(v.data() + r * cols + c0, n);
-        m = std::isnan(a) || std::isnan(m) ? a + m : std::max(m, a);
-      }
-      const float scale = fp8_scale_from_amax(m, f, true);
+      if (!given || amax_out)
+        for (int64_t r = r0; r < r1; ++r) {
+          const float a = amax_of(v.data() + r * cols + c0, n);
+          m = std::isnan(a) || std::isnan(m) ? a + m : std::max(m, a);
+        }
+      if (amax_out) amax_out[i * bc + j] = m;
+      if (!out) continue;
+      const Fp8Format f = out->format();
+      const float scale = fp8_scale_from_amax(given ? given[i * bc + j] : m, f, true);
+      uint8_t* q = codes(*out);
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c0 + n; ++c) q[r * cols + c] = encode(v[static_cast<size_t>(r * cols + c)] * scale, f);
-      s[i * bc + j] = 1.0f / scale;
+      out->scale_inv.data<float>()[i * bc + j] = 1.0f / scale;
     }
+}
+}  // namespace
+
+void quantize_blocks(const Tensor& x, Fp8Tensor& out) { blocks(x, nullptr, nullptr, &out); }
+void block_amax(const Tensor& x, Tensor& out) { blocks(x, nullptr, out.data<float>(), nullptr); }
+void quantize_blocks(const Tensor& x, const Tensor& block_amax, Fp8Tensor& out) {
+  blocks(x, block_amax.data<float>(), nullptr, &out);
 }
 
 void fp8_transpose(const Fp8Tensor& t, Fp8Tensor& out) {

@@ -74,26 +74,33 @@ __global__ void tiles_kernel(const T* x, int64_t out_rows, int64_t out_cols, int
   if (lane == 0) scale_inv[r * tiles + t] = __frcp_rn(scale);
 }
 
-// One block of 256 threads per 128x128 block.
+// One block of 256 threads per 128x128 block: its amax into amax_out (if not null), and (q not
+// null) its codes and factor with the scale from given (an amax per block, if not null) or its own.
 template <typename T>
-__global__ void blocks_kernel(const T* x, int64_t rows, int64_t cols, bool e4m3, uint8_t* q, float* scale_inv) {
+__global__ void blocks_kernel(const T* x, int64_t rows, int64_t cols, bool e4m3, const float* given, float* amax_out,
+                              uint8_t* q, float* scale_inv) {
   __shared__ float partial[8];
   const int64_t r0 = blockIdx.y * static_cast<int64_t>(B), c0 = blockIdx.x * static_cast<int64_t>(B);
   const int64_t h = min(static_cast<int64_t>(B), rows - r0), w = min(static_cast<int64_t>(B), cols - c0);
+  const int64_t block = blockIdx.y * gridDim.x + blockIdx.x;
   float m = 0.0f;
-  for (int64_t i = threadIdx.x; i < h * w; i += blockDim.x) m = max_nan(m, fabsf(value(x, (r0 + i / w) * cols + c0 + i % w)));
+  if (!given || amax_out) {
+    for (int64_t i = threadIdx.x; i < h * w; i += blockDim.x) m = max_nan(m, fabsf(value(x, (r0 + i / w) * cols + c0 + i % w)));
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = 0.0f;
-  for (int i = 0; i < 8; ++i) m = max_nan(m, partial[i]);
-  const float scale = fp8_scale_from_amax(m, e4m3 ? Fp8Format::E4M3 : Fp8Format::E5M2, true);
+    for (int o = 16; o > 0; o >>= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int i = 0; i < 8; ++i) m = max_nan(m, partial[i]);
+    if (amax_out && threadIdx.x == 0) amax_out[block] = m;
+  }
+  if (!q) return;
+  const float scale = fp8_scale_from_amax(given ? given[block] : m, e4m3 ? Fp8Format::E4M3 : Fp8Format::E5M2, true);
   for (int64_t i = threadIdx.x; i < h * w; i += blockDim.x) {
     const int64_t idx = (r0 + i / w) * cols + c0 + i % w;
     q[idx] = encode(value(x, idx) * scale, e4m3);
   }
-  if (threadIdx.x == 0) scale_inv[blockIdx.y * gridDim.x + blockIdx.x] = __frcp_rn(scale);
+  if (threadIdx.x == 0) scale_inv[block] = __frcp_rn(scale);
 }
 
 __global__ void transpose_codes_kernel(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
@@ -212,14 +219,24 @@ void quantize_tiles(const Tensor& x, bool transpose, Fp8Tensor& out) {
   MC_CUDA_CHECK(cudaGetLastError());
 }
 
-void quantize_blocks(const Tensor& x, Fp8Tensor& out) {
+namespace {
+// blocks_kernel over the 128x128 blocks of x (fp8_quant_cpu.cpp's blocks()).
+void run_blocks(const Tensor& x, const float* given, float* amax_out, Fp8Tensor* out) {
   cudaStream_t s = prepare(x);
-  const dim3 grid(static_cast<unsigned>(out.scale_inv.size(1)), static_cast<unsigned>(out.scale_inv.size(0)));
+  const dim3 grid(static_cast<unsigned>((x.size(1) + B - 1) / B), static_cast<unsigned>((x.size(0) + B - 1) / B));
   if (grid.x == 0 || grid.y == 0) return;
   with_input(x, [&](auto* p) {
-    blocks_kernel<<<grid, 256, 0, s>>>(p, x.size(0), x.size(1), is_e4m3(out), codes(out), out.scale_inv.data<float>());
+    blocks_kernel<<<grid, 256, 0, s>>>(p, x.size(0), x.size(1), out ? is_e4m3(*out) : true, given, amax_out,
+                                       out ? codes(*out) : nullptr, out ? out->scale_inv.data<float>() : nullptr);
   });
   MC_CUDA_CHECK(cudaGetLastError());
+}
+}  // namespace
+
+void quantize_blocks(const Tensor& x, Fp8Tensor& out) { run_blocks(x, nullptr, nullptr, &out); }
+void block_amax(const Tensor& x, Tensor& out) { run_blocks(x, nullptr, out.data<float>(), nullptr); }
+void quantize_blocks(const Tensor& x, const Tensor& block_amax, Fp8Tensor& out) {
+  run_blocks(x, block_amax.data<float>(), nullptr, &out);
 }
 
 void fp8_transpose(const Fp8Tensor& t, Fp8Tensor& out) {

@@ -226,6 +226,13 @@ void TrainMetrics::write_log_step(TrainingRun& run, int64_t it, const StepResult
   if (dispatch_timers_enabled() && v.dispatch_volume.rows > 0)
     std::printf(" forward token dispatch (last step): %lld bytes for %lld rows |",
                 static_cast<long long>(v.dispatch_volume.bytes), static_cast<long long>(v.dispatch_volume.rows));
+  const Fp8ParamGather::Volume gathered = run.optimizer->param_gather_volume();  // distributed optimizer, bf16
+  if (dispatch_timers_enabled() && gathered.fp8_elements + gathered.bf16_elements > 0)
+    std::printf(" parameter all-gather (last step): %lld FP8 weight elements in %lld bytes, %lld bf16 elements in "
+                "%lld bytes, %lld bytes of amaxes all-reduced |",
+                static_cast<long long>(gathered.fp8_elements), static_cast<long long>(gathered.fp8_elements),
+                static_cast<long long>(gathered.bf16_elements), static_cast<long long>(2 * gathered.bf16_elements),
+                static_cast<long long>(gathered.amax_bytes));
   std::printf("\n");
   print_timers(v.timers, interval_steps_, avg_ms);
   if (cfg.moe.per_layer_logging) {

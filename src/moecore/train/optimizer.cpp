@@ -714,6 +714,8 @@ void Optimizer::step_with(const AdamHyper& h, double lr, float clip_scale, int64
         shard_weights(s, mine);
       }
     start_param_gather();
+  } else if (fp8_gather_) {
+    gather_fp8_params(split);
   } else if (sharded_masters_) {
     for (bool expert : {false, true}) {
       Shard& s = expert ? expert_ : dense_;
@@ -754,7 +756,45 @@ void Optimizer::step_with(const AdamHyper& h, double lr, float clip_scale, int64
   store_.mark_grads_stale();  // the next backward overwrites them (no zero-fill pass)
 }
 
-void Optimizer::skip() { store_.mark_grads_stale(); }
+void Optimizer::skip() {
+  // The weights are unchanged, but a delayed-scaling update may have changed their scales.
+  if (fp8_gather_) gather_fp8_params(store_.param_remainders());
+  store_.mark_grads_stale();
+}
+
+void Optimizer::set_fp8_param_gather() {
+  MC_CHECK(store_.fp8() && store_.fp8()->param_gather(), "set_fp8_param_gather: the store's Fp8Context has no param gather");
+  MC_CHECK(distributed_ && sharded_masters_, "--fp8-param-gather needs --use-distributed-optimizer with --bf16 (the bf16 "
+           "weights it replaces; with fp32 parameters the fp32 masters are the weights and are gathered whole)");
+  MC_CHECK(!overlap_param_gather_, "--fp8-param-gather with --overlap-param-gather is not supported yet: drop one of them");
+  MC_CHECK(!offloaded(), "--fp8-param-gather with --optimizer-cpu-offload is not supported yet: drop one of them");
+  const MemoryCategoryScope scope(MemoryCategory::kWeights);  // the FP8 codes and factors
+  fp8_gather_ = std::make_unique<Fp8ParamGather>(store_, *store_.fp8());
+}
+
+Fp8ParamGather::Volume Optimizer::param_gather_volume() const {
+  if (fp8_gather_) return fp8_gather_->volume();
+  Fp8ParamGather::Volume v;
+  if (sharded_masters_)
+    for (const Shard* s : {&dense_, &expert_})
+      if (s->group && s->group->size() > 1) v.bf16_elements += s->weights.numel();
+  return v;
+}
+
+void Optimizer::gather_fp8_params(bool split) {
+  // This rank's shard of the bf16 weights in place (split masters: the high halves already are),
+  // the FP8 weights from it as codes, then the other weights in bf16, each owner broadcasting.
+  for (bool expert : {false, true}) {
+    Shard& s = expert ? expert_ : dense_;
+    if (s.weights.numel() == 0) continue;
+    if (!split) {
+      Tensor own = s.weights.slice(0, s.begin, s.end);
+      shard_weights(s, own);
+    }
+    fp8_gather_->gather(expert, s.group, s.weights, s.begin, s.end);
+    for (const Fp8ParamGather::Range& r : fp8_gather_->other_ranges(expert)) gather_range(expert, {r.begin, r.end});
+  }
+}
 
 Tensor Optimizer::full_rows(const Param& p, const Tensor& local) {
   Tensor mine = local.contiguous();
@@ -897,6 +937,7 @@ void Optimizer::load(const TensorFetch& fetch, bool model_only) {
   }
   store_.refresh_compute_weights();
   store_.zero_grad();
+  if (fp8_gather_) store_.fp8()->invalidate_gathered_weights();  // the bf16 weights are whole again
   if (offloaded()) synchronize(store_.device());  // the host parts' copies have landed
 }
 

@@ -69,6 +69,7 @@
 #include "moecore/ops/adamw.h"
 #include "moecore/ops/adamw_host.h"
 #include "moecore/train/checkpoint.h"
+#include "moecore/train/fp8_param_gather.h"
 
 namespace moecore {
 
@@ -124,6 +125,13 @@ class Optimizer {
   void set_overlap_param_gather(bool on);
   void wait_params(int64_t unit);
   void wait_all_params();  // the compute stream waits for every unit (before reading the weights otherwise)
+  // --fp8-param-gather (call before the first step): step() all-gathers the weights of the FP8
+  // linears registered with the store's Fp8Context as FP8 codes (train/fp8_param_gather.h) and the
+  // rest of the weights in bf16. Needs the distributed optimizer with bf16 weights (sharded
+  // masters); --overlap-param-gather and CPU offload are refused.
+  void set_fp8_param_gather();
+  // The last step's parameter all-gather volume (sharded masters; FP8 elements 0 without the flag).
+  Fp8ParamGather::Volume param_gather_volume() const;
   void reduce_gradients();
   double grad_norm_sq();    // after reduce_gradients(); the same on every rank
   double params_norm_sq();  // fp32 masters of trainable parameters; the same on every rank
@@ -200,6 +208,8 @@ class Optimizer {
   std::vector<GatherUnit> gather_units_;
   std::vector<std::unique_ptr<Event>> gather_events_;
   bool overlap_param_gather_ = false, gathers_pending_ = false;
+  std::unique_ptr<Fp8ParamGather> fp8_gather_;  // --fp8-param-gather
+  void gather_fp8_params(bool split);
   Tensor& gathered_buffer(bool expert);
   void gather_range(bool expert, Range r);
   void start_param_gather();

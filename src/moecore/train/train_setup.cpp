@@ -120,6 +120,7 @@ void TrainingRun::build_model() {
   if (cfg.fp8.enabled) {
     fp8 = std::make_unique<Fp8Context>(cfg.fp8);
     fp8->set_tensor_parallel_group(groups->tp());
+    fp8->set_param_gather(args.fp8_param_gather);
     store->set_fp8(fp8.get());
   }
   MoeParallel moe_par = groups->moe_parallel(args.dispatcher, args.sequence_parallel);
@@ -144,6 +145,7 @@ void TrainingRun::build_model() {
     Optimizer* opt = optimizer.get();
     for (GPTModel* c : chunks) c->set_param_wait([opt](int64_t unit) { opt->wait_params(unit); });
   }
+  if (args.fp8_param_gather) optimizer->set_fp8_param_gather();
 }
 
 Batch TrainingRun::context_parallel_batch(Batch b) const {
