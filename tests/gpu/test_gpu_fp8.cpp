@@ -111,9 +111,10 @@ TEST_P(GpuFp8Gemm, MatchesTheCpuEmulation) {
       const double w = want[i * n + j];
       // Hopper's FP8 tensor cores add the products with fewer mantissa bits than fp32 before the
       // partial sums reach fp32 (about 14 bits are kept), so cuBLASLt differs from the emulation's
-      // fp32 sums by up to ~2^-14 of the sum of |products| (measured: 1.4e-5); a wrong scale or
-      // tile is off by O(1).
-      ASSERT_LE(std::fabs(got[i * n + j] - w), 1e-4 * abs_sum + rounding * std::fabs(w))
+      // fp32 sums by a few 2^-14 of the sum of |products|: 1.4e-5 measured at K = 512, up to
+      // 1.15e-4 at K = 37 (one or two instructions' short sums carry all of it); a wrong scale,
+      // tile or padding is off by O(1).
+      ASSERT_LE(std::fabs(got[i * n + j] - w), 3e-4 * abs_sum + rounding * std::fabs(w))
           << p.name << " " << m << "x" << n << "x" << k << " " << i << "," << j;
     }
   }
