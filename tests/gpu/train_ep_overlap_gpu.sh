@@ -11,9 +11,10 @@ set -euo pipefail
 bin=$1; src=$2; mpi=${3:?a launcher for two GPUs, e.g. "mpirun -np 2"}
 dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
 ep=(--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
-tiny=(train --config "$src/configs/tiny.yaml" --device cuda --bf16 --num-attention-heads 2 --train-iters 3
-      --lr-warmup-iters 1 --log-interval 1 --eval-interval 0 --micro-batch-size 2 --global-batch-size 16
-      --num-layers 3 --moe-layer-freq "[0,1,1]" --save-interval 3 "${ep[@]}")
+tiny_unsaved=(train --config "$src/configs/tiny.yaml" --device cuda --bf16 --num-attention-heads 2 --train-iters 3
+              --lr-warmup-iters 1 --log-interval 1 --eval-interval 0 --micro-batch-size 2 --global-batch-size 16
+              --num-layers 3 --moe-layer-freq "[0,1,1]" "${ep[@]}")
+tiny=("${tiny_unsaved[@]}" --save-interval 3)
 finegrained=(train --config "$src/configs/finegrained-small.yaml" --device cuda --num-layers 2 --train-iters 3
              --lr-warmup-iters 1 --log-interval 1 --eval-interval 0 --micro-batch-size 2 --global-batch-size 8
              --save-interval 3 "${ep[@]}")
@@ -47,14 +48,14 @@ run off "${finegrained[@]}"
 run on "${finegrained[@]}" "${overlap[@]}" --delay-wgrad-compute
 same off on "finegrained-small (2 layers) EP=2 --overlap-moe-expert-parallel-comm --delay-wgrad-compute"
 # refused on GPUs for now: a tensor-parallel collective beside the all-to-alls (one emulated rank)
-if "$bin" "${tiny[@]}" --tensor-model-parallel-size 2 --sequence-parallel --emulate-world-size 4 --emulate-rank 0 \
+if "$bin" "${tiny_unsaved[@]}" --tensor-model-parallel-size 2 --sequence-parallel --emulate-world-size 4 --emulate-rank 0 \
     "${overlap[@]}" >"$dir/tp.log" 2>&1; then
   echo "FAIL: TP=2 with --overlap-moe-expert-parallel-comm on GPUs was not refused"; exit 1
 fi
 grep -q -- "--overlap-moe-expert-parallel-comm on GPUs is not yet available with --tensor-model-parallel-size" "$dir/tp.log" ||
   { cat "$dir/tp.log"; echo "FAIL: the TP refusal's message"; exit 1; }
 echo "TP=2 with the flag on GPUs: refused by name"
-if "$bin" "${tiny[@]}" --moe-router-load-balancing-type global_aux_loss --emulate-world-size 2 --emulate-rank 0 \
+if "$bin" "${tiny_unsaved[@]}" --moe-router-load-balancing-type global_aux_loss --emulate-world-size 2 --emulate-rank 0 \
     "${overlap[@]}" >"$dir/gaux.log" 2>&1; then
   echo "FAIL: global_aux_loss over DP=2 with --overlap-moe-expert-parallel-comm on GPUs was not refused"; exit 1
 fi
