@@ -2,7 +2,8 @@
 # The planner against the card (issue 33): for each layout of bench/plan_layouts.txt that fits
 # the machine's GPU count, `moecore plan` (the card's profile, or --profile FILE from PLAN_PROFILE)
 # beside `moecore train` for 8 steps with --memory-report: the largest rank's peak of allocated
-# bytes (the memory report of the last step) against the plan's largest stage (the largest
+# bytes (the memory report, written at the first log step: the first step's peak, optimizer state
+# included) against the plan's largest stage (the largest
 # reserved peak beside it: the allocator's cached blocks, which the plan leaves out), and the median
 # step time of steps 4-8 against the plan's step. Prints a JSON line per layout, then a table.
 # PLAN_CALIBRATE=1: each layout's kernels are first timed on GPU 0 (`moecore plan --calibrate` at

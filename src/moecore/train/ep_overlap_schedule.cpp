@@ -172,12 +172,12 @@ void check_ep_overlap_args(const TrainArgs& a) {
   MC_CHECK(!a.device.is_cuda() || (a.tp == 1 && a.cp == 1 && a.etp == 1), flag, " on GPUs is not yet available "
            "with --tensor-model-parallel-size, --context-parallel-size or --expert-tensor-parallel-size > 1 (got ",
            a.tp, ", ", a.cp, ", ", a.etp, "): their collectives would run beside the expert-parallel all-to-alls on "
-           "the communication stream; drop one of them");
+           "the communication stream from the compute stream; drop one of them");
   MC_CHECK(!a.device.is_cuda() || a.model.moe.load_balancing != LoadBalancing::GlobalAuxLoss ||
                a.data_parallel_size() == 1,
            flag, " on GPUs is not yet available with --moe-router-load-balancing-type global_aux_loss over ",
            a.data_parallel_size(), " data-parallel ranks: its all-reduce would run beside the expert-parallel "
-           "all-to-alls on the communication stream; use aux_loss or seq_aux_loss, or drop the flag");
+           "all-to-alls on the communication stream from the compute stream; use aux_loss or seq_aux_loss, or drop the flag");
   // --cuda-graph-impl local is refused before: its whole-step graph runs on one rank (no EP).
   MC_CHECK(!a.model.fp8.enabled, flag, " is not yet available with FP8 training (--fp8 / --fp8-format); drop one "
            "of them");

@@ -10,7 +10,9 @@
 //   B(M - 1)                           alone (its layers finish their gradients for the
 //                                      gradient-reduce overlap, as without the flag)
 // Within a pair, with the phases of GPTModel::forward_layer_phase / backward_layer_phase
-// (F1, F3, B1, B3: the MoE layer's collectives; the rest computation):
+// (F1, F3, B1, B3: the MoE layer's all-to-alls; the rest computation, except that F0 ends with
+// the alltoall dispatcher's preprocessing: its all-gather of the expert counts on the compute
+// stream and the host's read of them, which waits for B1's all-to-all issued before it):
 //   B0, B1 | F0, F1 | B2, B3 | [B's delayed expert wgrad] | F2, F3 | B4, F4
 // so the forward's attention computes while the backward's combine gradient travels, the
 // backward's experts while the forward's tokens are dispatched, the forward's experts (and the

@@ -756,12 +756,6 @@ void Optimizer::step_with(const AdamHyper& h, double lr, float clip_scale, int64
   store_.mark_grads_stale();  // the next backward overwrites them (no zero-fill pass)
 }
 
-void Optimizer::skip() {
-  // The weights are unchanged, but a delayed-scaling update may have changed their scales.
-  if (fp8_gather_) gather_fp8_params(store_.param_remainders());
-  store_.mark_grads_stale();
-}
-
 void Optimizer::set_fp8_param_gather() {
   MC_CHECK(store_.fp8() && store_.fp8()->param_gather(), "set_fp8_param_gather: the store's Fp8Context has no param gather");
   MC_CHECK(distributed_ && sharded_masters_, "--fp8-param-gather needs --use-distributed-optimizer with --bf16 (the bf16 "

@@ -148,8 +148,6 @@ class Optimizer {
   // grad_norm_sq(): no host read on one rank (or with replicated data parallelism); the other
   // layouts sum on the host (host collectives) and upload the total.
   Tensor grad_norm_sq_parts();
-  // A skipped step: the gradients become stale, as after step().
-  void skip();
 
   // Collective: every rank calls; returns the full tensors (CPU) under the checkpoint names on
   // ranks that keep them (the writers), nothing elsewhere.
