@@ -177,7 +177,8 @@ void print_plan(const TrainArgs& a, const plan::PlanOptions& o, const plan::Hard
               static_cast<long long>(a.world / (a.pp * a.ep * a.etp)), static_cast<long long>(a.micro_batch_size),
               static_cast<long long>(a.global_batch_size), static_cast<long long>(a.model.seq_length),
               o.fp8 ? ", FP8 blockwise (prediction)" : "");
-  if (o.ep_overlap) std::printf(" dispatch / combine overlapped with computation (prediction: not in training yet)\n");
+  if (o.ep_overlap) std::printf(" dispatch / combine overlapped with computation (--overlap-moe-expert-parallel-comm: "
+                                "trained without pipeline stages; the step's overlap is a prediction)\n");
   std::printf(" predicted memory per rank (GB; expected, balanced expert routing):\n");
   std::printf("   %-20s", "stage");
   for (const auto& s : mem) std::printf(" %10lld", static_cast<long long>(s.stage));

@@ -86,6 +86,12 @@ case_ "moe TP2 SP" 2 tiny $tp
 case_ "moe CP2" 2 tiny --context-parallel-size 2
 case_ "moe EP2" 2 tiny $ep2
 case_ "moe EP2 balanced" 2 tiny $ep2 --moe-router-force-load-balancing
+# --overlap-moe-expert-parallel-comm: micro-batch m + 1's first layer beside all of m's (the plain
+# model under-predicts the longer-sequence case by 10%)
+case_ "moe EP2 balanced ep-overlap" 2 tiny $ep2 --moe-router-force-load-balancing --overlap-moe-expert-parallel-comm
+case_ "moe EP2 balanced ep-overlap 4 layers" 2 pipe $ep2 --moe-router-force-load-balancing --overlap-moe-expert-parallel-comm --delay-wgrad-compute
+case_ "moe EP2 balanced ep-overlap seq 128" 2 tiny $ep2 --num-layers 4 --seq-length 128 --max-position-embeddings 128 \
+  --moe-router-force-load-balancing --overlap-moe-expert-parallel-comm
 case_ "moe EP4" 4 tiny --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall
 case_ "moe EP4 allgather balanced" 4 tiny --expert-model-parallel-size 4 --moe-router-force-load-balancing
 case_ "moe TP2 SP EP2 ETP2" 4 tiny $tp --expert-model-parallel-size 2 --expert-tensor-parallel-size 2

@@ -612,6 +612,25 @@ std::vector<StageMemory> predict_memory(const TrainArgs& a, const PlanOptions& o
     step.merge(comm);
     sm.parts = step.parts;
     sm.peak_at = "step";
+    // --overlap-moe-expert-parallel-comm without pipeline stages (train/ep_overlap_schedule.h):
+    // in the first pair, micro-batch m + 1 has run its embedding and first layer while m still holds
+    // every layer (the later pairs free one of m's layers for each of m + 1's). Beside them: m + 1's
+    // batch and embedding; its combine all-to-all in flight, the rows sent and received (kept until
+    // the next phase); m's combine-gradient all-to-all, its rows sent and received, and the layer's
+    // incoming gradient and its un-permuted copy. Checked against the memory report on CPU ranks
+    // (tests/cli/plan_memory_matches.sh, "ep-overlap").
+    if (o.ep_overlap && a.pp == 1 && !full) {
+      const PipelineStage& st = chunks.front();
+      Items pair = state.steady;
+      pair.merge(act);
+      pair.add(ActivationModule::kBatch, s.T * 4, 2);
+      if (st.has_embedding) pair.add(ActivationModule::kEmbedding, s.Tl * s.H * s.b);
+      pair.merge(layer_items(a, s, st.first_layer));
+      pair.add(ActivationModule::kMoeCombine, s.rows * s.H * s.b, 2);
+      pair.add(MemoryCategory::kWorkspace, s.rows * s.H * s.b, 2);
+      pair.add(MemoryCategory::kWorkspace, s.Tl * s.H * s.b, 2);
+      if (pair.parts.total() > sm.parts.total()) sm.parts = pair.parts;
+    }
     if (head) {  // the end of the head stage's forward: the final norm and the fused output layer
       // (CPU: logits and their fp32 copy over this rank's vocabulary, the loss statistics; GPU:
       // one chunk of them)

@@ -23,7 +23,7 @@ namespace moecore::plan {
 
 struct PlanOptions {
   bool fp8 = false;          // --fp8-recipe blockwise (a prediction: GEMMs at the FP8 peak, which training does not reach yet)
-  bool ep_overlap = false;   // --overlap-moe-expert-parallel-comm (a prediction)
+  bool ep_overlap = false;   // --overlap-moe-expert-parallel-comm (step: a prediction; memory: its pairs without PP)
   bool flex_dispatch = false;  // --moe-token-dispatcher-type flex (a prediction: DeepEP-style, not in training)
   // --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (Megatron's;
   // a prediction): the first / last of num_layers is the embedding's / the loss's slot, not a
