@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 #include <tuple>
 #include <vector>
 
 #include "moecore/model/fp8_linear.h"
+#include "moecore/ops/elementwise.h"
 #include "moecore/ops/fp8_quant.h"
 #include "op_harness.h"
 
@@ -44,7 +46,8 @@ class GpuFp8Quant : public ::testing::TestWithParam<std::tuple<Fp8Format, DType>
 
 TEST_P(GpuFp8Quant, BitIdenticalToCpu) {
   const auto [f, dt] = GetParam();
-  for (const Shape& shape : {Shape{130, 300}, Shape{1, 7}, Shape{256, 128}}) {
+  // ragged edges; the kernels' vector paths (whole 64 x 64 code tiles, 8-element rows) at 512 x 1024
+  for (const Shape& shape : {Shape{130, 300}, Shape{1, 7}, Shape{256, 128}, Shape{512, 1024}, Shape{200, 264}}) {
     Tensor x = random_tensor(shape, dt, Device::cpu(), -5.0, 5.0);
     if (x.numel() > 3 && dt == DType::F32) {  // an outlier, an exact zero row start, a huge value
       x.data<float>()[0] = 1e6f;
@@ -67,6 +70,34 @@ TEST_P(GpuFp8Quant, BitIdenticalToCpu) {
     expect_same(quantize_blocks(x, given, f), quantize_blocks(xg, given.to(gpu()), f), "128x128 blocks, given amaxes");
     expect_same(fp8_transpose(blocks), fp8_transpose(blocks_gpu), "transposed blocks");
     EXPECT_EQ(to_doubles(dequantize(blocks)), to_doubles(dequantize(blocks_gpu).to(Device::cpu())));
+  }
+}
+
+// The CUDA quantisers encode with the hardware's conversion (cvt.rn.satfinite): every bf16 value
+// (NaNs, infinities, subnormals, both signs; x 1 and x 2^-7, which moves values across the fp8
+// subnormal range and the saturation edge) and random f32 bit patterns give the CPU's codes.
+TEST_P(GpuFp8Quant, EveryBf16ValueAndRandomF32BitsEncodeAsOnTheCpu) {
+  const auto [f, dt] = GetParam();
+  Tensor x = Tensor::empty({256, 256}, dt);
+  std::mt19937 rng(7);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    if (dt == DType::BF16) x.data<bf16>()[i] = bf16::from_bits(static_cast<uint16_t>(i));
+    else x.data<float>()[i] = bits_float(static_cast<uint32_t>(rng()));
+  }
+  const Tensor xg = x.to(gpu());
+  const Tensor xf = cast_to(x, DType::F32);
+  for (float scale : {1.0f, 0.0078125f}) {
+    const std::vector<uint8_t> cpu = code_bytes(quantize_per_tensor(x, scale, f)),
+                               cuda = code_bytes(quantize_per_tensor(xg, scale, f));
+    int shown = 0, differ = 0;
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      if (cpu[i] == cuda[i]) continue;
+      ++differ;
+      if (shown++ < 8)
+        ADD_FAILURE() << "scale " << scale << ": x bits 0x" << std::hex << float_bits(xf.data<float>()[i]) << " -> cpu 0x"
+                      << int(cpu[i]) << ", cuda 0x" << int(cuda[i]) << std::dec;
+    }
+    EXPECT_EQ(differ, 0) << "codes that differ at scale " << scale;
   }
 }
 

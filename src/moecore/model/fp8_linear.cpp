@@ -134,6 +134,29 @@ void Fp8Linear::dgrad(const Tensor& dy, const Tensor& w, Tensor& dx, float beta,
   ops::fp8_gemm(activation_operand(dy, kGrad, set, false), weight_operand(w, set, true), dx, beta);
 }
 
+std::vector<ops::Fp8Tensor> Fp8Linear::expert_weight_operands(const Tensor& w) const {
+  std::vector<ops::Fp8Tensor> out;
+  if (ctx_->config().recipe != Fp8Config::Recipe::Blockwise || (gathered_ && gathered_->valid) ||
+      out_ % ops::kFp8BlockSize != 0 || w.ndim() != 3 || w.size(1) != out_ || w.size(2) != in_ || !w.is_contiguous())
+    return out;
+  const int64_t sets = w.size(0), row_blocks = out_ / ops::kFp8BlockSize;
+  const ops::Fp8Tensor all = ops::quantize_blocks(w.view({sets * out_, in_}), Fp8Format::E4M3);
+  for (int64_t i = 0; i < sets; ++i) {
+    const ops::Fp8Tensor q{all.data.slice(0, i * out_, (i + 1) * out_),
+                           all.scale_inv.slice(0, i * row_blocks, (i + 1) * row_blocks), ops::Fp8Scaling::Block128};
+    out.push_back(q);
+  }
+  return out;
+}
+
+void Fp8Linear::forward(const Tensor& x, const ops::Fp8Tensor& w, Tensor& y, int64_t set) const {
+  ops::fp8_gemm(activation_operand(x, kInput, set, false), w, y);
+}
+
+void Fp8Linear::dgrad(const Tensor& dy, const ops::Fp8Tensor& w_transposed, Tensor& dx, float beta, int64_t set) const {
+  ops::fp8_gemm(activation_operand(dy, kGrad, set, false), w_transposed, dx, beta);
+}
+
 void Fp8Linear::wgrad(const Tensor& dy, const Tensor& x, Tensor& dw, float beta, int64_t set) const {
   ops::fp8_gemm(activation_operand(dy, kGrad, set, true), activation_operand(x, kInput, set, true), dw, beta);
 }

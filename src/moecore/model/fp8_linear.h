@@ -138,6 +138,15 @@ class Fp8Linear {
   void dgrad(const Tensor& dy, const Tensor& w, Tensor& dx, float beta, int64_t set = 0) const;
   // dw [out, in] = dy^T . x + beta dw
   void wgrad(const Tensor& dy, const Tensor& x, Tensor& dw, float beta, int64_t set = 0) const;
+  // The routed experts' weight operands at once: w [sets, out, in] (this rank's experts) quantised
+  // as one [sets * out, in] matrix, one launch instead of one per expert, sliced per expert (dgrad
+  // transposes an expert's slice with ops::fp8_transpose). Only where that gives each expert's own
+  // operand: the blockwise recipe, out a multiple of 128 (no 128x128 block spans two experts) and
+  // no gathered operand; else empty, and the GEMMs quantise per expert.
+  std::vector<ops::Fp8Tensor> expert_weight_operands(const Tensor& w) const;
+  // forward and dgrad with the weight's operand given (from expert_weight_operands).
+  void forward(const Tensor& x, const ops::Fp8Tensor& w, Tensor& y, int64_t set) const;
+  void dgrad(const Tensor& dy, const ops::Fp8Tensor& w_transposed, Tensor& dx, float beta, int64_t set) const;
   // --fp8-param-gather (when the context has it on): w [sets, out, in] or [out, in] (sets 1) is
   // this linear's weight, its matrix 0 the linear's set first_set; forward and dgrad then take its
   // gathered operand once valid (above). A weight shared with another FP8 linear is refused.

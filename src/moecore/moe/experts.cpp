@@ -26,21 +26,27 @@ void for_each_expert(const ops::ExpertRows& groups, Fn&& fn) {
 
 // The grouped GEMMs in FP8: one Fp8Linear GEMM per expert with rows (first: the global index of
 // local expert 0, which names its delayed-scaling state).
+// The weights' operands come from one quantisation of all experts where the recipe allows
+// (Fp8Linear::expert_weight_operands), else per expert inside the GEMM calls.
 void fp8_forward(const Fp8Linear& f, const Tensor& x, const Tensor& w, const ops::ExpertRows& groups, Tensor& out,
                  int64_t first) {
+  const std::vector<ops::Fp8Tensor> wq = f.expert_weight_operands(w);
   for_each_expert(groups, [&](int64_t e, int64_t b, int64_t end) {
     if (end == b) return;
     Tensor y = out.slice(0, b, end);
-    f.forward(x.slice(0, b, end), expert_matrix(w, e), y, first + e);
+    if (wq.empty()) f.forward(x.slice(0, b, end), expert_matrix(w, e), y, first + e);
+    else f.forward(x.slice(0, b, end), wq[static_cast<size_t>(e)], y, first + e);
   });
 }
 
 void fp8_dgrad(const Fp8Linear& f, const Tensor& dy, const Tensor& w, const ops::ExpertRows& groups, Tensor& dx,
                int64_t first) {
+  const std::vector<ops::Fp8Tensor> wq = f.expert_weight_operands(w);
   for_each_expert(groups, [&](int64_t e, int64_t b, int64_t end) {
     if (end == b) return;
     Tensor d = dx.slice(0, b, end);
-    f.dgrad(dy.slice(0, b, end), expert_matrix(w, e), d, 0.0f, first + e);
+    if (wq.empty()) f.dgrad(dy.slice(0, b, end), expert_matrix(w, e), d, 0.0f, first + e);
+    else f.dgrad(dy.slice(0, b, end), ops::fp8_transpose(wq[static_cast<size_t>(e)]), d, 0.0f, first + e);
   });
 }
 

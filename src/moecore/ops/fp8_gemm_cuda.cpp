@@ -12,8 +12,8 @@
 //              blocks as [ceil(R/128), round_up(ceil(K/128), 4)]; tests/gpu/test_gpu_fp8.cpp holds
 //              the result to the CPU emulation, which checks that layout on the device.
 // FAST_ACCUM stays off (every product promoted in fp32, as the emulation). Descriptors are made per
-// call; the heuristic's algorithm is kept per shape, types, scale modes and pointer alignments (the
-// real alignments are declared: an output may be one expert's row slice) in a bounded LRU cache.
+// call; the heuristic's algorithm is kept per shape bucket, types, scale modes and pointer alignments
+// (the real alignments are declared: an output may be one expert's row slice) in a bounded LRU cache.
 // K not a multiple of 16, and M not one with block scaling, run on zero-padded operands (every
 // caller: the contract is the CPU's, any M and K). The block factors are repacked on the device.
 // A tuned path is later work.
@@ -79,12 +79,20 @@ struct AlgoKey {
   bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
 };
 
-// The heuristic's algorithms, per exact key. cuBLASLt's heuristic result is valid for the shape it
-// was asked about only, and the routed experts' row counts (M) take many values, so instead of
-// sharing an algorithm across a bucket of M (which would need cublasLtMatmulAlgoCheck on every call
-// and may run a small M with a large M's tiles) the cache keeps exact shapes and is bounded: the
-// least recently used entry goes when it is full (a miss costs one heuristic query).
+// The heuristic's algorithms per key, with M and K in buckets. The routed experts' row counts (M of
+// forward and dgrad, K of wgrad) change every step; a heuristic query per new count cost more host
+// time than the GEMMs took on the device with many experts. A key's M and K are rounded up to a
+// bucket (a power of two from 16 to 1024, then a multiple of 1024); the bucket's algorithm is the
+// heuristic's answer for the bucket's own shape, used for every shape in it once
+// cublasLtMatmulAlgoCheck accepts it for the real one (else that shape is asked for, uncached). The
+// cache is bounded: the least recently used entry goes when it is full.
 constexpr size_t kAlgoCacheEntries = 1024;
+uint64_t bucket(uint64_t v) {
+  if (v > 1024) return (v + 1023) / 1024 * 1024;
+  uint64_t b = 16;
+  while (b < v) b *= 2;
+  return b;
+}
 struct AlgoCache {
   std::mutex m;
   std::list<std::pair<AlgoKey, cublasLtMatmulAlgo_t>> order;  // most recently used first
@@ -156,6 +164,32 @@ Tensor cublas_factors(const Fp8Tensor& t, int32_t& mode) {
   pack_cublas_factors(t, packed);  // on the device: no host round trip
   return packed;
 }
+// The heuristic's first algorithm for C^T [N, m] = B [N, k] . A^T (the descriptor op's types and
+// scale modes), with the given pointer alignments (first, second, out) and our workspace;
+// CUBLAS_STATUS_NOT_SUPPORTED when it has none.
+cublasStatus_t heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, cudaDataType_t first_type,
+                         cudaDataType_t second_type, cudaDataType_t out_type, uint64_t m, uint64_t n, uint64_t k,
+                         const uint32_t aligns[3], cublasLtMatmulAlgo_t& algo) {
+  Descriptors d;
+  MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.first, first_type, k, n, static_cast<int64_t>(k)));
+  MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.second, second_type, k, m, static_cast<int64_t>(k)));
+  MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.out, out_type, n, m, static_cast<int64_t>(n)));
+  MC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+  const size_t ws = kWorkspaceBytes;
+  MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i)
+    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, align_attr[i], &aligns[std::min(i, 2)], sizeof(uint32_t)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int count = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, op, d.first, d.second, d.out, d.out, d.pref, 1, &result, &count);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  if (count == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
+  algo = result.algo;
+  return CUBLAS_STATUS_SUCCESS;
+}
 }  // namespace
 
 void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta) {
@@ -188,7 +222,7 @@ void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta) {
   }
   int32_t mode_first = 0, mode_second = 0;
   const Tensor factors_first = cublas_factors(b, mode_first), factors_second = cublas_factors(a, mode_second);
-  Descriptors d;
+  Descriptors d;  // pref unused here (heuristic() makes its own)
   MC_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
   MC_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t));
@@ -206,35 +240,25 @@ void fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, Tensor& c, float beta) {
   MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.second, code_type(a), K, M, static_cast<int64_t>(K)));
   MC_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.out, out_type, N, M, static_cast<int64_t>(N)));
   cublasLtHandle_t handle = fp8_lt_handle(dev.index);
-  // The heuristic's choice per shape, types, scale modes and pointer alignments (C may be a row
-  // slice of a larger output, e.g. one expert's rows: its real alignment is declared).
-  const uint32_t align_first = alignment(b.data.data_ptr()), align_second = alignment(a.data.data_ptr()),
-                 align_out = alignment(c.data_ptr());
-  const AlgoKey key{dev.index, M, N, K, code_type(b), code_type(a), out_type, mode_first, mode_second,
-                    align_first, align_second, align_out};
+  // The heuristic's choice per shape bucket, types, scale modes and pointer alignments (C may be a
+  // row slice of a larger output, e.g. one expert's rows: its real alignment is declared). The
+  // bucket's algorithm is the heuristic's answer for the bucket's own shape, so the choice depends
+  // on the shape only, not on which shapes came first (a resumed run computes as the original).
+  const uint32_t aligns[3] = {alignment(b.data.data_ptr()), alignment(a.data.data_ptr()), alignment(c.data_ptr())};
+  const AlgoKey key{dev.index, bucket(M), N, bucket(K), code_type(b), code_type(a), out_type, mode_first, mode_second,
+                    aligns[0], aligns[1], aligns[2]};
   cublasLtMatmulAlgo_t algo{};
   if (!cached_algo(key, algo)) {
-    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
-    const size_t ws = kWorkspaceBytes;
-    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_first,
-                                                         sizeof align_first));
-    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                         &align_second, sizeof align_second));
-    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_out,
-                                                         sizeof align_out));
-    MC_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_out,
-                                                         sizeof align_out));
-    cublasLtMatmulHeuristicResult_t result{};
-    int count = 0;
-    const cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.first, d.second, d.out, d.out, d.pref, 1, &result, &count);
-    MC_CHECK(st == CUBLAS_STATUS_SUCCESS && count > 0, "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", M, " N=", N,
-             " K=", K, " (", fp8_format_name(b.format()), " x ", fp8_format_name(a.format()), ", scale modes ",
-             mode_first, "/", mode_second, ", alignments ", align_first, "/", align_second, "/", align_out,
-             "): ", cublasGetStatusName(st));
-    algo = result.algo;
-    cache_algo(key, algo);
+    const cublasStatus_t st = heuristic(handle, d.op, code_type(b), code_type(a), out_type, key.m, N, key.k, aligns, algo);
+    if (st == CUBLAS_STATUS_SUCCESS) cache_algo(key, algo);
+  }
+  cublasLtMatmulHeuristicResult_t check{};
+  if (cublasLtMatmulAlgoCheck(handle, d.op, d.first, d.second, d.out, d.out, &algo, &check) != CUBLAS_STATUS_SUCCESS ||
+      check.workspaceSize > kWorkspaceBytes) {  // not for this shape (or none for the bucket): ask for it
+    const cublasStatus_t st = heuristic(handle, d.op, code_type(b), code_type(a), out_type, M, N, K, aligns, algo);
+    MC_CHECK(st == CUBLAS_STATUS_SUCCESS, "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", M, " N=", N, " K=", K, " (",
+             fp8_format_name(b.format()), " x ", fp8_format_name(a.format()), ", scale modes ", mode_first, "/",
+             mode_second, ", alignments ", aligns[0], "/", aligns[1], "/", aligns[2], "): ", cublasGetStatusName(st));
   }
   Tensor workspace = Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::U8, dev);
   const float alpha = 1.0f;
