@@ -1,10 +1,10 @@
 // CUDA FP8 quantisation: the same codes and factors as the CPU (fp8_quant_cpu.cpp) bit for bit
 // (core/float_formats.h conversions, fp8_scale_from_amax with correctly rounded divisions),
-// tests/gpu/test_gpu_fp8.cpp holds them equal. The quantisers are written for memory speed: vector loads
-// and stores where the tensors are aligned (a scalar path for ragged edges), one warp per 1x128
-// tile, a 128 x 64 block through shared memory for the transposed tiles, one block of threads per
-// 128x128 block with the block in registers, one atomic per thread block for an amax, and the code
-// transpose through 64 x 64 shared-memory tiles. Also the per-tensor scaling state kept on the
+// tests/gpu/test_gpu_fp8.cpp holds them equal. The quantisers are written for memory speed:
+// vector loads and stores where the tensors are aligned (a scalar path for ragged edges), one warp
+// per 1x128 tile, a 128 x 64 block through shared memory for the transposed tiles, one block of
+// threads per 128x128 block with the block in registers, one atomic per thread block for an amax,
+// and the code transpose through 64 x 64 shared-memory tiles. Also the per-tensor scaling state kept on the
 // device (amax, a quantiser reading its scale there, the delayed recipe's history and update) and
 // the repacking of block factors for cuBLASLt.
 #include <cuda_runtime.h>
@@ -82,7 +82,8 @@ __device__ __forceinline__ void load8(const float* x, float* v) {
   const float4 a = *reinterpret_cast<const float4*>(x), b = *reinterpret_cast<const float4*>(x + 4);
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
-// Eight codes of v * scale as one 8-byte word (byte i: element i).
+// The codes of v[0..3] * scale as one 4-byte word, of v[0..7] * scale as one 8-byte word (byte i:
+// element i).
 __device__ __forceinline__ uint32_t encode4(const float* v, float scale, bool e4m3) {
   return encode2_scaled(v[0], v[1], scale, e4m3) | encode2_scaled(v[2], v[3], scale, e4m3) << 16;
 }
@@ -196,7 +197,7 @@ constexpr int kTCols = 64;
 template <typename T>
 __global__ void tiles_transposed_kernel(const T* x, int64_t rows, int64_t cols, bool vec, bool e4m3, uint8_t* q,
                                         float* scale_inv) {
-  __shared__ float tile[B][kTCols + 1];  // +1: the column reads below hit 32 banks
+  __shared__ float tile[B][kTCols + 1];  // +1: a warp's 8 columns read at once lie in 8 banks
   const int64_t r0 = blockIdx.y * static_cast<int64_t>(B), c0 = blockIdx.x * static_cast<int64_t>(kTCols);
   if (vec && c0 + kTCols <= cols) {
     for (int i = threadIdx.x; i < B * kTCols / kQuantVec; i += blockDim.x) {
